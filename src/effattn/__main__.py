@@ -1,0 +1,5 @@
+import sys
+
+from effattn.cli import main
+
+sys.exit(main())

@@ -1,0 +1,197 @@
+"""The module every mechanism derives from: input validation and capability checks in one place.
+
+Subclasses implement ``_attend`` (and ``_step`` when ``spec.decoding``); :meth:`forward` and
+:meth:`step` validate the inputs against the contract of ``shared/design.md`` first, so a method's
+own code only ever sees well-formed tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from effattn.registry import MethodSpec
+
+
+def check_qkv(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+) -> None:
+    """Raise ``ValueError`` naming the argument when q, k, v or the mask break the contract.
+
+    q: (B, H, N, D), k: (B, H, M, D), v: (B, H, M, Dv), key_padding_mask: bool (B, M).
+    """
+    for arg, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{arg} must be 4-D (B, H, L, D), got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{arg} must be a floating-point tensor, got dtype {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.shape[:2] != k.shape[:2] or q.shape[:2] != v.shape[:2]:
+        raise ValueError(
+            "q, k, v must agree in batch and heads (B, H): got q "
+            f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q and k must share the head dim D: got q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(
+            f"k and v must have the same length M: got k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if min(q.shape[2], k.shape[2]) == 0:
+        raise ValueError(f"empty sequence: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"causal=True needs N == M, got q {tuple(q.shape)} and k {tuple(k.shape)}"
+        )
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
+            raise ValueError(
+                "key_padding_mask must be a bool tensor (True marks padding), got "
+                f"{getattr(key_padding_mask, 'dtype', type(key_padding_mask).__name__)}"
+            )
+        expected = (k.shape[0], k.shape[2])
+        if tuple(key_padding_mask.shape) != expected:
+            raise ValueError(
+                f"key_padding_mask must have shape (B, M) = {expected}, "
+                f"got {tuple(key_padding_mask.shape)}"
+            )
+        if key_padding_mask.device != k.device:
+            raise ValueError(
+                f"key_padding_mask is on {key_padding_mask.device}, k on {k.device}"
+            )
+    for arg, t in (("q", q), ("k", k), ("v", v)):
+        if not torch.isfinite(t).all():
+            raise ValueError(f"{arg} contains NaN or inf (shape {tuple(t.shape)})")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp16/bf16 inputs are computed in fp32 (features overflow in half precision)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class AttentionMethod(nn.Module):
+    """Base class of every registered mechanism.
+
+    Args:
+        head_dim: D, the size of each query/key head.
+        heads: H; methods with per-head parameters use it, all check it.
+        max_len: longest sequence the module will see (needed by methods with
+            length-dependent parameters such as Linformer).
+        seed: fixes the method's random draws.
+        scale: logit scale, default ``1/sqrt(head_dim)`` as in SDPA.
+    """
+
+    spec: ClassVar[MethodSpec]
+
+    def __init__(
+        self,
+        head_dim: int,
+        heads: int,
+        max_len: int | None = None,
+        seed: int | None = None,
+        scale: float | None = None,
+    ) -> None:
+        super().__init__()
+        if scale is not None and (not isinstance(scale, (int, float)) or scale <= 0):
+            raise ValueError(f"scale must be a positive number or None, got {scale!r}")
+        self.head_dim = head_dim
+        self.heads = heads
+        self.max_len = max_len
+        self.seed = seed
+        self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, heads={self.heads}, scale={self.scale:.4g}"
+
+    def _refuse(self, capability: str, what: str) -> None:
+        reason = self.spec.refusals.get(capability, "not supported")
+        raise ValueError(f"{self.spec.name} cannot do {what}: {reason}")
+
+    def _check(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Tensor | None
+    ) -> None:
+        check_qkv(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+        if q.shape[1] != self.heads:
+            raise ValueError(
+                f"q has {q.shape[1]} heads, the module was built with heads={self.heads}"
+            )
+        if q.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"q has head dim {q.shape[-1]}, the module was built with head_dim={self.head_dim}"
+            )
+        if causal and not self.spec.causal:
+            self._refuse("causal", "causal attention")
+        if key_padding_mask is not None and not self.spec.padding_mask:
+            self._refuse("padding_mask", "a key padding mask")
+        if q.shape[2] != k.shape[2] and not self.spec.cross:
+            self._refuse("cross", f"cross-attention (N={q.shape[2]} != M={k.shape[2]})")
+        if self.max_len is not None and max(q.shape[2], k.shape[2]) > self.max_len:
+            raise ValueError(
+                f"sequence length {max(q.shape[2], k.shape[2])} exceeds max_len={self.max_len}"
+            )
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool = False,
+        key_padding_mask: Tensor | None = None,
+        **kwargs: Any,
+    ) -> Tensor:
+        """Attention of q (B, H, N, D) over k (B, H, M, D), v (B, H, M, Dv) -> (B, H, N, Dv)."""
+        self._check(q, k, v, causal, key_padding_mask)
+        out = self._attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask, **kwargs)
+        return out.to(q.dtype)
+
+    def step(
+        self, q: Tensor, k: Tensor, v: Tensor, state: Any = None, **kwargs: Any
+    ) -> tuple[Tensor, Any]:
+        """One decoding step: q, k, v of shape (B, H, 1, D); returns (out (B, H, 1, Dv), state).
+
+        Feeding a sequence one token at a time from ``state=None`` gives the causal forward.
+        """
+        if not self.spec.decoding:
+            self._refuse("decoding", "recurrent decoding (step)")
+        check_qkv(q, k, v)
+        if q.shape[2] != 1 or k.shape[2] != 1:
+            raise ValueError(
+                f"step takes one token: q, k, v must be (B, H, 1, D), got q {tuple(q.shape)}, "
+                f"k {tuple(k.shape)}"
+            )
+        if q.shape[1] != self.heads or q.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"q has shape {tuple(q.shape)}, the module was built with heads={self.heads}, "
+                f"head_dim={self.head_dim}"
+            )
+        out, state = self._step(q, k, v, state, **kwargs)
+        return out.to(q.dtype), state
+
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+    ) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must implement _attend")
+
+    def _step(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
+        raise NotImplementedError(f"{type(self).__name__} must implement _step")

@@ -1,0 +1,42 @@
+"""Functional form of the contract: ``effattn.attention(q, k, v, method=...)``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from effattn.base import check_qkv
+from effattn.registry import build
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    method: str = "softmax",
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    *,
+    seed: int | None = None,
+    **options: Any,
+) -> Tensor:
+    """``build(method, ...)`` for q's shape, in eval mode, applied once.
+
+    A convenience for one-off calls: methods with parameters or random features are built afresh
+    each call (fix ``seed`` for repeatable random features). Keep a module from :func:`build` to
+    reuse them. Call-time keywords that are not build options (``gate`` of gated RFA) go to the
+    forward call.
+    """
+    check_qkv(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+    call_kwargs = {name: options.pop(name) for name in ("gate",) if name in options}
+    module = build(
+        method,
+        head_dim=q.shape[-1],
+        heads=q.shape[1],
+        max_len=max(q.shape[2], k.shape[2]),
+        seed=seed,
+        **options,
+    )
+    module = module.to(q.device).eval()
+    return module(q, k, v, causal=causal, key_padding_mask=key_padding_mask, **call_kwargs)

@@ -1,0 +1,29 @@
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield
+
+
+def qkv(b=2, h=3, n=63, m=None, d=21, dv=None, dtype=torch.float64, scale=1.0, seed=0):
+    """Random q, k, v with the awkward default shapes the contract tests use."""
+    g = torch.Generator().manual_seed(seed)
+    m = n if m is None else m
+    dv = d if dv is None else dv
+    q = torch.randn(b, h, n, d, generator=g, dtype=dtype) * scale
+    k = torch.randn(b, h, m, d, generator=g, dtype=dtype) * scale
+    v = torch.randn(b, h, m, dv, generator=g, dtype=dtype)
+    return q, k, v
+
+
+def padding(b, m, seed=0):
+    """A (B, M) padding mask: left padding on batch 0, right padding elsewhere, never all padded."""
+    mask = torch.zeros(b, m, dtype=torch.bool)
+    if m > 1:
+        mask[0, : max(1, m // 5)] = True
+        for i in range(1, b):
+            mask[i, m - max(1, m // (3 + i)) :] = True
+    return mask
