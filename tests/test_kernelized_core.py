@@ -158,3 +158,33 @@ def test_core_error_paths():
         linear_attention(phi_q, phi_k, v, causal=True, gate=gate[..., :3])
     with pytest.raises(ValueError, match="RecurrentState"):
         linear_attention_step(phi_q[:, :, :1], phi_k[:, :, :1], v[:, :, :1], state=(1, 2))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_sliced_driver_equals_one_slice(causal, scaled):
+    from effattn.kernelized.core import kernelized_attention, slice_tokens
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 70, 6, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 3, 70 if causal else 33, 6, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 3, k.shape[2], 4, generator=g, dtype=torch.float64)
+    w = torch.randn(9, 6, generator=g, dtype=torch.float64)
+
+    def feats(x, *, is_query):
+        u = x @ w.T
+        if not scaled:
+            return torch.exp(u / 4), None
+        m = u.amax(-1, keepdim=True)
+        return torch.exp(u - m), (None if is_query else m + 5 * x[..., :1])
+
+    gate = 0.5 + 0.5 * torch.rand(2, 3, 70, generator=g, dtype=torch.float64) if causal else None
+    mask = pad_mask(2, k.shape[2])
+    phi_q, _ = feats(q, is_query=True)
+    phi_k, ls = feats(k, is_query=False)
+    whole = linear_attention(phi_q, phi_k, v, key_log_scale=ls, key_padding_mask=mask,
+                             causal=causal, gate=gate, chunk_size=8)
+    assert slice_tokens(6, 9, 8, 200) == 8
+    sliced = kernelized_attention(q, k, v, feats, feature_dim=9, key_padding_mask=mask,
+                                  causal=causal, gate=gate, chunk_size=8, slice_elements=200)
+    torch.testing.assert_close(sliced, whole, rtol=1e-10, atol=1e-10)

@@ -48,7 +48,9 @@ def make(name, opts, d=21, h=3, chunk=16):
     options = {"chunk_size": chunk, **opts}
     if name != "linear":
         options.setdefault("num_features", 24)
-    return effattn.build(name, head_dim=d, heads=h, seed=0, **options).double().eval()
+    module = effattn.build(name, head_dim=d, heads=h, seed=0, **options).double().eval()
+    module.slice_elements = 3000  # slices of a few chunks: every test crosses slice borders
+    return module
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=_id)
@@ -287,3 +289,28 @@ def test_gate_errors():
         gated.step(q[:, :, :1], k[:, :, :1], v[:, :, :1])
     out = effattn.attention(q, k, v, method="rfa", gated=True, causal=True, gate=gate, seed=0)
     assert out.shape == (1, 2, 6, 8)
+
+
+def test_pure_functions_equal_the_modules():
+    from effattn.methods.favor import favor_attention
+    from effattn.methods.linear import linear_transformer_attention
+    from effattn.methods.performer import performer_attention
+    from effattn.methods.rfa import rfa_attention
+
+    q, k, v = qkv(n=40, dv=5, scale=0.5)
+    mask = padding(2, 40)
+    for causal in (False, True):
+        kw = dict(causal=causal, key_padding_mask=mask, chunk_size=16)
+        p = make("performer", {"feature_map": "hyperbolic"})
+        torch.testing.assert_close(
+            performer_attention(q, k, v, p.projection, feature_map="hyperbolic", **kw),
+            p(q, k, v, causal=causal, key_padding_mask=mask))
+        f = make("favor", {})
+        torch.testing.assert_close(favor_attention(q, k, v, f.projection, f.phase, **kw),
+                                   f(q, k, v, causal=causal, key_padding_mask=mask))
+        r = make("rfa", {"sigma": 0.8})
+        torch.testing.assert_close(rfa_attention(q, k, v, r.projection, r.sigma, **kw),
+                                   r(q, k, v, causal=causal, key_padding_mask=mask))
+        lin = make("linear", {})
+        torch.testing.assert_close(linear_transformer_attention(q, k, v, **kw),
+                                   lin(q, k, v, causal=causal, key_padding_mask=mask))

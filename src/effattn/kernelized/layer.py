@@ -8,7 +8,12 @@ import torch
 from torch import Tensor
 
 from effattn.base import AttentionMethod, compute_dtype
-from effattn.kernelized.core import RecurrentState, linear_attention, linear_attention_step
+from effattn.kernelized.core import (
+    SLICE_ELEMENTS,
+    RecurrentState,
+    kernelized_attention,
+    linear_attention_step,
+)
 from effattn.kernelized.features import Features
 from effattn.kernelized.random import make_generator
 
@@ -35,6 +40,8 @@ class KernelizedAttention(AttentionMethod):
     """
 
     gated: bool = False
+    # Feature values per slice of the sequence (see kernelized.core); tests shrink it.
+    slice_elements: int = SLICE_ELEMENTS
 
     def __init__(
         self,
@@ -109,18 +116,18 @@ class KernelizedAttention(AttentionMethod):
         self._check_gate(gate, causal, q.shape[:3])
         self._maybe_redraw()
         dt = compute_dtype(q.dtype)
-        phi_q, _ = self.features(q.to(dt), is_query=True)
-        phi_k, log_scale = self.features(k.to(dt), is_query=False)
-        return linear_attention(
-            phi_q,
-            phi_k,
+        return kernelized_attention(
+            q.to(dt),
+            k.to(dt),
             v.to(dt),
-            key_log_scale=log_scale,
-            key_padding_mask=key_padding_mask,
+            self.features,
+            feature_dim=self.feature_dim,
             causal=causal,
+            key_padding_mask=key_padding_mask,
             gate=None if gate is None else gate.to(dt),
             chunk_size=self.chunk_size,
             eps=self.eps,
+            slice_elements=self.slice_elements,
         )
 
     def _step(

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from effattn.kernelized import features as fm
-from effattn.kernelized.core import linear_attention
+from effattn.kernelized.core import kernelized_attention
 from effattn.kernelized.layer import KernelizedAttention, check_positive_int
 from effattn.kernelized.random import gaussian_projection
 from effattn.registry import MethodSpec, register
@@ -34,14 +34,15 @@ def favor_attention(
     chunk_size: int = 64,
 ) -> Tensor:
     """FAVOR with projection (F, D) and phase (F,); see the module docstring."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    root = math.sqrt(scale)
+    root = math.sqrt(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
     w, b = projection.to(q.dtype), phase.to(q.dtype)
-    phi_q, _ = fm.random_phase_cos(q * root, w, b, is_query=True)
-    phi_k, log_scale = fm.random_phase_cos(k * root, w, b, is_query=False)
-    return linear_attention(
-        phi_q, phi_k, v, key_log_scale=log_scale, key_padding_mask=key_padding_mask,
-        causal=causal, chunk_size=chunk_size,
+
+    def features(x: Tensor, *, is_query: bool) -> fm.Features:
+        return fm.random_phase_cos(x * root, w, b, is_query=is_query)
+
+    return kernelized_attention(
+        q, k, v, features, feature_dim=w.shape[0], causal=causal,
+        key_padding_mask=key_padding_mask, chunk_size=chunk_size,
     )
 
 

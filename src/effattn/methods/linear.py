@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from effattn.kernelized import features as fm
-from effattn.kernelized.core import linear_attention
+from effattn.kernelized.core import kernelized_attention
 from effattn.kernelized.layer import KernelizedAttention
 from effattn.registry import MethodSpec, register
 
@@ -25,9 +25,12 @@ def linear_transformer_attention(
     chunk_size: int = 64,
 ) -> Tensor:
     """elu + 1 linear attention; see the module docstring."""
-    return linear_attention(
-        fm.elu_plus_one(q)[0], fm.elu_plus_one(k)[0], v, key_padding_mask=key_padding_mask,
-        causal=causal, chunk_size=chunk_size,
+    def features(x: Tensor, *, is_query: bool) -> fm.Features:
+        return fm.elu_plus_one(x)
+
+    return kernelized_attention(
+        q, k, v, features, feature_dim=q.shape[-1], causal=causal,
+        key_padding_mask=key_padding_mask, chunk_size=chunk_size,
     )
 
 

@@ -17,7 +17,7 @@ import math
 from torch import Tensor
 
 from effattn.kernelized import features as fm
-from effattn.kernelized.core import linear_attention
+from effattn.kernelized.core import kernelized_attention
 from effattn.kernelized.layer import KernelizedAttention, check_choice, check_positive_int
 from effattn.kernelized.random import gaussian_projection
 from effattn.registry import MethodSpec, register
@@ -43,15 +43,17 @@ def performer_attention(
     chunk_size: int = 64,
 ) -> Tensor:
     """FAVOR+ attention with the given (F, D) projection; see the module docstring."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    root = math.sqrt(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
     phi = FEATURE_MAPS[feature_map]
     w = projection.to(q.dtype)
-    root = math.sqrt(scale)
-    phi_q, _ = phi(q * root, w, is_query=True)
-    phi_k, log_scale = phi(k * root, w, is_query=False)
-    return linear_attention(
-        phi_q, phi_k, v, key_log_scale=log_scale, key_padding_mask=key_padding_mask,
-        causal=causal, chunk_size=chunk_size,
+
+    def features(x: Tensor, *, is_query: bool) -> fm.Features:
+        return phi(x * root, w, is_query=is_query)
+
+    paired = feature_map in ("hyperbolic", "trig")
+    return kernelized_attention(
+        q, k, v, features, feature_dim=w.shape[0] * (2 if paired else 1), causal=causal,
+        key_padding_mask=key_padding_mask, chunk_size=chunk_size,
     )
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from effattn.kernelized import features as fm
-from effattn.kernelized.core import linear_attention
+from effattn.kernelized.core import kernelized_attention
 from effattn.kernelized.layer import KernelizedAttention, check_choice, check_positive_int
 from effattn.kernelized.random import gaussian_projection
 from effattn.registry import MethodSpec, register
@@ -57,11 +57,13 @@ def rfa_attention(
     chunk_size: int = 64,
 ) -> Tensor:
     """RFA with projection (F, D) (rows N(0, I)) and per-head sigma (H,)."""
-    phi_q, _ = rfa_features(q, projection, sigma, feature_map)
-    phi_k, _ = rfa_features(k, projection, sigma, feature_map)
-    return linear_attention(
-        phi_q, phi_k, v, key_padding_mask=key_padding_mask, causal=causal, gate=gate,
-        chunk_size=chunk_size,
+    def features(x: Tensor, *, is_query: bool) -> fm.Features:
+        return rfa_features(x, projection, sigma, feature_map)
+
+    width = projection.shape[0] * (2 if feature_map == "sincos" else 1)
+    return kernelized_attention(
+        q, k, v, features, feature_dim=width, causal=causal, key_padding_mask=key_padding_mask,
+        gate=gate, chunk_size=chunk_size,
     )
 
 
