@@ -37,7 +37,7 @@ def test_matches_reference_outputs_and_grads(share, n, m, masked):
     ref = R.linformer_attention(q, k, v, e, f, key_padding_mask=mask, scale=attn.scale)
     torch.testing.assert_close(out, ref)
     params = [q, k, v, e] + ([] if share == "kv" else [f])
-    for got, want in zip(_grads(out, params), _grads(ref, params)):
+    for got, want in zip(_grads(out, params), _grads(ref, params), strict=True):
         torch.testing.assert_close(got, want)
 
 
