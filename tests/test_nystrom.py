@@ -160,13 +160,16 @@ def test_error_shrinks_with_more_landmarks():
     assert err[0] > err[1] > err[2]
 
 
-def test_fully_padded_row_outputs_zeros():
+def test_fully_padded_row_outputs_zeros_with_finite_gradients():
     q, k, v = qkv(n=30)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
     mask = torch.zeros(2, 30, dtype=torch.bool)
     mask[0] = True
     for landmarks in (8, 64):
         out = nystrom_attention(q, k, v, key_padding_mask=mask, num_landmarks=landmarks)
         assert torch.isfinite(out).all() and out[0].abs().max() == 0 and out[1].abs().max() > 0
+        grads = _grads(out, (q, k, v))
+        assert all(torch.isfinite(g).all() and g[0].abs().max() == 0 for g in grads)
 
 
 def test_refusals_and_option_validation():

@@ -2,7 +2,8 @@
 
 out = softmax(Q K̃^T) · pinv(softmax(Q̃ K̃^T)) · softmax(Q̃ K^T) · V   (+ depthwise conv of V)
 (Xiong et al. 2021, "Nyströmformer: A Nyström-Based Algorithm for Approximating Self-Attention").
-Q and K each carry sqrt(scale), so every kernel is softmax(scale · x y^T). Q̃ (m_q landmarks) and
+Every kernel is softmax(scale · x y^T): the paper's D^(-1/4) on each of Q and K, for any scale
+(landmarks are means, so scaling Q and K by sqrt(scale) first is the same). Q̃ (m_q landmarks) and
 K̃ (m_k landmarks) are the means of consecutive segments of the queries and of the keys; the pinv
 is the 6-step iteration of the paper. q: (B, H, N, D), k: (B, H, M, D), v: (B, H, M, Dv) ->
 (B, H, N, Dv). Cost O((N + M) m D) time and O((N + M) m) memory for m landmarks.
@@ -66,14 +67,6 @@ def iterative_pinv(s: Tensor, iterations: int) -> Tensor:
     return z
 
 
-def _masked_softmax(logits: Tensor, allowed: Tensor) -> Tensor:
-    """Softmax over the last dim restricted to ``allowed``; a row with nothing allowed is 0."""
-    logits = logits.masked_fill(~allowed, float("-inf"))
-    peak = logits.amax(-1, keepdim=True).detach()
-    weights = torch.exp(logits - peak.masked_fill(peak == float("-inf"), 0.0))
-    return weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(logits.dtype).tiny)
-
-
 def depthwise_conv(v: Tensor, weight: Tensor) -> Tensor:
     """Per-head convolution of v (B, H, M, Dv) along the sequence, zero-padded at the ends.
 
@@ -103,33 +96,44 @@ def nystrom_attention(
             f"conv_weight adds a convolution of V at key positions: it needs N == M, got N={n}, "
             f"M={m}"
         )
-    root = math.sqrt(1.0 / math.sqrt(d) if scale is None else scale)
-    q, k = q * root, k * root
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
     keep_k = (
         torch.ones(b, m, dtype=torch.bool, device=k.device)
         if key_padding_mask is None
         else ~key_padding_mask
     )
+    # A sequence with no unpadded key is computed unmasked and zeroed at the end: no softmax row
+    # is ever empty, so no NaN reaches the outputs or the gradients.
+    empty = ~keep_k.any(-1)
+    keep_k = keep_k | empty[:, None]
     keep_q = keep_k if n == m else torch.ones(b, n, dtype=torch.bool, device=q.device)
     avg_q, valid_q = segment_averaging(keep_q, min(num_landmarks, n), q.dtype)
     avg_k, valid_k = segment_averaging(keep_k, min(num_landmarks, m), k.dtype)
     q_land = torch.einsum("bml,bhld->bhmd", avg_q, q)
     k_land = torch.einsum("bml,bhld->bhmd", avg_k, k)
-    valid_k = valid_k[:, None, None, :]
 
-    kernel_1 = _masked_softmax(q @ k_land.transpose(-2, -1), valid_k)
-    kernel_2 = _masked_softmax(q_land @ k_land.transpose(-2, -1), valid_k)
-    kernel_2 = kernel_2 * valid_q[:, None, :, None].to(q.dtype)
-    # Rows of empty query landmarks in kernel_3 need no zeroing: the matching columns of the
-    # pinv are zero.
-    kernel_3 = _masked_softmax(q_land @ k.transpose(-2, -1), keep_k[:, None, None, :])
+    # kernel_2 = softmax(Q̃ K̃^T), with empty landmarks as zero columns and zero rows.
+    logits = (scale * q_land @ k_land.transpose(-2, -1)).masked_fill(
+        ~valid_k[:, None, None, :], float("-inf")
+    )
+    kernel_2 = torch.softmax(logits, -1) * valid_q[:, None, :, None].to(q.dtype)
     if num_landmarks >= max(n, m):
         pinv = torch.linalg.pinv(kernel_2)
     else:
         pinv = iterative_pinv(kernel_2, pinv_iterations)
-    out = kernel_1 @ (pinv @ (kernel_3 @ v))
+    # kernel_3 V and kernel_1 (pinv kernel_3 V) are attentions over M keys and over m_k
+    # landmarks, done by the fused kernel (O(N) memory). Rows of empty query landmarks in
+    # kernel_3 V need no zeroing: the matching columns of the pinv are zero.
+    key_mask = None if key_padding_mask is None else keep_k[:, None, None, :]
+    values = F.scaled_dot_product_attention(q_land, k, v, attn_mask=key_mask, scale=scale)
+    landmark_mask = None if bool(valid_k.all()) else valid_k[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        q, k_land, pinv @ values, attn_mask=landmark_mask, scale=scale
+    )
     if conv_weight is not None:
         out = out + depthwise_conv(v.masked_fill(~keep_k[:, None, :, None], 0.0), conv_weight)
+    if key_padding_mask is not None:
+        out = out.masked_fill(empty[:, None, None, None], 0.0)
     return out
 
 
