@@ -16,8 +16,16 @@ from effattn.registry import MethodSpec, register
 
 
 def fnet_mixing(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Re(DFT_N v DFT_Dv) for v (B, H, N, Dv); q and k are ignored."""
-    return torch.fft.fft2(v, dim=(-2, -1)).real
+    """Re(DFT_N v DFT_Dv) for v (B, H, N, Dv); q and k are ignored.
+
+    v is real, so Y = DFT_N v DFT_Dv has Y[i, j] = conj(Y[-i, -j]) (indices mod N, Dv): the real
+    FFT gives columns j <= Dv // 2 and the others are Re Y[-i, Dv - j], without a full complex
+    (B, H, N, Dv) buffer.
+    """
+    dv = v.shape[-1]
+    half = torch.fft.rfft2(v, dim=(-2, -1)).real
+    mirrored = half[..., 1 : (dv + 1) // 2].flip(-2, -1).roll(1, dims=-2)
+    return torch.cat([half, mirrored], dim=-1)
 
 
 class FNet(AttentionMethod):
