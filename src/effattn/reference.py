@@ -71,8 +71,8 @@ def reformer_candidates(
     (one bucket when R has no columns), padded keys in bucket n_buckets; items ordered by
     (bucket, position[, key before query]); an item's slot is the number of items with a smaller
     code. Not causal: key chunk = query chunk or the one before (chunk = slot // C). Causal:
-    same bucket, 0 <= slot_q - slot_k <= C, and j <= i. Padded keys and, with shared QK, the
-    diagonal (unless it is the only candidate) are removed.
+    same bucket, 0 <= slot_q - slot_k <= C, and j <= i; without shared QK key i is added. Padded
+    keys and, with shared QK, the diagonal (unless it is the only candidate) are removed.
     """
     b, h, n, _ = q.shape
     m = k.shape[2]
@@ -116,7 +116,10 @@ def reformer_candidates(
     else:
         lag = q_slot[..., :, None] // chunk - k_slot[..., None, :] // chunk
         seen = (lag == 0) | (lag == 1)
-    allowed = seen.any(dim=2) & dense_mask(n, m, causal=causal, key_padding_mask=key_padding_mask)
+    union = seen.any(dim=2)
+    if causal and not shared_qk:
+        union = union | torch.eye(n, m, dtype=torch.bool)  # key i is always a candidate of i
+    allowed = union & dense_mask(n, m, causal=causal, key_padding_mask=key_padding_mask)
     if shared_qk:
         diagonal = torch.eye(n, m, dtype=torch.bool)
         others = (allowed & ~diagonal).any(dim=-1, keepdim=True)
@@ -151,5 +154,29 @@ def reformer_attention(
     )
     keys = k / k.norm(dim=-1, keepdim=True) if shared_qk else k
     scores = (scale * q @ keys.transpose(-2, -1)).masked_fill(~allowed, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return weights @ v
+
+
+def random_subset_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    indices: Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """Softmax of scale·q k^T restricted to each query's sampled keys: indices (H, N, S), -1 for
+    an unused slot, become an explicit (H, N, M) mask; padded keys and (causal) j > i removed."""
+    h, n, _ = indices.shape
+    m = k.shape[2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    # Unused slots (-1) write into an extra column M that is cut off.
+    column = torch.where(indices >= 0, indices.long(), m)
+    sampled = torch.zeros(h, n, m + 1, dtype=torch.bool).scatter_(-1, column, True)[..., :m]
+    allowed = sampled[None] & dense_mask(n, m, causal=causal, key_padding_mask=key_padding_mask)
+    scores = (scale * q @ k.transpose(-2, -1)).masked_fill(~allowed, float("-inf"))
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     return weights @ v

@@ -25,7 +25,9 @@ Candidates S_r(i) of query i in round r (ρ: slot in the sorted order, chunk = �
 - causal: the keys j <= i of the query's own bucket with ρ_i - C <= ρ_j <= ρ_i, i.e. the most
   recent items of its bucket. Masking the chunk pair by position alone (as public code does)
   leaks: a future token changes the ranks, hence which past keys share a chunk. Within one
-  bucket the order is by position, so this set depends on tokens <= i only.
+  bucket the order is by position, so this set depends on tokens <= i only. With
+  shared_qk=False key i is a candidate of query i as well (its bucket may hold no earlier key;
+  without it such a query would output 0).
 Padded keys are never candidates. With shared QK a token does not attend to itself unless it
 has no other candidate in any round (then its output is v_i).
 
@@ -275,9 +277,21 @@ def reformer_attention(
         dens.append(_take1(den.squeeze(-1), slot))
         tops.append(_take1(top.flatten(2, 4), slot))
 
-    # Stabilisers are detached; any finite shift cancels between numerator and denominator.
+    if causal and not shared_qk:
+        # Key i joins the union of query i (once: unless a round already has it), so that a
+        # query whose bucket holds no earlier key still attends to its own token.
+        own = scale * (q * k).sum(-1)  # (B, H, N)
+        fresh = ~pad[:, None, :]
+        for r in range(rotations.shape[1]):
+            lag = layout.q_key[:, :, r] - layout.k_key[:, :, r]
+            fresh = fresh & ((lag < 0) | (lag > chunk))
+        nums.append(v)
+        dens.append(torch.ones_like(own))
+        tops.append(own.masked_fill(~fresh, float("-inf")))
+
+    # Round stabilisers are detached; any finite shift cancels between numerator and denominator.
     top_r = torch.stack(tops, dim=2)  # (B, H, R, N)
-    best = top_r.amax(dim=2, keepdim=True)
+    best = top_r.detach().amax(dim=2, keepdim=True)
     rescale = torch.exp(top_r - torch.where(torch.isfinite(best), best, 0.0))
     num = (torch.stack(nums, dim=2) * rescale[..., None]).sum(2)
     den = (torch.stack(dens, dim=2) * rescale).sum(2)
