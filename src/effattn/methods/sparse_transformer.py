@@ -84,7 +84,10 @@ def strided_attention(
     def columns(x: Tensor) -> Tensor:
         return _grid(x, rows, s).transpose(2, 3)
 
-    out, lse = dense_partial(columns(q), columns(k), columns(v), allowed, scale=scale)
+    out, lse = dense_partial(
+        columns(q), columns(k), columns(v), allowed, scale=scale,
+        key_prefix=(lambda r0, r1: r1 - 1) if causal else None,
+    )
     out = out.transpose(2, 3).reshape(b, h, rows * s, -1)[:, :, :n]
     lse = lse.transpose(2, 3).reshape(b, h, rows * s)[:, :, :n]
     return merge_partials([band, (out, lse)])[0]
@@ -126,7 +129,10 @@ def fixed_attention(
     def summary(x: Tensor) -> Tensor:
         return _grid(x, rows, s)[:, :, :, s - c :].reshape(b, h, rows * c, -1)
 
-    summaries = dense_partial(q, summary(k), summary(v), allowed, scale=scale)
+    summaries = dense_partial(
+        q, summary(k), summary(v), allowed, scale=scale,
+        key_prefix=(lambda r0, r1: (r1 - 1) // s * c) if causal else None,
+    )
     return merge_partials([own, summaries])[0]
 
 
