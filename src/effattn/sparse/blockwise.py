@@ -71,9 +71,13 @@ def merge_partials(parts: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tens
     total = weights.sum(0)
     nonempty = total > 0
     total = torch.where(nonempty, total, torch.ones_like(total))
-    out = sum(w[..., None] * o for w, (o, _) in zip(weights, parts, strict=True))
+    # Normalise the (..., n) weights, not the (..., n, Dv) outputs: one pass per piece.
+    weights = (weights / total)[..., None]
+    out = parts[0][0] * weights[0]
+    for w, (o, _) in zip(weights[1:], parts[1:], strict=True):
+        out = out.addcmul(o, w)
     lse = torch.where(nonempty, top + torch.log(total), float("-inf"))
-    return out / total[..., None], lse
+    return out, lse
 
 
 def dense_partial(
@@ -157,9 +161,12 @@ def block_gather_attention(
     ignore = torch.ones(b, nk * c, dtype=torch.bool, device=q.device)
     ignore[:, :m] = False if key_mask is None else key_mask
     per_head = key_blocks.shape[0] == h and h > 1
-    heads = torch.arange(h, device=q.device)[:, None, None]
     valid = key_blocks >= 0
     safe = key_blocks.clamp(min=0)
+    if per_head:
+        # Per-head blocks index the (H * nk) blocks of all heads at once.
+        kb, vb = kb.reshape(b, h * nk, c, d), vb.reshape(b, h * nk, c, -1)
+        flat = safe + torch.arange(h, device=q.device)[:, None, None] * nk
     offsets = torch.arange(c, device=q.device)
     nkeys = key_blocks.shape[-1] * c
     step = max(1, SLICE_ELEMENTS // (b * h * c * nkeys))
@@ -167,8 +174,13 @@ def block_gather_attention(
     for s0 in range(0, nq, step):
         ids = safe[:, s0 : s0 + step]
         rows = ids.shape[1]
-        kg = kb[:, heads, ids] if per_head else kb[:, :, ids[0]]
-        vg = vb[:, heads, ids] if per_head else vb[:, :, ids[0]]
+        # index_select copies whole blocks, much faster than advanced indexing.
+        if per_head:
+            kg = kb.index_select(1, flat[:, s0 : s0 + step].flatten())
+            vg = vb.index_select(1, flat[:, s0 : s0 + step].flatten())
+        else:
+            kg = kb.index_select(2, ids.flatten())
+            vg = vb.index_select(2, ids.flatten())
         kpos = (ids[..., None] * c + offsets).reshape(-1, rows, nkeys)
         ok = ~ignore[:, kpos] & valid[:, s0 : s0 + step].repeat_interleave(c, -1)
         ok = ok[:, :, :, None, :]
@@ -256,7 +268,8 @@ def banded_attention(
     blocks = blocks.masked_fill((blocks < 0) | (blocks >= nq), -1)
 
     def band(i: Tensor, j: Tensor) -> Tensor:
-        return (i - j <= left) & (j - i <= right)
+        offset = i - j
+        return (offset <= left) & (offset >= -right)
 
     return block_gather_attention(
         q, k, v, blocks, block_size=c, scale=scale, key_mask=key_mask, rule=band
