@@ -117,8 +117,8 @@ def matmul_peak(
     device: torch.device | str = "cpu",
     *,
     size: int = 2048,
-    repeats: int = 10,
-    budget_s: float = 1.0,
+    repeats: int = 20,
+    budget_s: float = 1.5,
 ) -> float:
     """Best GFLOP/s of ``size``^3 matmuls: one warm-up, then up to ``repeats`` timed calls,
     stopping once ``budget_s`` seconds (warm-up included) are spent."""

@@ -18,8 +18,9 @@ PASS_TITLES = {"fwd": "forward", "fwdbwd": "forward + backward"}
 def _style(method: str, index: int) -> dict[str, Any]:
     if method == "softmax":  # the quadratic baseline every other line is read against
         return {"color": "black", "linewidth": 3.0, "marker": "o", "zorder": 10}
-    return {"color": plt.get_cmap("tab20")(index % 20), "linewidth": 1.5, "marker": ".",
-            "zorder": 5}
+    # Ten distinct colours, then the same colours dashed, then dotted.
+    return {"color": plt.get_cmap("tab10")(index % 10), "linewidth": 1.6, "marker": ".",
+            "linestyle": ("-", "--", ":")[index // 10 % 3], "zorder": 5}
 
 
 def _series(records: Iterable[dict[str, Any]], pass_name: str, value: str) -> dict:
