@@ -314,3 +314,37 @@ def test_pure_functions_equal_the_modules():
         lin = make("linear", {})
         torch.testing.assert_close(linear_transformer_attention(q, k, v, **kw),
                                    lin(q, k, v, causal=causal, key_padding_mask=mask))
+
+
+@pytest.mark.parametrize("variant", [("softmax", {})] + VARIANTS + [("rfa", {"gated": True})],
+                         ids=_id)
+def test_prefill_then_step_equals_causal_forward(variant):
+    name, opts = variant
+    module = (make(name, opts) if name != "softmax"
+              else effattn.build("softmax", head_dim=21, heads=3).double())
+    q, k, v = qkv(n=60, dv=5, scale=0.5)
+    gate = torch.sigmoid(torch.randn(2, 3, 60, dtype=torch.float64))
+
+    def kw(a, b):
+        return {"gate": gate[:, :, a:b]} if opts.get("gated") else {}
+
+    full = module(q, k, v, causal=True, **kw(0, 60))
+    out1, state = module.prefill(q[:, :, :23], k[:, :, :23], v[:, :, :23], **kw(0, 23))
+    out2, state = module.prefill(q[:, :, 23:50], k[:, :, 23:50], v[:, :, 23:50], state,
+                                 **kw(23, 50))
+    outs = [out1, out2]
+    for t in range(50, 60):
+        out, state = module.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1],
+                                 state, **kw(t, t + 1))
+        outs.append(out)
+    tol = 1e-7 if opts.get("feature_map") == "trig" or name == "favor" else 1e-10
+    torch.testing.assert_close(torch.cat(outs, 2), full, rtol=tol, atol=tol)
+
+
+def test_prefill_refusals():
+    m = effattn.build("softmax", head_dim=4, heads=3)
+    q, k, v = qkv(n=5, m=7, d=4)
+    with pytest.raises(ValueError, match="causal=True needs N == M"):
+        m.prefill(q, k, v)
+    with pytest.raises(ValueError, match="KVCache"):
+        m.prefill(q, q, q, state="cache")

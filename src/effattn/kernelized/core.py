@@ -361,21 +361,10 @@ def kernelized_attention(
         return None if t is None else t.narrow(dim, s, min(step, t.shape[dim] - s))
 
     if causal:
-        if n != m:
-            raise ValueError(f"causal needs N == M, got {n} and {m}")
-        if gate is not None and gate.shape != (b, h, n):
-            raise ValueError(f"gate must be (B, H, N) = {(b, h, n)}, got {tuple(gate.shape)}")
-        outs, state = [], None
-        for s in range(0, n, step):
-            phi_q, _ = features(piece(q, s, 2), is_query=True)
-            phi_k, log_scale = features(piece(k, s, 2), is_query=False)
-            out, state = causal_block(
-                phi_q, phi_k, piece(v, s, 2), state, key_log_scale=log_scale,
-                key_padding_mask=piece(key_padding_mask, s, 1), gate=piece(gate, s, 2),
-                chunk_size=chunk_size, eps=eps,
-            )
-            outs.append(out)
-        return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
+        return kernelized_causal(
+            q, k, v, features, feature_dim=feature_dim, key_padding_mask=key_padding_mask,
+            gate=gate, chunk_size=chunk_size, eps=eps, slice_elements=slice_elements,
+        )[0]
     state = None
     for s in range(0, m, step):
         phi_k, log_scale = features(piece(k, s, 2), is_query=False)
@@ -386,6 +375,48 @@ def kernelized_attention(
     outs = [read_out(state, features(piece(q, s, 2), is_query=True)[0], eps)
             for s in range(0, n, step)]
     return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
+
+
+def kernelized_causal(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    features: FeatureFn,
+    state: RecurrentState | None = None,
+    *,
+    feature_dim: int,
+    key_padding_mask: Tensor | None = None,
+    gate: Tensor | None = None,
+    chunk_size: int = 64,
+    eps: float = 1e-6,
+    slice_elements: int = SLICE_ELEMENTS,
+) -> tuple[Tensor, RecurrentState]:
+    """Causal :func:`kernelized_attention` that continues ``state`` and returns the state after.
+
+    This is prefill for decoding: the prompt runs chunkwise, and decoding picks up the state.
+    """
+    b, h, n = q.shape[:3]
+    if k.shape[2] != n:
+        raise ValueError(f"causal needs N == M, got {n} and {k.shape[2]}")
+    if gate is not None and gate.shape != (b, h, n):
+        raise ValueError(f"gate must be (B, H, N) = {(b, h, n)}, got {tuple(gate.shape)}")
+    step = slice_tokens(b * h, feature_dim, chunk_size, slice_elements)
+    outs = []
+    for s in range(0, n, step):
+        width = min(step, n - s)
+
+        def piece(t: Tensor | None, dim: int, s: int = s, width: int = width) -> Tensor | None:
+            return None if t is None else t.narrow(dim, s, width)
+
+        phi_q, _ = features(piece(q, 2), is_query=True)
+        phi_k, log_scale = features(piece(k, 2), is_query=False)
+        out, state = causal_block(
+            phi_q, phi_k, piece(v, 2), state, key_log_scale=log_scale,
+            key_padding_mask=piece(key_padding_mask, 1), gate=piece(gate, 2),
+            chunk_size=chunk_size, eps=eps,
+        )
+        outs.append(out)
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), state
 
 
 def linear_attention_step(

@@ -12,6 +12,7 @@ from effattn.kernelized.core import (
     SLICE_ELEMENTS,
     RecurrentState,
     kernelized_attention,
+    kernelized_causal,
     linear_attention_step,
 )
 from effattn.kernelized.features import Features
@@ -150,4 +151,27 @@ class KernelizedAttention(AttentionMethod):
             key_log_scale=log_scale,
             gate=None if gate is None else gate.to(dt),
             eps=self.eps,
+        )
+
+    def _prefill(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        state: RecurrentState | None,
+        gate: Tensor | None = None,
+    ) -> tuple[Tensor, RecurrentState]:
+        self._check_gate(gate, True, q.shape[:3])
+        dt = compute_dtype(q.dtype)
+        return kernelized_causal(
+            q.to(dt),
+            k.to(dt),
+            v.to(dt),
+            self.features,
+            state,
+            feature_dim=self.feature_dim,
+            gate=None if gate is None else gate.to(dt),
+            chunk_size=self.chunk_size,
+            eps=self.eps,
+            slice_elements=self.slice_elements,
         )
