@@ -47,7 +47,7 @@ BUDGETS: dict[str, tuple[str, tuple[Any, ...]]] = {
     "performer": ("num_features", (16, 32, 64, 128, 256, 512, 1024)),
     "favor": ("num_features", (16, 32, 64, 128, 256, 512, 1024)),
     "rfa": ("num_features", (16, 32, 64, 128, 256, 512, 1024)),
-    "nystrom": ("num_landmarks", (8, 16, 32, 64, 128, 256)),
+    "nystrom": ("num_landmarks", (8, 16, 32, 64, 128, 256, 512)),
     "linformer": ("proj_len", (16, 32, 64, 128, 256)),
     "local": ("window", (16, 32, 64, 128, 256)),
     "longformer": ("window", (16, 32, 64, 128, 256)),
