@@ -365,9 +365,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--heads", type=_positive_int, default=4, help="H (default 4)")
     a.add_argument("--head-dim", type=_positive_int, default=64, help="D (default 64)")
     a.add_argument("--seeds", type=_positive_int, default=5, help="seeds per point (default 5)")
-    a.add_argument("--qk-std", type=_float_list, default=[0.5, 1.0, 1.5],
-                   help="comma list of q/k standard deviations for the Gaussian data sets "
-                   "(default 0.5,1,1.5)")
+    a.add_argument("--qk-std", type=_float_list, default=[0.25, 0.5, 1.0],
+                   help="comma list of q/k standard deviations for the Gaussian data sets; the "
+                   "logits then have std qk_std^2 (default 0.25,0.5,1)")
     a.add_argument("--peak-logit", type=_positive_float, default=8.0,
                    help="logit of the planted pairs of the peaked data set (default 8)")
     a.add_argument("--kernel-dim", type=_positive_int, default=16,
