@@ -1,0 +1,11 @@
+"""Measurement tools: speed/memory sweeps (``effattn bench``) and the approximation study
+(``effattn approx``).
+
+- :mod:`effattn.bench.timing`   warm-up + repeated timing, median and IQR
+- :mod:`effattn.bench.memory`   peak memory of one call (RSS high-water mark / CUDA allocator)
+- :mod:`effattn.bench.flops`    FLOP models per method and the measured matmul peak
+- :mod:`effattn.bench.speed`    one configuration measured in an isolated process, and the sweep
+- :mod:`effattn.bench.results`  the resumable result store, crossover lengths, terminal tables
+- :mod:`effattn.bench.plots`    PNG figures (matplotlib, Agg)
+- :mod:`effattn.bench.approx`   output error vs exact attention, and the kernel-estimator MSE study
+"""

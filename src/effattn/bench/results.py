@@ -1,0 +1,174 @@
+"""Result records on disk, the crossover lengths, and terminal tables.
+
+A record is a flat dict: the configuration's fields (method, length, pass, batch, heads,
+head_dim, dtype, causal, device, options), a ``status`` ("ok", or "refused: ...",
+"too slow: ...", "timeout: ...", "oom: ...", "skipped: ...", "error: ...") and the measurements
+(median_ms, iqr_ms, peak_mib, flops, gflops, ...). :class:`ResultStore` rewrites the JSON list and
+the CSV atomically after every record, so an interrupted sweep loses at most the configuration
+it was measuring, and a rerun with the same output folder skips what is already there.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+KEY_FIELDS = ("method", "length", "pass", "batch", "heads", "head_dim", "dtype", "causal",
+              "device", "options")
+CSV_FIELDS = (*KEY_FIELDS, "status", "median_ms", "iqr_ms", "peak_mib", "gflops", "flops",
+              "samples", "calls_per_sample", "timestamp")
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", newline="") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, data: Any) -> None:
+    atomic_write(path, json.dumps(data, indent=1) + "\n")
+
+
+def write_csv(path: Path, rows: Sequence[dict[str, Any]], fields: Sequence[str]) -> None:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(fields), extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write(path, buf.getvalue())
+
+
+def record_key(record: dict[str, Any]) -> tuple:
+    return tuple(record[f] for f in KEY_FIELDS)
+
+
+class ResultStore:
+    """The records of ``<folder>/results.json`` (and ``results.csv``), keyed by configuration."""
+
+    def __init__(self, folder: Path | str) -> None:
+        self.folder = Path(folder)
+        self.json_path = self.folder / "results.json"
+        self.csv_path = self.folder / "results.csv"
+        self._records: dict[tuple, dict[str, Any]] = {}
+        if self.json_path.exists():
+            try:
+                data = json.loads(self.json_path.read_text())
+                if not isinstance(data, list):
+                    raise ValueError("not a list of records")
+                for record in data:
+                    self._records[record_key(record)] = record
+            except (ValueError, KeyError, TypeError) as err:
+                raise ValueError(
+                    f"cannot resume from {self.json_path}: {err}; move it away to start afresh"
+                ) from err
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def get(self, fields: dict[str, Any]) -> dict[str, Any] | None:
+        return self._records.get(record_key(fields))
+
+    def records(self) -> list[dict[str, Any]]:
+        return list(self._records.values())
+
+    def add(self, record: dict[str, Any]) -> None:
+        self._records[record_key(record)] = record
+        self.save()
+
+    def save(self) -> None:
+        records = self.records()
+        write_json(self.json_path, records)
+        write_csv(self.csv_path, records, CSV_FIELDS)
+
+
+def select(records: Iterable[dict[str, Any]], **fields: Any) -> list[dict[str, Any]]:
+    """Records whose fields equal ``fields`` (e.g. the settings of the current run)."""
+    return [r for r in records if all(r.get(k) == v for k, v in fields.items())]
+
+
+def _by_method_length(records: Iterable[dict[str, Any]], pass_name: str) -> dict:
+    table: dict[str, dict[int, dict[str, Any]]] = {}
+    for r in records:
+        if r["pass"] == pass_name:
+            table.setdefault(r["method"], {})[r["length"]] = r
+    return table
+
+
+def _ok(record: dict[str, Any] | None) -> bool:
+    return record is not None and record["status"] == "ok" and record["median_ms"] is not None
+
+
+def _failed(record: dict[str, Any] | None) -> bool:
+    # softmax did not finish (too slow, out of memory, timed out, skipped after one of these).
+    return record is not None and record["status"].startswith(("too slow", "timeout", "oom",
+                                                                "skipped"))
+
+
+def crossover(records: Iterable[dict[str, Any]], pass_name: str = "fwd",
+              baseline: str = "softmax") -> dict[str, int | None]:
+    """Per method, the smallest measured length from which on it is faster than ``baseline``.
+
+    At each length both were tried at, the method wins when it finished and the baseline was
+    slower or did not finish (too slow / out of memory / timed out); it loses when the baseline
+    finished and the method was slower or did not. The crossover is the smallest length L with a
+    win at L and no loss above L; None when there is none (or nothing to compare).
+    """
+    table = _by_method_length(records, pass_name)
+    base = table.get(baseline, {})
+    out: dict[str, int | None] = {}
+    for method, rows in sorted(table.items()):
+        if method == baseline:
+            continue
+        outcome: dict[int, bool] = {}
+        for length, r in rows.items():
+            b = base.get(length)
+            if _ok(r) and (_failed(b) or (_ok(b) and r["median_ms"] < b["median_ms"])):
+                outcome[length] = True
+            elif _ok(b) and (not _ok(r) or r["median_ms"] >= b["median_ms"]):
+                outcome[length] = False
+        best = None
+        for length in sorted(outcome, reverse=True):
+            if not outcome[length]:
+                break
+            best = length
+        out[method] = best
+    return out
+
+
+def _cell(record: dict[str, Any] | None, value: str, fmt: str) -> str:
+    if record is None:
+        return "-"
+    if record["status"] != "ok":
+        return record["status"].split(":")[0]
+    x = record.get(value)
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def table(records: Iterable[dict[str, Any]], pass_name: str, value: str = "median_ms",
+          fmt: str = ".3g") -> str:
+    """A method x length text table of ``value`` for one pass (status word where not ok)."""
+    rows = _by_method_length(records, pass_name)
+    lengths = sorted({n for r in rows.values() for n in r})
+    names = sorted(rows, key=lambda m: (m != "softmax", m))
+    cells = [["method", *map(str, lengths)]]
+    cells += [[m, *(_cell(rows[m].get(n), value, fmt) for n in lengths)] for m in names]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w)
+                       for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+             for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

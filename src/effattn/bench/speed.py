@@ -1,0 +1,322 @@
+"""Speed and peak memory of one configuration, measured in a fresh worker process, and the sweep.
+
+A configuration is (method, length N = M, pass, batch, heads, head dim, dtype, causal, device,
+method options). Each is measured in its own process (forked from a server that has imported
+torch but run nothing, so the peak-memory mark starts clean and a crash, a hang or the OOM killer
+only ends that worker). The worker:
+
+1. builds the module once with ``effattn.build(name, head_dim=D, heads=H, max_len=N, seed=0)``
+   and puts it in eval mode for both passes, so random features are fixed and both passes run
+   the same function;
+2. runs one call of the same pass at a short length (32), so that thread pools, the autograd
+   engine and lazily built state exist before the memory baseline;
+3. makes q, k, v (B, H, N, D) with Dv = D; for "fwdbwd" they require grad;
+4. times one call under :class:`~effattn.bench.memory.PeakMemory` (peak over the memory that
+   already held the inputs); if that call exceeded ``max_seconds`` it stops ("too slow");
+5. otherwise warms up and times ``repeats`` samples (:func:`~effattn.bench.timing.time_fn`).
+
+"fwd" runs under ``torch.inference_mode``; "fwdbwd" runs the forward and ``out.sum().backward()``
+with gradients reset to None before each call (as ``zero_grad(set_to_none=True)`` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+import effattn
+from effattn.bench.flops import forward_flops, matmul_peak, pass_flops
+from effattn.bench.memory import MiB, PeakMemory, cap_memory, is_oom
+from effattn.bench.results import ResultStore
+from effattn.bench.timing import synchronizer, time_fn, time_once
+
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+PASSES = ("fwd", "fwdbwd")
+# Statuses after which larger lengths of the same method and pass are not tried.
+BLOCKING = ("too slow", "timeout", "oom")
+WARM_LENGTH = 32
+
+
+def format_options(options: Iterable[tuple[str, Any]]) -> str:
+    """Canonical text of method options, e.g. ``"num_features=256,orthogonal=True"``."""
+    return ",".join(f"{k}={v}" for k, v in sorted(options))
+
+
+@dataclass(frozen=True)
+class Config:
+    """One measured point of the sweep."""
+
+    method: str
+    length: int
+    pass_name: str
+    batch: int = 1
+    heads: int = 8
+    head_dim: int = 64
+    dtype: str = "float32"
+    causal: bool = False
+    device: str = "cpu"
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def fields(self) -> dict[str, Any]:
+        """The identifying fields of this configuration, as stored in a record."""
+        return {
+            "method": self.method,
+            "length": self.length,
+            "pass": self.pass_name,
+            "batch": self.batch,
+            "heads": self.heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "causal": self.causal,
+            "device": self.device,
+            "options": format_options(self.options),
+        }
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How each configuration is measured."""
+
+    warmup: int = 1
+    repeats: int = 5
+    max_seconds: float = 5.0
+    max_memory_mib: float | None = None
+
+
+def _one_line(err: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(err).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def classify_error(err: BaseException) -> str:
+    """Status text of an exception raised while measuring."""
+    if is_oom(err):
+        return f"oom: {_one_line(err, 160)}"
+    if isinstance(err, (ValueError, TypeError)):
+        return f"refused: {_one_line(err)}"
+    return f"error: {type(err).__name__}: {_one_line(err)}"
+
+
+def _inputs(cfg: Config, length: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    gen = torch.Generator(device=device).manual_seed(length)
+    shape = (cfg.batch, cfg.heads, length, cfg.head_dim)
+    grad = cfg.pass_name == "fwdbwd"
+    return tuple(  # type: ignore[return-value]
+        torch.randn(shape, generator=gen, device=device).to(DTYPES[cfg.dtype]).requires_grad_(grad)
+        for _ in range(3)
+    )
+
+
+def _caller(cfg: Config, module: torch.nn.Module, q: Tensor, k: Tensor,
+            v: Tensor) -> Callable[[], None]:
+    """The measured call: a forward under inference_mode, or forward and backward."""
+    tensors = (q, k, v, *module.parameters())
+
+    def fwd() -> None:
+        with torch.inference_mode():
+            module(q, k, v, causal=cfg.causal)
+
+    def fwdbwd() -> None:
+        for t in tensors:
+            t.grad = None
+        module(q, k, v, causal=cfg.causal).sum().backward()
+
+    return fwdbwd if cfg.pass_name == "fwdbwd" else fwd
+
+
+def _warm_up(cfg: Config, module: torch.nn.Module, device: torch.device) -> None:
+    # One call at a short length starts the thread pool, the autograd engine, the CUDA context and
+    # the method's lazily built state, so the measured peak is that of the call, not of one-time
+    # set-up. A method that refuses the short length is simply not warmed.
+    with contextlib.suppress(Exception):  # the measured call reports any problem
+        _caller(cfg, module, *_inputs(cfg, min(cfg.length, WARM_LENGTH), device))()
+    synchronizer(device)()
+
+
+def measure(cfg: Config, settings: Settings) -> dict[str, Any]:
+    """Measure ``cfg`` in this process (meant to be a fresh worker); returns the result fields."""
+    device = torch.device(cfg.device)
+    options = dict(cfg.options)
+    try:
+        module = effattn.build(
+            cfg.method, head_dim=cfg.head_dim, heads=cfg.heads, max_len=cfg.length, seed=0,
+            **options,
+        )
+    except (ValueError, TypeError) as err:
+        return {"status": f"refused: {_one_line(err)}"}
+    module = module.to(device).eval()
+    fwd = forward_flops(
+        cfg.method, {**effattn.spec(cfg.method).options, **options}, batch=cfg.batch,
+        heads=cfg.heads, n=cfg.length, m=cfg.length, head_dim=cfg.head_dim,
+        value_dim=cfg.head_dim, causal=cfg.causal, module=module,
+    )
+    result: dict[str, Any] = {"flops": pass_flops(fwd, cfg.pass_name)}
+    _warm_up(cfg, module, device)
+    call = _caller(cfg, module, *_inputs(cfg, cfg.length, device))
+    if settings.max_memory_mib is not None:
+        cap_memory(device, settings.max_memory_mib)
+    sync = synchronizer(device)
+    try:
+        with PeakMemory(device) as mem:
+            first = time_once(call, sync)
+        result["peak_mib"] = mem.peak_bytes / MiB
+        if first > settings.max_seconds:
+            result["status"] = (
+                f"too slow: one call took {first:.3g} s > --max-seconds {settings.max_seconds:g}"
+            )
+            return result
+        timing = time_fn(
+            call, repeats=settings.repeats, warmup=settings.warmup, sync=sync, estimate_s=first
+        )
+    except Exception as err:  # every failure becomes a status; the sweep goes on
+        result["status"] = classify_error(err)
+        return result
+    result.update(
+        status="ok", median_ms=timing.median * 1e3, iqr_ms=timing.iqr * 1e3,
+        samples=len(timing.samples), calls_per_sample=timing.number,
+    )
+    return result
+
+
+def measure_peak(dtype: str, device: str) -> dict[str, Any]:
+    """Matmul peak GFLOP/s of ``dtype`` (run in a worker like the configurations)."""
+    return {"status": "ok", "gflops": matmul_peak(DTYPES[dtype], device)}
+
+
+def _worker(conn: Any, target: Callable[..., dict[str, Any]], args: tuple) -> None:
+    try:
+        result = target(*args)
+    except BaseException as err:  # report it to the parent instead of dying silently
+        traceback.print_exc()
+        result = {"status": classify_error(err)}
+    conn.send(result)
+    conn.close()
+
+
+_CONTEXT: mp.context.BaseContext | None = None
+
+
+def _context() -> mp.context.BaseContext:
+    global _CONTEXT
+    if _CONTEXT is None:
+        if "forkserver" in mp.get_all_start_methods():
+            _CONTEXT = mp.get_context("forkserver")
+            # The server imports torch and effattn once; each worker forks from it cheaply.
+            _CONTEXT.set_forkserver_preload(["effattn.bench.speed"])
+        else:
+            _CONTEXT = mp.get_context("spawn")
+    return _CONTEXT
+
+
+def run_isolated(
+    target: Callable[..., dict[str, Any]], args: tuple, timeout: float
+) -> dict[str, Any]:
+    """Run ``target(*args)`` in a fresh worker; its result, or a "timeout"/"oom"/"error" status.
+
+    ``target`` must be a module-level function returning a dict with a "status".
+    """
+    ctx = _context()
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_worker, args=(send, target, args), daemon=True)
+    proc.start()
+    send.close()
+    try:
+        if not recv.poll(timeout):
+            return {"status": f"timeout: no result within --timeout {timeout:g} s"}
+        try:
+            return recv.recv()
+        except EOFError:
+            proc.join()
+            if proc.exitcode == -signal.SIGKILL:
+                return {"status": "oom: worker killed by SIGKILL (likely the kernel's OOM killer)"}
+            return {"status": f"error: worker died with exit code {proc.exitcode}"}
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        recv.close()
+
+
+def precheck(cfg: Config) -> str | None:
+    """A refusal known without running (causal asked of a non-causal method), else None."""
+    s = effattn.spec(cfg.method)
+    if cfg.causal and not s.causal:
+        return f"refused: {s.refusals.get('causal', 'not causal')}"
+    return None
+
+
+@dataclass
+class SweepStats:
+    measured: int = 0
+    resumed: int = 0
+
+
+def sweep(
+    configs: Sequence[Config],
+    store: ResultStore,
+    settings: Settings,
+    *,
+    timeout: float,
+    progress: bool = True,
+) -> SweepStats:
+    """Measure every configuration not already in ``store``, saving after each one.
+
+    ``configs`` should be ordered by length (then method, then "fwd" before "fwdbwd"): once a
+    method is too slow, out of memory or timed out at length L, its larger lengths are recorded
+    as skipped (a failed "fwd" also skips "fwdbwd" at L).
+    """
+    stats = SweepStats()
+    blocked: dict[tuple[str, str], str] = {}
+    bar = tqdm(configs, desc="effattn bench", unit="config", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True)
+    for cfg in bar:
+        bar.set_postfix_str(f"{cfg.method} N={cfg.length} {cfg.pass_name}", refresh=False)
+        fields = cfg.fields()
+        record = store.get(fields)
+        if record is not None:
+            stats.resumed += 1
+        else:
+            reason = blocked.get((cfg.method, cfg.pass_name))
+            result = {"status": f"skipped: {reason}"} if reason else None
+            if result is None and (refusal := precheck(cfg)):
+                result = {"status": refusal}
+            if result is None:
+                result = run_isolated(measure, (cfg, settings), timeout)
+                stats.measured += 1
+            record = make_record(fields, result)
+            store.add(record)
+        status = record["status"]
+        if status.startswith(BLOCKING):
+            why = f"{status.split(':')[0]} at N={cfg.length}"
+            passes = PASSES if cfg.pass_name == "fwd" else (cfg.pass_name,)
+            for p in passes:
+                blocked.setdefault((cfg.method, p), why)
+    bar.close()
+    return stats
+
+
+def make_record(fields: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    """A result record: the configuration's fields, the measurements and a timestamp."""
+    record = {**fields, "status": result["status"]}
+    for key in ("median_ms", "iqr_ms", "peak_mib", "flops", "samples", "calls_per_sample"):
+        record[key] = result.get(key)
+    flops, median = result.get("flops"), result.get("median_ms")
+    record["gflops"] = flops / (median * 1e-3) / 1e9 if flops and median else None
+    record["timestamp"] = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+    return record

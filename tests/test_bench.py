@@ -1,0 +1,250 @@
+"""effattn bench: CLI end to end, resume, failure statuses, argument errors, and the pieces
+(timing summary, peak memory, FLOP models, crossover, result store)."""
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+import torch
+
+import effattn
+from effattn.bench import flops, results, timing
+from effattn.bench.speed import Config, precheck
+from effattn.cli import main
+
+TINY = ["--lengths", "32", "--heads", "2", "--head-dim", "16", "--repeats", "2", "--warmup", "0"]
+
+
+def _other_method():
+    """A registered method besides softmax, preferring cheap linear ones (None if only softmax)."""
+    names = effattn.methods()
+    for name in ("linear", "performer", "favor", "rfa", "local", "nystrom"):
+        if name in names:
+            return name
+    return next((n for n in names if n != "softmax"), None)
+
+
+def _methods_arg():
+    other = _other_method()
+    return "softmax" if other is None else f"softmax,{other}"
+
+
+def _load(out):
+    return json.loads((out / "results.json").read_text())
+
+
+def _is_png(path):
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+    image = matplotlib.image.imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_cli_end_to_end_writes_results_plots_and_resumes(tmp_path, capsys):
+    out = tmp_path / "bench"
+    args = ["bench", "--methods", _methods_arg(), *TINY, "--out", str(out)]
+    assert main([*args, "--vs-flops"]) == 0
+    printed = capsys.readouterr().out
+    n_methods = len(_methods_arg().split(","))
+    assert f"{2 * n_methods} configurations measured, 0 already" in printed
+    assert "median time per call (ms), fwd" in printed and "effective GFLOP/s" in printed
+
+    records = _load(out)
+    assert len(records) == 2 * n_methods
+    assert {r["pass"] for r in records} == {"fwd", "fwdbwd"}
+    for r in records:
+        assert r["status"] == "ok", r
+        assert r["median_ms"] > 0 and r["iqr_ms"] >= 0 and r["peak_mib"] >= 0
+        assert r["samples"] == 2
+    soft = [r for r in records if r["method"] == "softmax"]
+    assert all(r["gflops"] > 0 for r in soft)
+    fwd = next(r for r in soft if r["pass"] == "fwd")
+    assert fwd["flops"] == 2 * 2 * 32 * 32 * (16 + 16)
+    with open(out / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(records) and rows[0]["method"] and rows[0]["status"] == "ok"
+    for png in ("time.png", "memory.png", "gflops.png"):
+        _is_png(out / png)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["matmul_peak_gflops"]["float32"] > 0
+    assert set(summary["crossover"]) == {"fwd", "fwdbwd"}
+
+    # Rerunning the same command measures nothing and leaves the records untouched.
+    assert main(args) == 0
+    assert f"0 configurations measured, {2 * n_methods} already" in capsys.readouterr().out
+    assert _load(out) == records
+
+    # A record that is missing (an interrupted sweep) is measured again, and only it.
+    (out / "results.json").write_text(json.dumps(records[1:]))
+    assert main(args) == 0
+    assert f"1 configurations measured, {2 * n_methods - 1} already" in capsys.readouterr().out
+    again = _load(out)
+    assert sorted(r["timestamp"] for r in again[:-1]) == sorted(r["timestamp"] for r in records[1:])
+
+
+def test_too_slow_is_recorded_and_larger_lengths_skipped(tmp_path, capsys):
+    out = tmp_path / "slow"
+    assert main(["bench", "--methods", "softmax", *TINY, "--lengths", "16,32",
+                 "--max-seconds", "1e-9", "--out", str(out)]) == 0
+    status = {(r["length"], r["pass"]): r["status"] for r in _load(out)}
+    assert status[(16, "fwd")].startswith("too slow: one call took")
+    assert status[(16, "fwdbwd")] == "skipped: too slow at N=16"
+    assert status[(32, "fwd")] == status[(32, "fwdbwd")] == "skipped: too slow at N=16"
+    assert "too slow" in capsys.readouterr().out
+
+
+def test_timeout_is_recorded_not_raised(tmp_path):
+    out = tmp_path / "timeout"
+    assert main(["bench", "--methods", "softmax", *TINY, "--lengths", "16,32", "--passes", "fwd",
+                 "--timeout", "0.001", "--out", str(out)]) == 0
+    status = {r["length"]: r["status"] for r in _load(out)}
+    assert status[16].startswith("timeout: no result within")
+    assert status[32] == "skipped: timeout at N=16"
+
+
+def test_memory_cap_records_oom(tmp_path):
+    # The output alone is 4 * 8 * 512 * 64 * 4 bytes = 4 MiB, over a 1 MiB cap.
+    out = tmp_path / "oom"
+    assert main(["bench", "--methods", "softmax", "--lengths", "512", "--batch", "4",
+                 "--passes", "fwd", "--repeats", "1", "--max-memory", "1", "--out", str(out)]) == 0
+    (record,) = _load(out)
+    assert record["status"].startswith("oom"), record
+
+
+def test_causal_refusal_is_recorded_without_running():
+    non_causal = [m for m in effattn.methods() if not effattn.spec(m).causal]
+    if not non_causal:
+        pytest.skip("no non-causal method registered")
+    name = non_causal[0]
+    status = precheck(Config(method=name, length=64, pass_name="fwd", causal=True))
+    assert status == f"refused: {effattn.spec(name).refusals['causal']}"
+    assert precheck(Config(method="softmax", length=64, pass_name="fwd", causal=True)) is None
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--methods", "softmax,nope"], "unknown method(s) nope"),
+    (["--lengths", "-5"], "lengths must be positive"),
+    (["--lengths", "0"], "lengths must be positive"),
+    (["--lengths", "12x"], "bad length '12x'"),
+    (["--dtype", "float8"], "invalid choice: 'float8'"),
+    (["--passes", "fwd,back"], "passes must be a comma list"),
+    (["--heads", "0"], "expected a positive integer"),
+    (["--option", "num_features"], "expected key=value"),
+])
+def test_bad_arguments_exit_2_with_message(bad, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *bad, "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_option_unknown_to_every_method_exits_2(tmp_path, capsys):
+    assert main(["bench", "--methods", "softmax", "--option", "num_features=8",
+                 "--out", str(tmp_path)]) == 2
+    assert "'num_features' is not an option of any of softmax" in capsys.readouterr().err
+
+
+def test_timing_median_and_iqr():
+    t = timing.Timing((4.0, 1.0, 3.0, 2.0, 5.0), number=1)
+    assert t.median == 3.0 and t.iqr == 2.0
+    calls = []
+    result = timing.time_fn(lambda: calls.append(1), repeats=3, warmup=2, min_block_s=0.0)
+    assert len(result.samples) == 3 and result.number == 1 and len(calls) == 2 + 3
+    with pytest.raises(ValueError, match="repeats"):
+        timing.time_fn(lambda: None, repeats=0)
+
+
+_PROBE = """
+import torch
+from effattn.bench.memory import MiB, PeakMemory
+torch.ones(16)
+with PeakMemory("cpu") as big:
+    x = torch.ones(48 * MiB // 4)  # 48 MiB, touched
+    del x
+with PeakMemory("cpu") as small:
+    torch.ones(16)
+print(big.peak_bytes / MiB, small.peak_bytes / MiB)
+"""
+
+
+def test_peak_memory_sees_a_known_allocation():
+    # In a fresh process, as the sweep measures: a long-lived process may hold freed memory that
+    # a new allocation reuses without raising the mark.
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    res = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                         env=env, check=True)
+    big, small = map(float, res.stdout.split())
+    assert 40 <= big <= 80
+    assert small < 8
+
+
+def test_flop_models():
+    kw = dict(batch=2, heads=3, n=100, m=100, head_dim=16, value_dim=16)
+    assert flops.forward_flops("softmax", {}, causal=False, **kw) == 2 * 2 * 3 * 100 * 100 * 32
+    causal = flops.forward_flops("softmax", {}, causal=True, **kw)
+    assert causal == 2 * 2 * 3 * (100 * 101 / 2) * 32
+    plain = flops.forward_flops("performer", {"num_features": 64}, causal=False, **kw)
+    assert plain == 2 * 2 * 3 * (200 * 64 * 16 + 200 * 64 * 17)
+
+    class Doubled(torch.nn.Module):
+        feature_dim = 128  # e.g. sin/cos features of 64 projections
+
+    doubled = flops.forward_flops("rfa", {"num_features": 64}, causal=False, module=Doubled(),
+                                  **kw)
+    assert doubled == 2 * 2 * 3 * (200 * 64 * 16 + 200 * 128 * 17)
+    assert flops.forward_flops("linear", {}, causal=False, **kw) == 2 * 2 * 3 * 200 * 16 * 17
+    assert flops.forward_flops("reformer", {}, causal=False, **kw) is None
+    assert flops.pass_flops(10.0, "fwdbwd") == 30.0 and flops.pass_flops(None, "fwd") is None
+
+
+def _rec(method, length, ms, status="ok", pass_name="fwd"):
+    return {"method": method, "length": length, "pass": pass_name, "status": status,
+            "median_ms": ms if status == "ok" else None, "peak_mib": 1.0}
+
+
+def test_crossover_is_the_length_from_which_on_a_method_wins():
+    records = [
+        _rec("softmax", 256, 1.0), _rec("softmax", 512, 4.0), _rec("softmax", 1024, 16.0),
+        _rec("softmax", 2048, None, "too slow: one call took 9 s"),
+        _rec("fast", 256, 0.5), _rec("fast", 512, 2.0), _rec("fast", 1024, 3.0),
+        _rec("fast", 2048, 5.0),
+        _rec("late", 256, 2.0), _rec("late", 512, 3.0), _rec("late", 1024, 20.0),
+        _rec("late", 2048, 30.0),  # softmax did not finish at 2048: a win, but 1024 was a loss
+        _rec("dip", 256, 0.5), _rec("dip", 512, 5.0), _rec("dip", 1024, 8.0),
+        _rec("never", 256, 2.0), _rec("never", 512, 5.0),
+        _rec("never", 1024, None, "oom: can't allocate memory"),
+    ]
+    assert results.crossover(records) == {"dip": 1024, "fast": 256, "late": 2048, "never": None}
+    assert results.crossover(records, "fwdbwd") == {}
+
+
+def test_table_marks_statuses():
+    records = [_rec("softmax", 256, 1.5), _rec("x", 256, None, "refused: cannot"),
+               _rec("x", 512, 0.25), _rec("softmax", 512, None, "skipped: too slow at N=256")]
+    lines = results.table(records, "fwd").splitlines()
+    assert lines[0].split() == ["method", "256", "512"]
+    assert lines[2].split() == ["softmax", "1.5", "skipped"]
+    assert lines[3].split() == ["x", "refused", "0.25"]
+
+
+def test_store_rewrites_atomically_and_rejects_a_corrupt_file(tmp_path):
+    store = results.ResultStore(tmp_path)
+    fields = Config(method="softmax", length=8, pass_name="fwd").fields()
+    store.add({**fields, "status": "ok", "median_ms": 1.0})
+    store.add({**fields, "status": "ok", "median_ms": 2.0})  # same key: replaced
+    assert [r["median_ms"] for r in results.ResultStore(tmp_path).records()] == [2.0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.csv", "results.json"]
+    (tmp_path / "results.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot resume"):
+        results.ResultStore(tmp_path)
+
+
+def test_matmul_peak_is_plausible():
+    peak = flops.matmul_peak(torch.float32, size=256, repeats=2)
+    assert math.isfinite(peak) and peak > 0.05
