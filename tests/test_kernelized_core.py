@@ -188,3 +188,23 @@ def test_sliced_driver_equals_one_slice(causal, scaled):
     sliced = kernelized_attention(q, k, v, feats, feature_dim=9, key_padding_mask=mask,
                                   causal=causal, gate=gate, chunk_size=8, slice_elements=200)
     torch.testing.assert_close(sliced, whole, rtol=1e-10, atol=1e-10)
+
+
+def test_gaussian_projection_blocks_are_orthogonal_with_gaussian_row_norms():
+    from effattn.kernelized.random import gaussian_projection, make_generator
+
+    w = gaussian_projection(1000, 16, orthogonal=True, generator=make_generator(0),
+                            dtype=torch.float64)
+    assert w.shape == (1000, 16)
+    for start in range(0, 992, 16):
+        block = w[start : start + 16]
+        unit = block / block.norm(dim=1, keepdim=True)
+        torch.testing.assert_close(unit @ unit.T, torch.eye(16, dtype=torch.float64))
+    # Row norms are chi(16): E|w|^2 = 16 with sd sqrt(32) per row; 1000 rows -> sd of mean 0.18.
+    assert abs((w * w).sum(1).mean().item() - 16) < 1.0
+    iid = gaussian_projection(1000, 16, orthogonal=False, generator=make_generator(0))
+    unit = iid[:16] / iid[:16].norm(dim=1, keepdim=True)
+    assert (unit @ unit.T - torch.eye(16)).abs().max() > 0.1
+    again = gaussian_projection(1000, 16, orthogonal=True, generator=make_generator(0),
+                                dtype=torch.float64)
+    assert torch.equal(w, again)

@@ -41,12 +41,11 @@ def gaussian_projection(
     if not orthogonal:
         w = torch.randn(num_features, dim, generator=generator, dtype=torch.float64)
         return w.to(dtype)
-    blocks = []
-    for _ in range(-(-num_features // dim)):
-        g = torch.randn(dim, dim, generator=generator, dtype=torch.float64)
-        q, r = torch.linalg.qr(g)
-        # QR's Q is Haar only after fixing the signs of R's diagonal.
-        blocks.append((q * torch.sign(torch.diagonal(r))).T)
-    w = torch.cat(blocks, 0)[:num_features]
+    n_blocks = -(-num_features // dim)
+    g = torch.randn(n_blocks, dim, dim, generator=generator, dtype=torch.float64)
+    q, r = torch.linalg.qr(g)  # one batched QR, not a Python loop over blocks
+    # QR's Q is Haar only after fixing the signs of R's diagonal.
+    q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))[:, None, :]
+    w = q.transpose(-2, -1).reshape(n_blocks * dim, dim)[:num_features]
     norms = torch.randn(num_features, dim, generator=generator, dtype=torch.float64).norm(dim=1)
     return (w * norms[:, None]).to(dtype)
