@@ -81,6 +81,20 @@ def check_qkv(
             raise ValueError(f"{arg} contains NaN or inf (shape {tuple(t.shape)})")
 
 
+def check_positive_int(name: str, value: Any) -> int:
+    """``value`` if it is an int >= 1, else a ValueError naming the option."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    """``value`` if it is one of ``choices``, else a ValueError naming the option."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp16/bf16 inputs are computed in fp32 (features overflow in half precision)."""
     return torch.promote_types(dtype, torch.float32)

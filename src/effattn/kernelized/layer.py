@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
-from effattn.base import AttentionMethod, compute_dtype
+from effattn.base import AttentionMethod, check_positive_int, compute_dtype
 from effattn.kernelized.core import (
     SLICE_ELEMENTS,
     RecurrentState,
@@ -17,18 +15,6 @@ from effattn.kernelized.core import (
 )
 from effattn.kernelized.features import Features
 from effattn.kernelized.random import make_generator
-
-
-def check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
-    return value
 
 
 class KernelizedAttention(AttentionMethod):

@@ -23,8 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from effattn.base import AttentionMethod, compute_dtype
-from effattn.methods.local import check_positive_int
+from effattn.base import AttentionMethod, check_positive_int, compute_dtype
 from effattn.registry import MethodSpec, register
 from effattn.sparse import block_gather_attention, dense_partial
 

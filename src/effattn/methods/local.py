@@ -22,16 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from effattn.base import AttentionMethod, compute_dtype
+from effattn.base import AttentionMethod, check_positive_int, compute_dtype
 from effattn.registry import MethodSpec, register
 from effattn.sparse import banded_attention
-
-
-def check_positive_int(name: str, value: object) -> int:
-    """``value`` as an int >= 1, else a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 def local_attention(

@@ -17,8 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from effattn.base import AttentionMethod, compute_dtype
-from effattn.methods.local import check_positive_int
+from effattn.base import AttentionMethod, check_positive_int, compute_dtype
 from effattn.registry import MethodSpec, register
 from effattn.sparse import banded_attention, dense_partial, merge_partials
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from effattn.base import AttentionMethod, compute_dtype
+from effattn.base import AttentionMethod, check_positive_int, compute_dtype
 from effattn.registry import MethodSpec, register
 
 
@@ -137,11 +137,6 @@ def nystrom_attention(
     return out
 
 
-def _positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
 class Nystromformer(AttentionMethod):
     """Nyström attention with ``num_landmarks`` landmarks and ``pinv_iterations`` pinv steps.
 
@@ -163,10 +158,10 @@ class Nystromformer(AttentionMethod):
         conv_kernel: int | None,
     ) -> None:
         super().__init__(head_dim, heads, max_len=max_len, seed=seed, scale=scale)
-        _positive_int("num_landmarks", num_landmarks)
-        _positive_int("pinv_iterations", pinv_iterations)
+        check_positive_int("num_landmarks", num_landmarks)
+        check_positive_int("pinv_iterations", pinv_iterations)
         if conv_kernel is not None:
-            _positive_int("conv_kernel", conv_kernel)
+            check_positive_int("conv_kernel", conv_kernel)
             if conv_kernel % 2 == 0:
                 raise ValueError(f"conv_kernel must be odd, got {conv_kernel!r}")
         self.num_landmarks = num_landmarks

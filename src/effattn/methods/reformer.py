@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from effattn.base import AttentionMethod, compute_dtype
+from effattn.base import AttentionMethod, check_positive_int, compute_dtype
 from effattn.registry import MethodSpec, register
 
 
@@ -302,12 +302,6 @@ def reformer_attention(
     return out
 
 
-def _check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 class ReformerAttention(AttentionMethod):
     """LSH attention with ``n_hashes`` rounds of angular hashing into chunks of ``bucket_size``.
 
@@ -330,8 +324,8 @@ class ReformerAttention(AttentionMethod):
         shared_qk: bool = False,
     ) -> None:
         super().__init__(head_dim, heads, max_len, seed, scale)
-        self.n_hashes = _check_positive_int("n_hashes", n_hashes)
-        self.bucket_size = _check_positive_int("bucket_size", bucket_size)
+        self.n_hashes = check_positive_int("n_hashes", n_hashes)
+        self.bucket_size = check_positive_int("bucket_size", bucket_size)
         if not isinstance(shared_qk, bool):
             raise ValueError(f"shared_qk must be a bool, got {shared_qk!r}")
         self.shared_qk = shared_qk

@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from effattn.base import check_choice, check_positive_int
 from effattn.kernelized import features as fm
 from effattn.kernelized.core import kernelized_attention
-from effattn.kernelized.layer import KernelizedAttention, check_choice, check_positive_int
+from effattn.kernelized.layer import KernelizedAttention
 from effattn.kernelized.random import gaussian_projection
 from effattn.registry import MethodSpec, register
 

@@ -27,8 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from effattn.base import AttentionMethod, compute_dtype
-from effattn.methods.local import check_positive_int
+from effattn.base import AttentionMethod, check_positive_int, compute_dtype
 from effattn.registry import MethodSpec, register
 from effattn.sparse import banded_attention, block_gather_attention, dense_partial, merge_partials
 
