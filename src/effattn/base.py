@@ -75,7 +75,9 @@ def check_qkv(
                 f"key_padding_mask is on {key_padding_mask.device}, k on {k.device}"
             )
     for arg, t in (("q", q), ("k", k), ("v", v)):
-        if not torch.isfinite(t).all():
+        # One reduction pass; the elementwise check runs only when the sum is not finite
+        # (a NaN/inf, or an overflowing sum of finite values, which is not an error).
+        if not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
             raise ValueError(f"{arg} contains NaN or inf (shape {tuple(t.shape)})")
 
 
@@ -159,6 +161,16 @@ class AttentionMethod(nn.Module):
         out = self._attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask, **kwargs)
         return out.to(q.dtype)
 
+    def _check_decoding(self, q: Tensor, k: Tensor, v: Tensor, what: str) -> None:
+        if not self.spec.decoding:
+            self._refuse("decoding", f"recurrent decoding ({what})")
+        check_qkv(q, k, v, causal=True)
+        if q.shape[1] != self.heads or q.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"q has shape {tuple(q.shape)}, the module was built with heads={self.heads}, "
+                f"head_dim={self.head_dim}"
+            )
+
     def step(
         self, q: Tensor, k: Tensor, v: Tensor, state: Any = None, **kwargs: Any
     ) -> tuple[Tensor, Any]:
@@ -166,20 +178,25 @@ class AttentionMethod(nn.Module):
 
         Feeding a sequence one token at a time from ``state=None`` gives the causal forward.
         """
-        if not self.spec.decoding:
-            self._refuse("decoding", "recurrent decoding (step)")
-        check_qkv(q, k, v)
-        if q.shape[2] != 1 or k.shape[2] != 1:
+        if q.shape[2:3] != (1,) or k.shape[2:3] != (1,):
             raise ValueError(
                 f"step takes one token: q, k, v must be (B, H, 1, D), got q {tuple(q.shape)}, "
                 f"k {tuple(k.shape)}"
             )
-        if q.shape[1] != self.heads or q.shape[-1] != self.head_dim:
-            raise ValueError(
-                f"q has shape {tuple(q.shape)}, the module was built with heads={self.heads}, "
-                f"head_dim={self.head_dim}"
-            )
+        self._check_decoding(q, k, v, "step")
         out, state = self._step(q, k, v, state, **kwargs)
+        return out.to(q.dtype), state
+
+    def prefill(
+        self, q: Tensor, k: Tensor, v: Tensor, state: Any = None, **kwargs: Any
+    ) -> tuple[Tensor, Any]:
+        """Causal attention over a block of L tokens that continues ``state`` (None: the start).
+
+        q, k, v: (B, H, L, D); returns (out (B, H, L, Dv), state after the block). The parallel
+        form of L calls to :meth:`step`: a prompt is prefilled in one call, then decoded.
+        """
+        self._check_decoding(q, k, v, "prefill")
+        out, state = self._prefill(q, k, v, state, **kwargs)
         return out.to(q.dtype), state
 
     def _attend(
@@ -195,3 +212,12 @@ class AttentionMethod(nn.Module):
 
     def _step(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
         raise NotImplementedError(f"{type(self).__name__} must implement _step")
+
+    def _prefill(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
+        """One :meth:`_step` per token; methods with a parallel causal form override this."""
+        outs = []
+        for t in range(q.shape[2]):
+            one = slice(t, t + 1)
+            out, state = self._step(q[:, :, one], k[:, :, one], v[:, :, one], state)
+            outs.append(out)
+        return torch.cat(outs, 2), state

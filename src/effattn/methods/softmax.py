@@ -60,14 +60,22 @@ class KVCache:
     v: Tensor
     length: int
 
-    def append(self, k: Tensor, v: Tensor) -> None:
-        if self.length == self.k.shape[2]:
-            capacity = 2 * self.k.shape[2]
+    @classmethod
+    def empty(cls, k: Tensor, v: Tensor, capacity: int = 16) -> KVCache:
+        """An empty cache for keys/values shaped like k (B, H, *, D) and v (B, H, *, Dv)."""
+        return cls(k.new_empty(*k.shape[:2], capacity, k.shape[3]),
+                   v.new_empty(*v.shape[:2], capacity, v.shape[3]), 0)
+
+    def extend(self, k: Tensor, v: Tensor) -> None:
+        """Append L positions, k (B, H, L, D) and v (B, H, L, Dv)."""
+        end = self.length + k.shape[2]
+        if end > self.k.shape[2]:
+            capacity = max(2 * self.k.shape[2], 1 << (end - 1).bit_length())
             self.k = _grow(self.k, capacity)
             self.v = _grow(self.v, capacity)
-        self.k[:, :, self.length] = k[:, :, 0]
-        self.v[:, :, self.length] = v[:, :, 0]
-        self.length += 1
+        self.k[:, :, self.length : end] = k
+        self.v[:, :, self.length : end] = v
+        self.length = end
 
     def nbytes(self) -> int:
         """Bytes held by the cache (its full capacity, which is what it occupies)."""
@@ -89,16 +97,26 @@ class SoftmaxAttention(AttentionMethod):
         )
 
     def _step(self, q, k, v, state):
+        return self._prefill(q, k, v, state)
+
+    def _prefill(self, q, k, v, state):
         if state is None:
-            state = KVCache(q.new_empty(*k.shape[:2], 16, k.shape[3]),
-                            q.new_empty(*v.shape[:2], 16, v.shape[3]), 0)
+            state = KVCache.empty(k, v)
         elif not isinstance(state, KVCache):
             raise ValueError(f"softmax state must be a KVCache, got {type(state).__name__}")
-        state.append(k, v)
-        n = state.length
-        out = F.scaled_dot_product_attention(
-            q, state.k[:, :, :n], state.v[:, :, :n], scale=self.scale
-        )
+        past = state.length
+        state.extend(k, v)
+        keys, values = state.k[:, :, : state.length], state.v[:, :, : state.length]
+        n = q.shape[2]
+        if n == 1 or past == 0:
+            # One new query sees every cached key; a block from the start is plain causal.
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=n > 1, scale=self.scale)
+        else:
+            i = torch.arange(n, device=q.device)[:, None]
+            j = torch.arange(state.length, device=q.device)[None, :]
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=j <= past + i, scale=self.scale
+            )
         return out, state
 
 

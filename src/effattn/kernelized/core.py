@@ -1,0 +1,454 @@
+"""The linear-attention core shared by every kernelized method.
+
+Given feature maps φ(Q) (B, H, N, F), φ(K) (B, H, M, F) and V (B, H, M, Dv)::
+
+    out_i = Σ_j w_ij φ(q_i)·φ(k_j) v_j / Σ_j w_ij φ(q_i)·φ(k_j)
+
+where w_ij = 1 (non-causal), [j <= i] (causal) or, for gated attention (Peng et al. 2021, RFA
+section 3.1), w_ij = [j <= i] (1 - g_j) Π_{j<l<=i} g_l, the unrolled form of
+S_t = g_t S_{t-1} + (1 - g_t) φ(k_t) v_t^T.
+
+Two conventions make every feature map numerically safe without ever looking at future keys:
+
+- ``key_log_scale`` (B, H, M, 1): the true key features are ``phi_k * exp(key_log_scale)``.
+  Exponential feature maps return per-token-normalised features plus that log-scale; the core
+  rescales keys by a max that is shared by the keys being summed (per sequence when non-causal,
+  per chunk with a running max when causal or recurrent). The shared factor cancels between
+  numerator and denominator.
+- The normaliser is computed as an extra column of V ([V, 1]), so numerator and denominator come
+  out of the same GEMMs.
+
+Long sequences are processed in slices of S tokens (:func:`kernelized_attention`): features of
+one slice are computed, consumed and dropped, so no N x F tensor is ever materialised and the
+slice stays in cache. A slice hands a :class:`RecurrentState` to the next; decoding is the same
+state fed one token at a time.
+
+Shapes: B batch, H heads, N queries, M keys, F features, Dv value dim, C chunk, S slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# Smallest log-scale the core works with: keeps exp(a - b) finite when every key is padding.
+LOG_FLOOR = -1.0e4
+# log(g) is clamped here so that g = 0 (a full reset) stays finite in log space.
+LOG_GATE_FLOOR = -30.0
+# A slice holds about this many feature values (B * H * S * F): 4 MiB in fp32, cache-sized.
+SLICE_ELEMENTS = 1 << 20
+
+# features(x, is_query=...) -> (phi, key_log_scale or None); see kernelized.features.
+FeatureFn = Callable[..., tuple[Tensor, "Tensor | None"]]
+
+
+def safe_denominator(den: Tensor, eps: float) -> Tensor:
+    """Push |den| to at least eps, keeping its sign (trigonometric features can go negative).
+
+    For positive features this is ``den.clamp_min(eps)``; a query that sees no key (all padding)
+    gets 0 / eps = 0.
+    """
+    return torch.where(den >= 0, den.clamp_min(eps), den.clamp_max(-eps))
+
+
+def _shared_max(log_scale: Tensor, dim: int) -> Tensor:
+    with torch.no_grad():
+        return log_scale.amax(dim=dim, keepdim=True).clamp_min(LOG_FLOOR)
+
+
+def _with_ones(v: Tensor) -> Tensor:
+    return torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
+
+
+def _ratio(out: Tensor, eps: float) -> Tensor:
+    return out[..., :-1] / safe_denominator(out[..., -1:], eps)
+
+
+def _check_shapes(phi_q: Tensor, phi_k: Tensor, v: Tensor, key_log_scale: Tensor | None) -> None:
+    if phi_q.shape[-1] != phi_k.shape[-1]:
+        raise ValueError(
+            f"phi_q and phi_k must have the same feature dim F: {tuple(phi_q.shape)} vs "
+            f"{tuple(phi_k.shape)}"
+        )
+    if phi_k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"phi_k {tuple(phi_k.shape)} and v {tuple(v.shape)} disagree on (B, H, M)")
+    if key_log_scale is not None and key_log_scale.shape != (*phi_k.shape[:-1], 1):
+        raise ValueError(
+            f"key_log_scale must be (B, H, M, 1) = {(*phi_k.shape[:-1], 1)}, "
+            f"got {tuple(key_log_scale.shape)}"
+        )
+
+
+@dataclass
+class RecurrentState:
+    """Fixed-size state of kernelized attention, handed from slice to slice and step to step.
+
+    kv: (B, H, F, Dv + 1), the running [S, z] (S = Σ w_j φ(k_j) v_j^T, z = Σ w_j φ(k_j)),
+    stored divided by exp(log_scale); log_scale: (B, H, 1, 1); position: tokens consumed.
+    Its size does not depend on the position.
+    """
+
+    kv: Tensor
+    log_scale: Tensor
+    position: int = 0
+
+    @classmethod
+    def empty(cls, b: int, h: int, f: int, dv: int, like: Tensor) -> RecurrentState:
+        return cls(like.new_zeros(b, h, f, dv + 1), like.new_full((b, h, 1, 1), LOG_FLOOR), 0)
+
+    @property
+    def s(self) -> Tensor:
+        """S at the state's scale, (B, H, F, Dv)."""
+        return self.kv[..., :-1]
+
+    @property
+    def z(self) -> Tensor:
+        """z at the state's scale, (B, H, F)."""
+        return self.kv[..., -1]
+
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size() + self.log_scale.numel() * (
+            self.log_scale.element_size()
+        )
+
+
+def _state_for(state: RecurrentState | None, phi_k: Tensor, v: Tensor) -> RecurrentState:
+    b, h, _, f = phi_k.shape
+    if state is None:
+        return RecurrentState.empty(b, h, f, v.shape[-1], phi_k)
+    if not isinstance(state, RecurrentState):
+        raise ValueError(f"state must be a RecurrentState or None, got {type(state).__name__}")
+    if state.kv.shape != (b, h, f, v.shape[-1] + 1):
+        raise ValueError(
+            f"state.kv has shape {tuple(state.kv.shape)}, expected {(b, h, f, v.shape[-1] + 1)}"
+        )
+    return state
+
+
+def accumulate_keys(
+    state: RecurrentState | None,
+    phi_k: Tensor,
+    v: Tensor,
+    *,
+    key_log_scale: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+) -> RecurrentState:
+    """Non-causal: add a slice of keys, S += Σ_j φ(k_j) [v_j, 1]^T, rescaling by a running max.
+
+    phi_k (B, H, M, F), v (B, H, M, Dv), key_log_scale (B, H, M, 1), key_padding_mask (B, M).
+    """
+    _check_shapes(phi_k, phi_k, v, key_log_scale)
+    state = _state_for(state, phi_k, v)
+    v1 = _with_ones(v)
+    pad = None if key_padding_mask is None else key_padding_mask[:, None, :, None]
+    if key_log_scale is None:
+        scale = torch.zeros_like(state.log_scale)
+        if pad is not None:
+            v1 = v1.masked_fill(pad, 0.0)
+    else:
+        if pad is not None:
+            key_log_scale = key_log_scale.masked_fill(pad, float("-inf"))
+        scale = torch.maximum(state.log_scale, _shared_max(key_log_scale, -2))
+        v1 = v1 * torch.exp(key_log_scale - scale)
+    kv = state.kv * torch.exp(state.log_scale - scale) + phi_k.transpose(-2, -1) @ v1
+    return RecurrentState(kv, scale, state.position + phi_k.shape[2])
+
+
+def read_out(state: RecurrentState, phi_q: Tensor, eps: float = 1e-6) -> Tensor:
+    """Queries against a finished non-causal state: φ(Q) [S, z] -> (B, H, N, Dv)."""
+    return _ratio(phi_q @ state.kv, eps)
+
+
+def causal_block(
+    phi_q: Tensor,
+    phi_k: Tensor,
+    v: Tensor,
+    state: RecurrentState | None = None,
+    *,
+    key_log_scale: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    gate: Tensor | None = None,
+    chunk_size: int = 64,
+    eps: float = 1e-6,
+) -> tuple[Tensor, RecurrentState]:
+    """Causal attention over a block of L tokens that follows ``state``, chunkwise.
+
+    Inside each chunk of C tokens a masked C x C product; across chunks the running state. Per-key
+    scalars (stabiliser scale, 1 - g, padding, decay to the chunk end) multiply the rows of
+    [V, 1] (width Dv + 1), per-query ones multiply output rows: the only work on L x F data is
+    GEMMs. Returns the output (B, H, L, Dv) and the state after the block.
+    """
+    _check_shapes(phi_q, phi_k, v, key_log_scale)
+    if phi_q.shape[2] != phi_k.shape[2]:
+        raise ValueError(f"causal needs N == M, got {phi_q.shape[2]} and {phi_k.shape[2]}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    state = _state_for(state, phi_k, v)
+    b, h, n, f = phi_q.shape
+    chunk = chunk_size
+    v1 = _with_ones(v)
+    dv1 = v1.shape[-1]
+    log_gate = None
+    if gate is not None:
+        if gate.shape != (b, h, n):
+            raise ValueError(f"gate must be (B, H, N) = {(b, h, n)}, got {tuple(gate.shape)}")
+        v1 = v1 * (1.0 - gate)[..., None]
+        log_gate = torch.log(gate).clamp_min(LOG_GATE_FLOOR)
+    if key_padding_mask is not None:
+        pad = key_padding_mask[:, None, :]
+        v1 = v1.masked_fill(pad[..., None], 0.0)
+        if log_gate is not None:
+            log_gate = log_gate.masked_fill(pad, 0.0)  # a padded token leaves the state alone
+        if key_log_scale is not None:
+            key_log_scale = key_log_scale.masked_fill(pad[..., None], float("-inf"))
+
+    tail = (-n) % chunk
+    if tail:
+        phi_q = F.pad(phi_q, (0, 0, 0, tail))
+        phi_k = F.pad(phi_k, (0, 0, 0, tail))
+        v1 = F.pad(v1, (0, 0, 0, tail))
+        if log_gate is not None:
+            log_gate = F.pad(log_gate, (0, tail))
+        if key_log_scale is not None:
+            key_log_scale = F.pad(key_log_scale, (0, 0, 0, tail), value=float("-inf"))
+    nc = (n + tail) // chunk
+    q_c = phi_q.reshape(b, h, nc, chunk, f)
+    k_c = phi_k.reshape(b, h, nc, chunk, f)
+    v_c = v1.reshape(b, h, nc, chunk, dv1)
+
+    if key_log_scale is None:
+        chunk_max = v1.new_zeros(b, h, nc, 1, 1)
+    else:
+        ls_c = key_log_scale.reshape(b, h, nc, chunk, 1)
+        chunk_max = _shared_max(ls_c, -2)  # (B, H, nc, 1, 1)
+        v_c = v_c * torch.exp(ls_c - chunk_max)
+
+    scores = q_c @ k_c.transpose(-1, -2)  # (B, H, nc, C, C)
+    if log_gate is None:
+        intra = scores.tril_() @ v_c  # (B, H, nc, C, Dv + 1)
+        deltas = k_c.transpose(-1, -2) @ v_c  # (B, H, nc, F, Dv + 1), at scale chunk_max
+    else:
+        cum = log_gate.reshape(b, h, nc, chunk).cumsum(-1)  # inclusive, within the chunk
+        upper = torch.ones(chunk, chunk, dtype=torch.bool, device=cum.device).triu(1)
+        decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf"))
+        intra = (scores * decay.exp()) @ v_c
+        deltas = k_c.transpose(-1, -2) @ (v_c * torch.exp(cum[..., -1:] - cum)[..., None])
+
+    if log_gate is None and key_log_scale is None:
+        # All chunks at scale 0: the incoming state is brought to it, then an exclusive scan.
+        # (Not cumsum - deltas: that subtraction cancels catastrophically in the backward pass
+        # when some rows carry 1/eps gradients.)
+        start = state.kv * torch.exp(state.log_scale.clamp_max(0.0))
+        inclusive = deltas.cumsum(2)
+        states = start[:, :, None] + F.pad(inclusive[:, :, :-1], (0, 0, 0, 0, 1, 0))
+        out = intra + q_c @ states
+        final = RecurrentState(start + inclusive[:, :, -1], torch.zeros_like(state.log_scale))
+    else:
+        chunk_decay = None if log_gate is None else cum[..., -1].exp()  # (B, H, nc)
+        states, state_scale, final = _prefix_states(state, deltas, chunk_max, chunk_decay)
+        inter = q_c @ states
+        if log_gate is not None:
+            inter = inter * cum.exp()[..., None]  # decay of the entering state up to query i
+        common = torch.maximum(chunk_max, state_scale)
+        out = intra * torch.exp(chunk_max - common) + inter * torch.exp(state_scale - common)
+    final.position = state.position + n
+    return _ratio(out.reshape(b, h, nc * chunk, dv1)[:, :, :n], eps), final
+
+
+def _prefix_states(
+    state: RecurrentState, deltas: Tensor, chunk_max: Tensor, chunk_decay: Tensor | None
+) -> tuple[Tensor, Tensor, RecurrentState]:
+    """State before each chunk: S_c = a_{c-1} S_{c-1} + ΔS_{c-1}, with running-max rescaling.
+
+    ΔS_c is at log-scale chunk_max[c]; the returned S_c is at log-scale state_scale[c] (the max
+    over earlier chunks). A loop over the chunks of (F, Dv + 1) updates: the scan with
+    data-dependent factors has no overflow-free closed form.
+    """
+    kv, scale = state.kv, state.log_scale
+    states, scales = [], []
+    for c in range(deltas.shape[2]):
+        states.append(kv)
+        scales.append(scale)
+        factor = 1.0 if chunk_decay is None else chunk_decay[:, :, c, None, None]
+        new_scale = torch.maximum(scale, chunk_max[:, :, c])
+        kv = kv * (factor * torch.exp(scale - new_scale)) + deltas[:, :, c] * torch.exp(
+            chunk_max[:, :, c] - new_scale
+        )
+        scale = new_scale
+    return torch.stack(states, 2), torch.stack(scales, 2), RecurrentState(kv, scale)
+
+
+def linear_attention(
+    phi_q: Tensor,
+    phi_k: Tensor,
+    v: Tensor,
+    *,
+    key_log_scale: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    causal: bool = False,
+    gate: Tensor | None = None,
+    chunk_size: int = 64,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Kernelized attention from precomputed features, in one slice.
+
+    φ(Q) (B, H, N, F), φ(K) (B, H, M, F), V (B, H, M, Dv) -> (B, H, N, Dv).
+
+    Args:
+        key_log_scale: optional (B, H, M, 1); true key features are phi_k * exp(key_log_scale).
+        key_padding_mask: optional bool (B, M), True marks padded keys; they leave numerator
+            and denominator (and, gated, do not decay the state).
+        causal: query i sees keys j <= i (N == M); computed chunkwise (:func:`causal_block`).
+        gate: optional (B, H, N) in [0, 1], causal only (gated RFA).
+        chunk_size: C of the chunkwise causal form; any N works (the tail chunk is padded).
+        eps: floor of |denominator|.
+
+    Non-causal cost: 2·(N + M)·F·(Dv + 1) flops per (B, H), memory O((N + M)·F + F·Dv).
+    Causal adds the C x C intra-chunk products: 2·N·C·(F + Dv + 1), and (N/C)·F·(Dv + 1) states.
+    """
+    if gate is not None and not causal:
+        raise ValueError("gate needs causal=True: gated attention is a causal recurrence")
+    if causal:
+        return causal_block(
+            phi_q, phi_k, v, None, key_log_scale=key_log_scale,
+            key_padding_mask=key_padding_mask, gate=gate, chunk_size=chunk_size, eps=eps,
+        )[0]
+    _check_shapes(phi_q, phi_k, v, key_log_scale)
+    state = accumulate_keys(
+        None, phi_k, v, key_log_scale=key_log_scale, key_padding_mask=key_padding_mask
+    )
+    return read_out(state, phi_q, eps)
+
+
+def slice_tokens(batch_heads: int, feature_dim: int, chunk_size: int, slice_elements: int) -> int:
+    """Tokens per slice: about ``slice_elements`` feature values, a multiple of the chunk."""
+    tokens = max(1, slice_elements // max(1, batch_heads * feature_dim))
+    return max(chunk_size, tokens // chunk_size * chunk_size)
+
+
+def kernelized_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    features: FeatureFn,
+    *,
+    feature_dim: int,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    gate: Tensor | None = None,
+    chunk_size: int = 64,
+    eps: float = 1e-6,
+    slice_elements: int = SLICE_ELEMENTS,
+) -> Tensor:
+    """Kernelized attention from raw q, k, v, computing ``features`` slice by slice.
+
+    q (B, H, N, D), k (B, H, M, D), v (B, H, M, Dv) -> (B, H, N, Dv). ``features(x, is_query=)``
+    returns (φ, key_log_scale); ``feature_dim`` is its width F, used to size the slices.
+    Same result as :func:`linear_attention` on the full feature tensors (up to rounding), with
+    peak memory O(S·F + F·Dv) instead of O(N·F) when no gradient is recorded.
+    """
+    if gate is not None and not causal:
+        raise ValueError("gate needs causal=True: gated attention is a causal recurrence")
+    b, h, n = q.shape[:3]
+    m = k.shape[2]
+    step = slice_tokens(b * h, feature_dim, chunk_size, slice_elements)
+
+    def piece(t: Tensor | None, s: int, dim: int) -> Tensor | None:
+        return None if t is None else t.narrow(dim, s, min(step, t.shape[dim] - s))
+
+    if causal:
+        return kernelized_causal(
+            q, k, v, features, feature_dim=feature_dim, key_padding_mask=key_padding_mask,
+            gate=gate, chunk_size=chunk_size, eps=eps, slice_elements=slice_elements,
+        )[0]
+    state = None
+    for s in range(0, m, step):
+        phi_k, log_scale = features(piece(k, s, 2), is_query=False)
+        state = accumulate_keys(
+            state, phi_k, piece(v, s, 2), key_log_scale=log_scale,
+            key_padding_mask=piece(key_padding_mask, s, 1),
+        )
+    outs = [read_out(state, features(piece(q, s, 2), is_query=True)[0], eps)
+            for s in range(0, n, step)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
+
+
+def kernelized_causal(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    features: FeatureFn,
+    state: RecurrentState | None = None,
+    *,
+    feature_dim: int,
+    key_padding_mask: Tensor | None = None,
+    gate: Tensor | None = None,
+    chunk_size: int = 64,
+    eps: float = 1e-6,
+    slice_elements: int = SLICE_ELEMENTS,
+) -> tuple[Tensor, RecurrentState]:
+    """Causal :func:`kernelized_attention` that continues ``state`` and returns the state after.
+
+    This is prefill for decoding: the prompt runs chunkwise, and decoding picks up the state.
+    """
+    b, h, n = q.shape[:3]
+    if k.shape[2] != n:
+        raise ValueError(f"causal needs N == M, got {n} and {k.shape[2]}")
+    if gate is not None and gate.shape != (b, h, n):
+        raise ValueError(f"gate must be (B, H, N) = {(b, h, n)}, got {tuple(gate.shape)}")
+    step = slice_tokens(b * h, feature_dim, chunk_size, slice_elements)
+    outs = []
+    for s in range(0, n, step):
+        width = min(step, n - s)
+
+        def piece(t: Tensor | None, dim: int, s: int = s, width: int = width) -> Tensor | None:
+            return None if t is None else t.narrow(dim, s, width)
+
+        phi_q, _ = features(piece(q, 2), is_query=True)
+        phi_k, log_scale = features(piece(k, 2), is_query=False)
+        out, state = causal_block(
+            phi_q, phi_k, piece(v, 2), state, key_log_scale=log_scale,
+            key_padding_mask=piece(key_padding_mask, 1), gate=piece(gate, 2),
+            chunk_size=chunk_size, eps=eps,
+        )
+        outs.append(out)
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), state
+
+
+def linear_attention_step(
+    phi_q: Tensor,
+    phi_k: Tensor,
+    v: Tensor,
+    state: RecurrentState | None,
+    *,
+    key_log_scale: Tensor | None = None,
+    gate: Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[Tensor, RecurrentState]:
+    """One recurrent step: φ(q_t), φ(k_t) (B, H, 1, F), v_t (B, H, 1, Dv) -> (B, H, 1, Dv), state.
+
+    S_t = g_t S_{t-1} + (1 - g_t) φ(k_t) v_t^T (g_t = 1, no (1 - g) factor, when ungated),
+    o_t = φ(q_t) S_t / φ(q_t) z_t. Matches :func:`causal_block` token by token, without its
+    chunk machinery (this is the decoding hot loop).
+    """
+    _check_shapes(phi_q, phi_k, v, key_log_scale)
+    state = _state_for(state, phi_k, v)
+    log_scale = key_log_scale if key_log_scale is not None else torch.zeros_like(state.log_scale)
+    new_scale = torch.maximum(state.log_scale, log_scale)
+    decay = torch.exp(state.log_scale - new_scale)
+    v1 = _with_ones(v)
+    if gate is not None:
+        if gate.shape != phi_k.shape[:3]:
+            raise ValueError(
+                f"gate must be (B, H, 1) = {tuple(phi_k.shape[:3])}, got {tuple(gate.shape)}"
+            )
+        g = gate[..., None]
+        decay = decay * g
+        v1 = v1 * (1.0 - g)
+    update = phi_k.transpose(-2, -1) @ (v1 * torch.exp(log_scale - new_scale))
+    kv = state.kv * decay + update
+    return _ratio(phi_q @ kv, eps), RecurrentState(kv, new_scale, state.position + 1)

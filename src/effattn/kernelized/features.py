@@ -1,0 +1,93 @@
+"""Feature maps φ of kernelized attention, in the form the core consumes.
+
+Every map returns ``(phi, log_scale)``. For keys, the true features are
+``phi * exp(log_scale)`` with log_scale (..., L, 1) or None. For queries, any factor shared by
+all features of one query cancels between numerator and denominator, so query features are
+returned with such factors dropped (log_scale None): a per-row max for exponential maps, the
+exp(|q|²/2) of trigonometric ones, the 1/sqrt(F) normalisations everywhere. The true,
+unnormalised features are written out in ``effattn.reference`` for the tests.
+
+x is (B, H, L, D); for softmax-kernel maps it is already multiplied by sqrt(scale), so that
+x̃_q · x̃_k = scale · q · k. w is the (F, D) projection. Shapes of phi: (B, H, L, F) or
+(B, H, L, 2F) for the maps that pair features (hyperbolic, trig, sincos).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+Features = tuple[Tensor, Tensor | None]
+
+
+def project(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (..., L, D) @ w^T (D, F) [+ bias (F,)] as one 2-D GEMM (addmm folds the bias in)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    u = torch.mm(x2, w.T) if bias is None else torch.addmm(bias, x2, w.T)
+    return u.view(*x.shape[:-1], w.shape[0])
+
+
+def _paired(w: Tensor) -> tuple[Tensor, Tensor]:
+    """[w; w] and the phase [0, π/2]: sin(u + π/2) = cos(u), so sin/cos pairs are one GEMM."""
+    f = w.shape[0]
+    phase = torch.cat([w.new_zeros(f), w.new_full((f,), math.pi / 2)])
+    return torch.cat([w, w]), phase
+
+
+def _exp_normalised(u: Tensor) -> tuple[Tensor, Tensor]:
+    """exp(u - rowmax), in place on u, and the row max (detached: it cancels)."""
+    with torch.no_grad():
+        m = u.amax(-1, keepdim=True)
+    return u.sub_(m).exp_(), m
+
+
+def _half_sq_norm(x: Tensor) -> Tensor:
+    return 0.5 * (x * x).sum(-1, keepdim=True)
+
+
+def positive(x: Tensor, w: Tensor, *, is_query: bool) -> Features:
+    """FAVOR+ positive features: φ(x) = F^(-1/2) exp(w x - |x|²/2)  (Choromanski et al. 2020)."""
+    phi, m = _exp_normalised(project(x, w))
+    return (phi, None) if is_query else (phi, m - _half_sq_norm(x))
+
+
+def hyperbolic(x: Tensor, w: Tensor, *, is_query: bool) -> Features:
+    """φ(x) = (2F)^(-1/2) exp(-|x|²/2) [exp(w x), exp(-w x)]: antithetic positive features."""
+    phi, m = _exp_normalised(project(x, torch.cat([w, -w])))
+    return (phi, None) if is_query else (phi, m - _half_sq_norm(x))
+
+
+def trig(x: Tensor, w: Tensor, *, is_query: bool) -> Features:
+    """φ(x) = F^(-1/2) exp(|x|²/2) [sin(w x), cos(w x)]: the paper's trigonometric features."""
+    phi = project(x, *_paired(w)).sin_()
+    return phi, None if is_query else _half_sq_norm(x)
+
+
+def relu(x: Tensor, w: Tensor, *, is_query: bool) -> Features:
+    """Performer's generalised attention: φ(x) = relu(w x) + 1e-3 (not a softmax estimator)."""
+    # clamp_min saves its input for backward (relu saves its output, which add_ would clobber).
+    return project(x, w).clamp_min(0.0).add_(1e-3), None
+
+
+def random_phase_cos(x: Tensor, w: Tensor, phase: Tensor, *, is_query: bool) -> Features:
+    """Original FAVOR: φ(x) = sqrt(2/F) exp(|x|²/2) cos(w x + b), b ~ U(0, 2π)."""
+    phi = project(x, w, phase).cos_()
+    return phi, None if is_query else _half_sq_norm(x)
+
+
+def sincos(x_unit: Tensor, w: Tensor) -> Features:
+    """RFA: φ(x) = F^(-1/2) [sin(w x), cos(w x)] on unit-norm x (Rahimi & Recht 2007)."""
+    return project(x_unit, *_paired(w)).sin_(), None
+
+
+def arccos(x_unit: Tensor, w: Tensor) -> Features:
+    """RFA's arc-cosine variant: φ(x) = sqrt(2/F) relu(w x) (arc-cosine kernel of order 1)."""
+    return project(x_unit, w).relu_(), None
+
+
+def elu_plus_one(x: Tensor) -> Features:
+    """Linear transformer (Katharopoulos et al. 2020): φ(x) = elu(x) + 1."""
+    return F.elu(x).add_(1.0), None

@@ -1,0 +1,177 @@
+"""The module shared by kernelized methods: features -> core, redraw policy, recurrent step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from effattn.base import AttentionMethod, compute_dtype
+from effattn.kernelized.core import (
+    SLICE_ELEMENTS,
+    RecurrentState,
+    kernelized_attention,
+    kernelized_causal,
+    linear_attention_step,
+)
+from effattn.kernelized.features import Features
+from effattn.kernelized.random import make_generator
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
+class KernelizedAttention(AttentionMethod):
+    """Base of kernelized methods: subclasses define :meth:`features` (and random draws).
+
+    Random features are drawn from a generator seeded by ``seed`` and redrawn in training mode
+    every ``redraw_interval`` forward calls (None: never); never in eval mode or in ``step``.
+    ``chunk_size`` is the C of the causal chunkwise form. Inputs in fp16/bf16 are computed in
+    fp32; the output comes back in the input dtype.
+    """
+
+    gated: bool = False
+    # Feature values per slice of the sequence (see kernelized.core); tests shrink it.
+    slice_elements: int = SLICE_ELEMENTS
+
+    def __init__(
+        self,
+        head_dim: int,
+        heads: int,
+        max_len: int | None = None,
+        seed: int | None = None,
+        scale: float | None = None,
+        *,
+        redraw_interval: int | None = None,
+        chunk_size: int = 64,
+        eps: float = 1e-6,
+    ) -> None:
+        super().__init__(head_dim, heads, max_len, seed, scale)
+        if redraw_interval is not None:
+            check_positive_int("redraw_interval", redraw_interval)
+        self.redraw_interval = redraw_interval
+        self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        self.eps = eps
+        self._generator = make_generator(seed)
+        self._calls = 0
+
+    @property
+    def feature_dim(self) -> int:
+        """F of φ(x), the width of the state (B, H, F, Dv + 1)."""
+        raise NotImplementedError
+
+    def features(self, x: Tensor, *, is_query: bool) -> Features:
+        """φ of queries or keys in the core's convention (see kernelized.features)."""
+        raise NotImplementedError
+
+    def redraw(self) -> None:
+        """Draw fresh random features from the module's generator (no-op for deterministic maps)."""
+
+    def _maybe_redraw(self) -> None:
+        if not self.training:
+            return
+        interval = self.redraw_interval
+        if interval is not None and self._calls and self._calls % interval == 0:
+            self.redraw()
+        self._calls += 1
+
+    def _check_gate(self, gate: Tensor | None, causal: bool, shape: torch.Size) -> None:
+        if not self.gated:
+            if gate is not None:
+                raise ValueError(f"{self.spec.name}: gate is only taken by rfa with gated=True")
+            return
+        if gate is None:
+            raise ValueError(f"{self.spec.name} with gated=True needs gate (B, H, N) in the call")
+        if not causal:
+            raise ValueError(
+                f"{self.spec.name} with gated=True needs causal=True: "
+                "the gate is a causal recurrence"
+            )
+        if not isinstance(gate, Tensor) or not gate.is_floating_point():
+            raise ValueError(f"gate must be a floating-point tensor, got {type(gate).__name__}")
+        if gate.shape != shape:
+            raise ValueError(f"gate must be (B, H, N) = {tuple(shape)}, got {tuple(gate.shape)}")
+        if not torch.isfinite(gate).all() or gate.min() < 0 or gate.max() > 1:
+            raise ValueError("gate values must lie in [0, 1]")
+
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        gate: Tensor | None = None,
+    ) -> Tensor:
+        self._check_gate(gate, causal, q.shape[:3])
+        self._maybe_redraw()
+        dt = compute_dtype(q.dtype)
+        return kernelized_attention(
+            q.to(dt),
+            k.to(dt),
+            v.to(dt),
+            self.features,
+            feature_dim=self.feature_dim,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            gate=None if gate is None else gate.to(dt),
+            chunk_size=self.chunk_size,
+            eps=self.eps,
+            slice_elements=self.slice_elements,
+        )
+
+    def _step(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        state: RecurrentState | None,
+        gate: Tensor | None = None,
+    ) -> tuple[Tensor, RecurrentState]:
+        self._check_gate(gate, True, q.shape[:3])
+        dt = compute_dtype(q.dtype)
+        phi_q, _ = self.features(q.to(dt), is_query=True)
+        phi_k, log_scale = self.features(k.to(dt), is_query=False)
+        return linear_attention_step(
+            phi_q,
+            phi_k,
+            v.to(dt),
+            state,
+            key_log_scale=log_scale,
+            gate=None if gate is None else gate.to(dt),
+            eps=self.eps,
+        )
+
+    def _prefill(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        state: RecurrentState | None,
+        gate: Tensor | None = None,
+    ) -> tuple[Tensor, RecurrentState]:
+        self._check_gate(gate, True, q.shape[:3])
+        dt = compute_dtype(q.dtype)
+        return kernelized_causal(
+            q.to(dt),
+            k.to(dt),
+            v.to(dt),
+            self.features,
+            state,
+            feature_dim=self.feature_dim,
+            gate=None if gate is None else gate.to(dt),
+            chunk_size=self.chunk_size,
+            eps=self.eps,
+            slice_elements=self.slice_elements,
+        )

@@ -1,0 +1,115 @@
+"""Original FAVOR: trigonometric random features with a random phase (Choromanski et al. 2020,
+"Masked Language Modeling for Proteins via Linearly Scalable Long-Context Transformers").
+
+φ(x) = sqrt(2/F) exp(|x|²/2) cos(w x + b), w ~ N(0, I) (orthogonal blocks by default),
+b ~ U(0, 2π): E[φ(x)·φ(y)] = exp(x·y) on x = q·sqrt(scale), y = k·sqrt(scale).
+Features can be negative, so the normaliser can approach 0 (the reason FAVOR+ replaced it).
+q, k: (B, H, N|M, D), v: (B, H, M, Dv) -> (B, H, N, Dv).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from effattn.kernelized import features as fm
+from effattn.kernelized.core import kernelized_attention
+from effattn.kernelized.layer import KernelizedAttention, check_positive_int
+from effattn.kernelized.random import gaussian_projection
+from effattn.registry import MethodSpec, register
+
+
+def favor_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    projection: Tensor,
+    phase: Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+) -> Tensor:
+    """FAVOR with projection (F, D) and phase (F,); see the module docstring."""
+    root = math.sqrt(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    w, b = projection.to(q.dtype), phase.to(q.dtype)
+
+    def features(x: Tensor, *, is_query: bool) -> fm.Features:
+        return fm.random_phase_cos(x * root, w, b, is_query=is_query)
+
+    return kernelized_attention(
+        q, k, v, features, feature_dim=w.shape[0], causal=causal,
+        key_padding_mask=key_padding_mask, chunk_size=chunk_size,
+    )
+
+
+class FavorAttention(KernelizedAttention):
+    """FAVOR with ``num_features`` random-phase cosine features."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        heads: int,
+        max_len: int | None = None,
+        seed: int | None = None,
+        scale: float | None = None,
+        *,
+        num_features: int = 256,
+        orthogonal: bool = True,
+        redraw_interval: int | None = 1000,
+        chunk_size: int = 64,
+    ) -> None:
+        super().__init__(head_dim, heads, max_len, seed, scale,
+                         redraw_interval=redraw_interval, chunk_size=chunk_size)
+        self.num_features = check_positive_int("num_features", num_features)
+        self.orthogonal = bool(orthogonal)
+        w, b = self._draw()
+        self.register_buffer("projection", w)
+        self.register_buffer("phase", b)
+
+    def _draw(self) -> tuple[Tensor, Tensor]:
+        w = gaussian_projection(
+            self.num_features, self.head_dim, orthogonal=self.orthogonal, generator=self._generator
+        )
+        b = torch.rand(self.num_features, generator=self._generator, dtype=torch.float64)
+        return w, (2 * math.pi * b).float()
+
+    def redraw(self) -> None:
+        w, b = self._draw()
+        self.projection.copy_(w)
+        self.phase.copy_(b)
+
+    @property
+    def feature_dim(self) -> int:
+        return self.num_features
+
+    def features(self, x: Tensor, *, is_query: bool) -> fm.Features:
+        return fm.random_phase_cos(
+            x * math.sqrt(self.scale), self.projection.to(x.dtype), self.phase.to(x.dtype),
+            is_query=is_query,
+        )
+
+
+register(
+    MethodSpec(
+        name="favor",
+        summary="original FAVOR: random-phase cosine features for the softmax kernel",
+        paper="Choromanski et al. 2020, Masked Language Modeling for Proteins via Linearly "
+        "Scalable Long-Context Transformers",
+        complexity="O((N + M) F D) time, O((N + M) F + F D) memory",
+        causal=True,
+        padding_mask=True,
+        cross=True,
+        decoding=True,
+        options={
+            "num_features": 256,
+            "orthogonal": True,
+            "redraw_interval": 1000,
+            "chunk_size": 64,
+        },
+    ),
+    FavorAttention,
+)

@@ -1,0 +1,74 @@
+"""Linear transformer (Katharopoulos et al. 2020, "Transformers are RNNs").
+
+φ(x) = elu(x) + 1; out_i = φ(q_i) Σ_j φ(k_j) v_j^T / φ(q_i) Σ_j φ(k_j), causal as the
+recurrence S_t = S_{t-1} + φ(k_t) v_t^T. Not a softmax estimator, so ``scale`` has no effect.
+q, k: (B, H, N|M, D), v: (B, H, M, Dv) -> (B, H, N, Dv).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from effattn.kernelized import features as fm
+from effattn.kernelized.core import kernelized_attention
+from effattn.kernelized.layer import KernelizedAttention
+from effattn.registry import MethodSpec, register
+
+
+def linear_transformer_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    chunk_size: int = 64,
+) -> Tensor:
+    """elu + 1 linear attention; see the module docstring."""
+    def features(x: Tensor, *, is_query: bool) -> fm.Features:
+        return fm.elu_plus_one(x)
+
+    return kernelized_attention(
+        q, k, v, features, feature_dim=q.shape[-1], causal=causal,
+        key_padding_mask=key_padding_mask, chunk_size=chunk_size,
+    )
+
+
+class LinearTransformerAttention(KernelizedAttention):
+    """Deterministic elu + 1 features: F = D, nothing to draw."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        heads: int,
+        max_len: int | None = None,
+        seed: int | None = None,
+        scale: float | None = None,
+        *,
+        chunk_size: int = 64,
+    ) -> None:
+        super().__init__(head_dim, heads, max_len, seed, scale, chunk_size=chunk_size)
+
+    @property
+    def feature_dim(self) -> int:
+        return self.head_dim
+
+    def features(self, x: Tensor, *, is_query: bool) -> fm.Features:
+        return fm.elu_plus_one(x)
+
+
+register(
+    MethodSpec(
+        name="linear",
+        summary="linear transformer: elu(x) + 1 feature map",
+        paper="Katharopoulos et al. 2020, Transformers are RNNs: Fast Autoregressive "
+        "Transformers with Linear Attention",
+        complexity="O((N + M) D^2) time, O((N + M) D + D^2) memory",
+        causal=True,
+        padding_mask=True,
+        cross=True,
+        decoding=True,
+        options={"chunk_size": 64},
+    ),
+    LinearTransformerAttention,
+)

@@ -1,0 +1,126 @@
+"""Performer / FAVOR+ (Choromanski et al. 2020, "Rethinking Attention with Performers").
+
+softmax(scale · q k^T) v is estimated with random features φ so that
+E[φ(q̃)·φ(k̃)] = exp(q̃·k̃), q̃ = q·sqrt(scale), k̃ = k·sqrt(scale); then
+out = φ(Q)(φ(K)^T [V, 1]) normalised by its last column, in O((N + M)·F·D).
+
+Feature maps (see kernelized.features): "positive" exp(w x - |x|²/2) (FAVOR+, default),
+"hyperbolic" (antithetic pairs, 2F features), "trig" (sin/cos, 2F features, unbounded
+variance near small kernel values), "relu" (generalised attention, not a softmax estimator).
+q, k: (B, H, N|M, D), v: (B, H, M, Dv) -> (B, H, N, Dv). One projection (F, D) shared by heads.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import Tensor
+
+from effattn.kernelized import features as fm
+from effattn.kernelized.core import kernelized_attention
+from effattn.kernelized.layer import KernelizedAttention, check_choice, check_positive_int
+from effattn.kernelized.random import gaussian_projection
+from effattn.registry import MethodSpec, register
+
+FEATURE_MAPS = {
+    "positive": fm.positive,
+    "hyperbolic": fm.hyperbolic,
+    "trig": fm.trig,
+    "relu": fm.relu,
+}
+
+
+def performer_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    projection: Tensor,
+    *,
+    feature_map: str = "positive",
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+) -> Tensor:
+    """FAVOR+ attention with the given (F, D) projection; see the module docstring."""
+    root = math.sqrt(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    phi = FEATURE_MAPS[feature_map]
+    w = projection.to(q.dtype)
+
+    def features(x: Tensor, *, is_query: bool) -> fm.Features:
+        return phi(x * root, w, is_query=is_query)
+
+    paired = feature_map in ("hyperbolic", "trig")
+    return kernelized_attention(
+        q, k, v, features, feature_dim=w.shape[0] * (2 if paired else 1), causal=causal,
+        key_padding_mask=key_padding_mask, chunk_size=chunk_size,
+    )
+
+
+class PerformerAttention(KernelizedAttention):
+    """FAVOR+ with ``num_features`` random projections (orthogonal by default)."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        heads: int,
+        max_len: int | None = None,
+        seed: int | None = None,
+        scale: float | None = None,
+        *,
+        num_features: int = 256,
+        feature_map: str = "positive",
+        orthogonal: bool = True,
+        redraw_interval: int | None = 1000,
+        chunk_size: int = 64,
+    ) -> None:
+        super().__init__(head_dim, heads, max_len, seed, scale,
+                         redraw_interval=redraw_interval, chunk_size=chunk_size)
+        self.num_features = check_positive_int("num_features", num_features)
+        self.feature_map = check_choice("feature_map", feature_map, tuple(FEATURE_MAPS))
+        self.orthogonal = bool(orthogonal)
+        self.register_buffer("projection", self._draw())
+
+    def _draw(self) -> Tensor:
+        return gaussian_projection(
+            self.num_features, self.head_dim, orthogonal=self.orthogonal, generator=self._generator
+        )
+
+    def redraw(self) -> None:
+        self.projection.copy_(self._draw())
+
+    @property
+    def feature_dim(self) -> int:
+        paired = self.feature_map in ("hyperbolic", "trig")
+        return self.num_features * (2 if paired else 1)
+
+    def features(self, x: Tensor, *, is_query: bool) -> fm.Features:
+        return FEATURE_MAPS[self.feature_map](
+            x * math.sqrt(self.scale), self.projection.to(x.dtype), is_query=is_query
+        )
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, num_features={self.num_features}, "
+                f"feature_map={self.feature_map!r}, orthogonal={self.orthogonal}")
+
+
+register(
+    MethodSpec(
+        name="performer",
+        summary="FAVOR+: positive orthogonal random features for the softmax kernel",
+        paper="Choromanski et al. 2020, Rethinking Attention with Performers (ICLR 2021)",
+        complexity="O((N + M) F D) time, O((N + M) F + F D) memory",
+        causal=True,
+        padding_mask=True,
+        cross=True,
+        decoding=True,
+        options={
+            "num_features": 256,
+            "feature_map": "positive",
+            "orthogonal": True,
+            "redraw_interval": 1000,
+            "chunk_size": 64,
+        },
+    ),
+    PerformerAttention,
+)

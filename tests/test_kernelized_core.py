@@ -1,0 +1,190 @@
+"""The shared linear-attention core against its dense reference (float64)."""
+
+import pytest
+import torch
+
+from effattn import reference as R
+from effattn.kernelized.core import (
+    RecurrentState,
+    linear_attention,
+    linear_attention_step,
+)
+
+
+def features(b=2, h=3, n=63, m=None, f=10, dv=5, seed=0, signed=False):
+    g = torch.Generator().manual_seed(seed)
+    m = n if m is None else m
+    phi_q = torch.rand(b, h, n, f, generator=g, dtype=torch.float64)
+    phi_k = torch.rand(b, h, m, f, generator=g, dtype=torch.float64)
+    if signed:  # trigonometric maps give signed features
+        phi_q, phi_k = phi_q - 0.3, phi_k - 0.3
+    v = torch.randn(b, h, m, dv, generator=g, dtype=torch.float64)
+    log_scale = 3 * torch.randn(b, h, m, 1, generator=g, dtype=torch.float64)
+    gate = 0.3 + 0.7 * torch.rand(b, h, n, generator=g, dtype=torch.float64)
+    return phi_q, phi_k, v, log_scale, gate
+
+
+def pad_mask(b, m):
+    mask = torch.zeros(b, m, dtype=torch.bool)
+    mask[0, : max(1, m // 6)] = m > 1
+    mask[-1, m - max(1, m // 4) :] = m > 1
+    return mask
+
+
+CASES = [
+    dict(causal=False, scaled=False, gated=False),
+    dict(causal=False, scaled=True, gated=False),
+    dict(causal=True, scaled=False, gated=False),
+    dict(causal=True, scaled=True, gated=False),
+    dict(causal=True, scaled=False, gated=True),
+    dict(causal=True, scaled=True, gated=True),
+]
+
+
+def _case_id(case):
+    return "-".join(k for k, on in case.items() if on) or "plain"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("n, chunk", [(1, 64), (63, 16), (257, 64), (100, 7)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_core_matches_reference_outputs_and_gradients(case, n, chunk, padded):
+    phi_q, phi_k, v, ls, gate = features(n=n)
+    inputs = [phi_q, phi_k, v, ls, gate]
+    for t in inputs:
+        t.requires_grad_(True)
+    kwargs = dict(
+        key_log_scale=ls if case["scaled"] else None,
+        key_padding_mask=pad_mask(2, n) if padded else None,
+        causal=case["causal"],
+        gate=gate if case["gated"] else None,
+        chunk_size=chunk,
+    )
+    out = linear_attention(phi_q, phi_k, v, **kwargs)
+    ref = R.kernel_attention(phi_q, phi_k, v, **kwargs)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    probe = torch.randn_like(out)
+    used = [t for t, on in zip(inputs, [1, 1, 1, case["scaled"], case["gated"]], strict=True) if on]
+    g_out = torch.autograd.grad((out * probe).sum(), used)
+    g_ref = torch.autograd.grad((ref * probe).sum(), used)
+    for a, b in zip(g_out, g_ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("n, m", [(17, 40), (40, 3)])
+def test_cross_attention_with_padding(n, m):
+    phi_q, _, _, _, _ = features(n=n)
+    _, phi_k, v, ls, _ = features(n=m, seed=1)
+    mask = pad_mask(2, m)
+    out = linear_attention(phi_q, phi_k, v, key_log_scale=ls, key_padding_mask=mask)
+    ref = R.kernel_attention(phi_q, phi_k, v, key_log_scale=ls, key_padding_mask=mask)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_signed_features_keep_the_sign_of_the_denominator():
+    phi_q, phi_k, v, _, _ = features(n=40, signed=True)
+    out = linear_attention(phi_q, phi_k, v, causal=True, chunk_size=8)
+    ref = R.kernel_attention(phi_q, phi_k, v, causal=True)
+    torch.testing.assert_close(out, ref, rtol=1e-8, atol=1e-8)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_step_equals_causal_forward_and_state_is_fixed_size(gated):
+    phi_q, phi_k, v, ls, gate = features(n=50)
+    full = linear_attention(
+        phi_q, phi_k, v, key_log_scale=ls, causal=True, gate=gate if gated else None, chunk_size=8
+    )
+    state, outs, sizes = None, [], set()
+    for t in range(50):
+        o, state = linear_attention_step(
+            phi_q[:, :, t : t + 1], phi_k[:, :, t : t + 1], v[:, :, t : t + 1], state,
+            key_log_scale=ls[:, :, t : t + 1], gate=gate[:, :, t : t + 1] if gated else None,
+        )
+        outs.append(o)
+        sizes.add(state.nbytes())
+    torch.testing.assert_close(torch.cat(outs, 2), full, rtol=1e-10, atol=1e-10)
+    assert isinstance(state, RecurrentState) and state.position == 50 and len(sizes) == 1
+    assert state.s.shape == (2, 3, 10, 5) and state.z.shape == (2, 3, 10)
+
+
+def test_causal_has_no_future_leakage_even_through_the_stabiliser():
+    phi_q, phi_k, v, ls, gate = features(n=64)
+    out = linear_attention(phi_q, phi_k, v, key_log_scale=ls, causal=True, gate=gate, chunk_size=16)
+    phi_k2, v2, ls2 = phi_k.clone(), v.clone(), ls.clone()
+    phi_k2[:, :, 40:] = 5.0
+    v2[:, :, 40:] = -7.0
+    ls2[:, :, 48:] += 60.0  # a huge future key scale must not swamp earlier chunks
+    out2 = linear_attention(
+        phi_q, phi_k2, v2, key_log_scale=ls2, causal=True, gate=gate, chunk_size=16
+    )
+    torch.testing.assert_close(out2[:, :, :40], out[:, :, :40], rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(out2[:, :, 40:], out[:, :, 40:])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_keys_never_change_the_output(causal):
+    phi_q, phi_k, v, ls, _ = features(n=45)
+    mask = pad_mask(2, 45)
+    out = linear_attention(phi_q, phi_k, v, key_log_scale=ls, key_padding_mask=mask, causal=causal)
+    keep = ~mask[:, None, :, None]
+    phi_k2 = torch.where(keep, phi_k, 100.0)
+    v2 = torch.where(keep, v, 1e3)
+    ls2 = torch.where(keep, ls, 50.0)
+    out2 = linear_attention(
+        phi_q, phi_k2, v2, key_log_scale=ls2, key_padding_mask=mask, causal=causal
+    )
+    torch.testing.assert_close(out, out2, rtol=1e-12, atol=1e-12)
+
+
+def test_fully_padded_query_rows_are_zero():
+    phi_q, phi_k, v, ls, _ = features(n=12)
+    mask = torch.zeros(2, 12, dtype=torch.bool)
+    mask[0] = True
+    out = linear_attention(phi_q, phi_k, v, key_log_scale=ls, key_padding_mask=mask)
+    assert torch.isfinite(out).all() and out[0].abs().max() == 0
+
+
+def test_core_error_paths():
+    phi_q, phi_k, v, ls, gate = features(n=8)
+    with pytest.raises(ValueError, match="gate needs causal"):
+        linear_attention(phi_q, phi_k, v, gate=gate)
+    with pytest.raises(ValueError, match="feature dim"):
+        linear_attention(phi_q[..., :3], phi_k, v)
+    with pytest.raises(ValueError, match="key_log_scale"):
+        linear_attention(phi_q, phi_k, v, key_log_scale=ls[..., 0])
+    with pytest.raises(ValueError, match="chunk_size"):
+        linear_attention(phi_q, phi_k, v, causal=True, chunk_size=0)
+    with pytest.raises(ValueError, match="gate must be"):
+        linear_attention(phi_q, phi_k, v, causal=True, gate=gate[..., :3])
+    with pytest.raises(ValueError, match="RecurrentState"):
+        linear_attention_step(phi_q[:, :, :1], phi_k[:, :, :1], v[:, :, :1], state=(1, 2))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_sliced_driver_equals_one_slice(causal, scaled):
+    from effattn.kernelized.core import kernelized_attention, slice_tokens
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 70, 6, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 3, 70 if causal else 33, 6, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 3, k.shape[2], 4, generator=g, dtype=torch.float64)
+    w = torch.randn(9, 6, generator=g, dtype=torch.float64)
+
+    def feats(x, *, is_query):
+        u = x @ w.T
+        if not scaled:
+            return torch.exp(u / 4), None
+        m = u.amax(-1, keepdim=True)
+        return torch.exp(u - m), (None if is_query else m + 5 * x[..., :1])
+
+    gate = 0.5 + 0.5 * torch.rand(2, 3, 70, generator=g, dtype=torch.float64) if causal else None
+    mask = pad_mask(2, k.shape[2])
+    phi_q, _ = feats(q, is_query=True)
+    phi_k, ls = feats(k, is_query=False)
+    whole = linear_attention(phi_q, phi_k, v, key_log_scale=ls, key_padding_mask=mask,
+                             causal=causal, gate=gate, chunk_size=8)
+    assert slice_tokens(6, 9, 8, 200) == 8
+    sliced = kernelized_attention(q, k, v, feats, feature_dim=9, key_padding_mask=mask,
+                                  causal=causal, gate=gate, chunk_size=8, slice_elements=200)
+    torch.testing.assert_close(sliced, whole, rtol=1e-10, atol=1e-10)
