@@ -45,7 +45,7 @@ def test_every_method_learns_a_fixed_batch(method, options):
         model = EncoderClassifier(12, 4, 16, 2, 1, method, max_len=24, seed=0, **options)
         inputs = torch.randint(1, 12, (8, 24), generator=g)
         losses = _fit(model, inputs, torch.randint(0, 4, (8,), generator=g))
-        assert losses[-1] < 0.7 * losses[0], losses
+        assert losses[-1] < 0.85 * losses[0], losses
     if effattn.spec(method).causal:
         model = DecoderLM(12, 16, 2, 1, method, max_len=24, seed=0, **options)
         tokens = torch.randint(0, 12, (4, 25), generator=g)

@@ -2,7 +2,8 @@
 
 A run lives in its own directory:
 
-- ``checkpoint.pt``: model, optimizer, step, RNG states (torch, Python), training time; written
+- ``checkpoint.pt``: model, optimizer, step, RNG states (torch, Python, and the generators that
+  methods keep for redrawing random features), training time; written
   atomically (temporary file + ``os.replace``) every ``checkpoint_every`` steps and at the end.
 - ``train.log``: human-readable log; ``log.jsonl``: one JSON record per logged step or evaluation.
 - ``results.json``: configuration, capabilities, held-out metrics, speed and memory; atomic.
@@ -41,7 +42,7 @@ from effattn.tasks.data import TASKS, Task, make_task, score
 MODEL_DEFAULTS = {"d_model": 64, "layers": 2, "heads": 4, "batch_size": 16}
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "listops": {"seq_len": 256, "steps": 500, "lr": 2e-3},
-    "charlm": {"seq_len": 256, "steps": 500, "lr": 2e-3},
+    "charlm": {"seq_len": 256, "steps": 500, "lr": 5e-3},
     "recall": {"seq_len": 128, "steps": 600, "lr": 2e-3},
     "copy": {"seq_len": 64, "steps": 600, "lr": 2e-3},
 }
@@ -217,6 +218,36 @@ class _PeakMemory:
         return max(0, peak - self.base)
 
 
+def hidden_state(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Mutable state that modules keep outside their ``state_dict``: ``torch.Generator``
+    attributes (random features redrawn during training) and private int counters (calls since
+    the last redraw). A resumed run must restore them to redraw exactly what an uninterrupted run
+    would."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, module in model.named_modules():
+        saved = {}
+        for attr, value in vars(module).items():
+            if isinstance(value, torch.Generator):
+                saved[attr] = value.get_state()
+            elif attr.startswith("_") and type(value) is int:
+                saved[attr] = value
+        if saved:
+            out[name] = saved
+    return out
+
+
+def load_hidden_state(model: nn.Module, state: dict[str, dict[str, Any]]) -> None:
+    """Restore what :func:`hidden_state` saved (same model structure)."""
+    modules = dict(model.named_modules())
+    for name, saved in state.items():
+        for attr, value in saved.items():
+            current = getattr(modules[name], attr)
+            if isinstance(current, torch.Generator):
+                current.set_state(value)
+            else:
+                setattr(modules[name], attr, value)
+
+
 def _config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     return [f"{k}: checkpoint {saved.get(k)!r} != now {current.get(k)!r}"
             for k in sorted(set(saved) | set(current))
@@ -286,6 +317,7 @@ def train(
     step, train_time, peak, losses = 0, 0.0, 0, []
     if saved is not None:
         model.load_state_dict(saved["model"])
+        load_hidden_state(model, saved["hidden"])
         optimizer.load_state_dict(saved["optimizer"])
         step, train_time, peak, losses = (saved["step"], saved["train_time"], saved["peak_bytes"],
                                           saved["losses"])
@@ -297,6 +329,7 @@ def train(
 
     def save_checkpoint() -> None:
         state = {"config": dataclasses.asdict(cfg), "model": model.state_dict(),
+                 "hidden": hidden_state(model),
                  "optimizer": optimizer.state_dict(), "step": step, "train_time": train_time,
                  "peak_bytes": peak, "losses": losses, "torch_rng": torch.get_rng_state(),
                  "python_rng": random.getstate(),
