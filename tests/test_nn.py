@@ -131,6 +131,9 @@ def test_mha_step_equals_causal_forward(method):
             o, state = mha.step(x[:, t:t + 1], state)
             outs.append(o)
         torch.testing.assert_close(torch.cat(outs, 1), full)
+        head, state = mha.prefill(x[:, :4])
+        tail, state = mha.prefill(x[:, 4:], state)
+        torch.testing.assert_close(torch.cat((head, tail), 1), full)
 
 
 @pytest.mark.skipif(not _has_gated_rfa(), reason="gated RFA is not registered yet")
@@ -160,6 +163,9 @@ def test_fnet_layer_has_no_projections():
     assert mha(x)[0].shape == x.shape
     with pytest.raises(ValueError, match="one sequence"):
         mha(x, torch.randn(2, 8, 16), torch.randn(2, 8, 16))
+    with pytest.raises(ValueError, match="fnet cannot do recurrent decoding") as err:
+        mha.step(x[:, :1])
+    assert effattn.spec("fnet").refusals["decoding"] in str(err.value)
 
 
 # ---------------------------------------------------------------- positions
@@ -219,6 +225,15 @@ def test_decoder_lm_step_equals_forward(method):
         outs.append(logits)
     torch.testing.assert_close(torch.stack(outs, 1), full)
     assert state.position == 10 and len(state.layers) == 2
+    # A prompt prefilled in parallel, then decoded token by token.
+    logits, state = model.prefill(tokens[:, :6])
+    torch.testing.assert_close(logits, full[:, :6])
+    for t in range(6, 10):
+        logits, state = model.step(tokens[:, t], state)
+        torch.testing.assert_close(logits, full[:, t])
+    logits, state = model.prefill(tokens[:, :3], None)
+    logits, state = model.prefill(tokens[:, 3:10], state)
+    torch.testing.assert_close(logits, full[:, 3:10])
 
 
 def test_decoder_lm_has_no_future_leakage():
@@ -261,6 +276,10 @@ def test_encoder_decoder_step_equals_forward_and_masks_source_padding():
         logits, state = model.step(tgt[:, t], state)
         outs.append(logits)
     torch.testing.assert_close(torch.stack(outs, 1), full)
+    logits, state = model.prefill(tgt[:, :4], model.start(src))
+    torch.testing.assert_close(logits, full[:, :4])
+    logits, state = model.step(tgt[:, 4], state)
+    torch.testing.assert_close(logits, full[:, 4])
     longer = torch.cat((src, torch.zeros(2, 3, dtype=torch.long)), 1)
     torch.testing.assert_close(model(longer, tgt), full)
     assert len(model.encoder) == 2 and len(model.decoder) == 1

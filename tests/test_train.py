@@ -173,8 +173,12 @@ def test_compare_options_and_resolution():
         if not effattn.spec(method).causal:
             assert effattn.spec(method).refusals["causal"] in skipped[method]
     for method in effattn.methods():
-        opts = cmp.scaled_options(method, 256)
+        opts = cmp.scaled_options(method, 256, 16)
         assert set(opts) <= set(effattn.spec(method).options)
+    if "performer" in effattn.methods():
+        assert cmp.scaled_options("performer", 256, 16)["num_features"] == 64
+    if "linformer" in effattn.methods():
+        assert cmp.scaled_options("linformer", 256, 16)["proj_len"] == 64
 
 
 def test_compare_writes_table_json_csv_png_and_reuses_runs(tmp_path, capsys):

@@ -241,17 +241,26 @@ class MultiheadAttention(nn.Module):
         softmax, a fixed-size (S, z) for kernelized methods. Feeding a sequence one token at a time
         equals ``forward(x, is_causal=True)``. Returns ``(out, state)``.
         """
+        return self._decode(x, state, "step")
+
+    def prefill(self, x: Tensor, state: Any = None) -> tuple[Tensor, Any]:
+        """Causal self-attention over a block x (B, L, E) that continues ``state``, in the
+        mechanism's parallel form; equals L calls to :meth:`step`. Returns ``(out, state)``."""
+        return self._decode(x, state, "prefill")
+
+    def _decode(self, x: Tensor, state: Any, how: str) -> tuple[Tensor, Any]:
         self._check_input("x", x, self.embed_dim)
         if not self.batch_first:
             x = x.transpose(0, 1)
-        if x.shape[1] != 1:
+        if how == "step" and x.shape[1] != 1:
             raise ValueError(f"step takes one token per sequence, got x of shape {tuple(x.shape)}")
         if self.q_proj is None:
             reason = spec(self.method).refusals.get("decoding", "not supported")
-            raise ValueError(f"{self.method} cannot do recurrent decoding (step): {reason}")
+            raise ValueError(f"{self.method} cannot do recurrent decoding ({how}): {reason}")
         kwargs = {"gate": self._gate(x)} if self.gated else {}
-        o, state = self.attn.step(self._heads(x, self.q_proj), self._heads(x, self.k_proj),
-                                  self._heads(x, self.v_proj), state, **kwargs)
+        o, state = getattr(self.attn, how)(self._heads(x, self.q_proj),
+                                           self._heads(x, self.k_proj),
+                                           self._heads(x, self.v_proj), state, **kwargs)
         out = self._merge(o)
         return (out if self.batch_first else out.transpose(0, 1)), state
 
@@ -271,7 +280,8 @@ class MultiheadAttention(nn.Module):
                           key_padding_mask)
 
     def cross_step(self, x: Tensor, state: CrossState) -> Tensor:
-        """Cross-attention of one query step x (B, 1, E) over a projected memory."""
+        """Cross-attention of decoder queries x (B, L, E) (one step: L = 1) over a projected
+        memory."""
         self._check_input("x", x, self.embed_dim)
         if not self.batch_first:
             x = x.transpose(0, 1)

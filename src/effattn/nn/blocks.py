@@ -123,9 +123,16 @@ class TransformerBlock(nn.Module):
 
     def step(self, x: Tensor, state: BlockState) -> tuple[Tensor, BlockState]:
         """One decoding step x (B, 1, d); equals :meth:`forward` (causal) at that position."""
+        return self._decode(x, state, "step")
+
+    def prefill(self, x: Tensor, state: BlockState) -> tuple[Tensor, BlockState]:
+        """A block of L tokens x (B, L, d) continuing ``state``; equals L calls to :meth:`step`."""
+        return self._decode(x, state, "prefill")
+
+    def _decode(self, x: Tensor, state: BlockState, how: str) -> tuple[Tensor, BlockState]:
         if not self.causal:
-            raise ValueError("step needs a causal block")
-        o, state.self_state = self.self_attn.step(self.norm1(x), state.self_state)
+            raise ValueError(f"{how} needs a causal block")
+        o, state.self_state = getattr(self.self_attn, how)(self.norm1(x), state.self_state)
         x = x + self.drop(o)
         if self.cross_attn is not None:
             x = x + self.drop(self.cross_attn.cross_step(self.norm_cross(x), state.cross))

@@ -184,11 +184,30 @@ class DecoderLM(nn.Module):
         """Feed one token per sequence, tokens (B,); returns (logits (B, V), state)."""
         if state is None:
             state = DecoderState(layers=[block.start() for block in self.blocks])
-        x = self.embed(_step_tokens(tokens, self.embed.vocab_size), offset=state.position)
-        for i, block in enumerate(self.blocks):
-            x, state.layers[i] = block.step(x, state.layers[i])
-        state.position += 1
+        x, state = _decode(self.embed, self.blocks, _step_tokens(tokens, self.embed.vocab_size),
+                           state, "step")
         return self.head(self.norm(x))[:, 0], state
+
+    def prefill(
+        self, tokens: Tensor, state: DecoderState | None = None
+    ) -> tuple[Tensor, DecoderState]:
+        """Feed a block of tokens (B, L) in parallel (a prompt); returns (logits (B, L, V),
+        state). Equals L calls to :meth:`step`."""
+        if state is None:
+            state = DecoderState(layers=[block.start() for block in self.blocks])
+        _check_tokens(tokens, self.embed.vocab_size)
+        x, state = _decode(self.embed, self.blocks, tokens, state, "prefill")
+        return self.head(self.norm(x)), state
+
+
+def _decode(embed: _Embed, blocks: nn.ModuleList, tokens: Tensor, state: DecoderState,
+            how: str) -> tuple[Tensor, DecoderState]:
+    """Run tokens (B, L) through causal blocks from ``state``: the last hidden states (B, L, d)."""
+    x = embed(tokens, offset=state.position)
+    for i, block in enumerate(blocks):
+        x, state.layers[i] = getattr(block, how)(x, state.layers[i])
+    state.position += tokens.shape[1]
+    return x, state
 
 
 class EncoderDecoder(nn.Module):
@@ -274,9 +293,12 @@ class EncoderDecoder(nn.Module):
 
     def step(self, tokens: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
         """Feed one target token per sequence (B,); returns (logits (B, V), state)."""
-        x = self.tgt_embed(_step_tokens(tokens, self.tgt_embed.vocab_size),
-                           offset=state.position)
-        for i, block in enumerate(self.decoder):
-            x, state.layers[i] = block.step(x, state.layers[i])
-        state.position += 1
+        x, state = _decode(self.tgt_embed, self.decoder,
+                           _step_tokens(tokens, self.tgt_embed.vocab_size), state, "step")
         return self.head(self.norm(x))[:, 0], state
+
+    def prefill(self, tokens: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
+        """Feed a block of target tokens (B, L) in parallel; returns (logits (B, L, V), state)."""
+        _check_tokens(tokens, self.tgt_embed.vocab_size, "tokens")
+        x, state = _decode(self.tgt_embed, self.decoder, tokens, state, "prefill")
+        return self.head(self.norm(x)), state
