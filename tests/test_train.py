@@ -12,6 +12,16 @@ from effattn.nn import DecoderLM, EncoderClassifier
 from effattn.tasks import compare as cmp
 from effattn.tasks.train import TrainConfig, applicability, learning_rate, train
 
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from threads; one keeps the suite cheap on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 TINY = {"d_model": 16, "layers": 1, "heads": 2, "batch_size": 4, "seq_len": 24}
 LISTOPS_SMALL = {"train_size": 64, "valid_size": 8, "test_size": 16}
 
@@ -181,7 +191,8 @@ def test_compare_options_and_resolution():
         assert cmp.scaled_options("linformer", 256, 16)["proj_len"] == 64
 
 
-def test_compare_writes_table_json_csv_png_and_reuses_runs(tmp_path, capsys):
+def test_compare_writes_table_json_csv_png_and_reuses_runs(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     entries = ["softmax", "softmax:scale=0.5"]
     argv = ["compare", "--task", "listops", "--methods", *entries, "--steps", "2",
             "--d-model", "16", "--heads", "2", "--layers", "1", "--batch-size", "4",
