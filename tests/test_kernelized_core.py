@@ -46,7 +46,7 @@ def _case_id(case):
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-@pytest.mark.parametrize("n, chunk", [(1, 64), (63, 16), (257, 64), (100, 7)])
+@pytest.mark.parametrize("n, chunk", [(1, 64), (63, 16), (257, 64), (100, 7), (257, 8)])
 @pytest.mark.parametrize("padded", [False, True])
 def test_core_matches_reference_outputs_and_gradients(case, n, chunk, padded):
     phi_q, phi_k, v, ls, gate = features(n=n)

@@ -337,3 +337,268 @@ def fnet_mixing(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     cdtype = torch.complex128 if v.dtype == torch.float64 else torch.complex64
     w_n, w_d = dft(v.shape[2]).to(cdtype), dft(v.shape[3]).to(cdtype)
     return (w_n @ v.to(cdtype) @ w_d).real
+
+
+# --- reformer, random
+
+
+def reformer_candidates(
+    q: Tensor,
+    k: Tensor,
+    rotations: Tensor,
+    *,
+    bucket_size: int,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    shared_qk: bool = False,
+) -> Tensor:
+    """(B, H, N, M) bool: the union over rounds of the keys each query sees in Reformer.
+
+    Written from the rule of ``methods/reformer.py``: per round, bucket = argmax([x R; -x R])
+    (one bucket when R has no columns), padded keys in bucket n_buckets; items ordered by
+    (bucket, position[, key before query]); an item's slot is the number of items with a smaller
+    code. Not causal: key chunk = query chunk or the one before (chunk = slot // C). Causal:
+    same bucket, 0 <= slot_q - slot_k <= C, and j <= i; without shared QK key i is added. Padded
+    keys and, with shared QK, the diagonal (unless it is the only candidate) are removed.
+    """
+    b, h, n, _ = q.shape
+    m = k.shape[2]
+    n_rounds = rotations.shape[1]
+    n_buckets = max(1, 2 * rotations.shape[-1])
+
+    def buckets(x: Tensor) -> Tensor:
+        rounds = []
+        for r in range(n_rounds):
+            if n_buckets == 1:
+                rounds.append(torch.zeros(b, h, x.shape[2], dtype=torch.long))
+                continue
+            proj = x @ rotations[None, :, r].to(x.dtype)  # (B, H, L, n_buckets/2)
+            rounds.append(torch.cat([proj, -proj], dim=-1).argmax(dim=-1))
+        return torch.stack(rounds, dim=2)  # (B, H, R, L)
+
+    padded = (
+        torch.zeros(b, 1, 1, m, dtype=torch.bool)
+        if key_padding_mask is None
+        else key_padding_mask[:, None, None, :]
+    )
+    pos_q, pos_k = torch.arange(n), torch.arange(m)
+    if shared_qk:
+        q_bucket = k_bucket = buckets(q).masked_fill(padded, n_buckets)
+        q_code = k_code = every = q_bucket * n + pos_q
+        chunk = bucket_size
+    else:
+        length = max(n, m)
+        q_bucket = buckets(q)
+        k_bucket = buckets(k).masked_fill(padded, n_buckets)
+        q_code = (q_bucket * length + pos_q) * 2 + 1
+        k_code = (k_bucket * length + pos_k) * 2
+        every = torch.cat([q_code, k_code], dim=-1)
+        chunk = 2 * bucket_size
+    q_slot = (every[..., None, :] < q_code[..., :, None]).sum(-1)  # (B, H, R, N)
+    k_slot = (every[..., None, :] < k_code[..., :, None]).sum(-1)  # (B, H, R, M)
+    if causal:
+        lag = q_slot[..., :, None] - k_slot[..., None, :]
+        same = q_bucket[..., :, None] == k_bucket[..., None, :]
+        seen = same & (lag >= 0) & (lag <= chunk)
+    else:
+        lag = q_slot[..., :, None] // chunk - k_slot[..., None, :] // chunk
+        seen = (lag == 0) | (lag == 1)
+    union = seen.any(dim=2)
+    if causal and not shared_qk:
+        union = union | torch.eye(n, m, dtype=torch.bool)  # key i is always a candidate of i
+    allowed = union & dense_mask(n, m, causal=causal, key_padding_mask=key_padding_mask)
+    if shared_qk:
+        diagonal = torch.eye(n, m, dtype=torch.bool)
+        others = (allowed & ~diagonal).any(dim=-1, keepdim=True)
+        allowed = allowed & ~(diagonal & others)
+    return allowed
+
+
+def reformer_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    rotations: Tensor,
+    *,
+    bucket_size: int,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+    shared_qk: bool = False,
+) -> Tensor:
+    """Reformer's multi-round LSH attention with duplicate counting, written as what it equals:
+    softmax of scale·q·k^T (k/|k| with shared QK) over the union of candidates of every round.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    allowed = reformer_candidates(
+        q,
+        k,
+        rotations,
+        bucket_size=bucket_size,
+        causal=causal,
+        key_padding_mask=key_padding_mask,
+        shared_qk=shared_qk,
+    )
+    keys = k / k.norm(dim=-1, keepdim=True) if shared_qk else k
+    scores = (scale * q @ keys.transpose(-2, -1)).masked_fill(~allowed, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return weights @ v
+
+
+def random_subset_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    indices: Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """Softmax of scale·q k^T restricted to each query's sampled keys: indices (H, N, S), -1 for
+    an unused slot, become an explicit (H, N, M) mask; padded keys and (causal) j > i removed."""
+    h, n, _ = indices.shape
+    m = k.shape[2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    # Unused slots (-1) write into an extra column M that is cut off.
+    column = torch.where(indices >= 0, indices.long(), m)
+    sampled = torch.zeros(h, n, m + 1, dtype=torch.bool).scatter_(-1, column, True)[..., :m]
+    allowed = sampled[None] & dense_mask(n, m, causal=causal, key_padding_mask=key_padding_mask)
+    scores = (scale * q @ k.transpose(-2, -1)).masked_fill(~allowed, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return weights @ v
+
+
+# --- structured sparse patterns
+# Each reference builds the explicit N x N allowed-mask of its pattern from the definition and
+# takes a masked softmax; rows with no allowed key give 0.
+
+
+def _pattern_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    allowed: Tensor,
+    key_padding_mask: Tensor | None,
+    scale: float | None,
+) -> Tensor:
+    """softmax(scale q k^T) v over ``allowed`` ((N, M) or (H, N, M)) minus padded keys."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = scale * q @ k.transpose(-2, -1)
+    if key_padding_mask is not None:
+        allowed = allowed & ~key_padding_mask[:, None, None, :]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v
+
+
+def _positions(n: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    return torch.arange(n, device=device)[:, None], torch.arange(n, device=device)[None, :]
+
+
+def local_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    window: int,
+    dilation: int = 1,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """Sliding window: |i - j| <= window // 2 (causal: 0 <= i - j <= window - 1), and
+    (i - j) % dilation == 0."""
+    i, j = _positions(q.shape[2], q.device)
+    near = (i - j >= 0) & (i - j <= window - 1) if causal else (i - j).abs() <= window // 2
+    return _pattern_attention(
+        q, k, v, near & ((i - j) % dilation == 0), key_padding_mask, scale
+    )
+
+
+def longformer_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    window: int,
+    global_tokens: tuple[int, ...],
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """|i - j| <= window // 2, or i global, or j global."""
+    n = q.shape[2]
+    i, j = _positions(n, q.device)
+    is_global = torch.zeros(n, dtype=torch.bool, device=q.device)
+    is_global[list(global_tokens)] = True
+    allowed = ((i - j).abs() <= window // 2) | is_global[:, None] | is_global[None, :]
+    return _pattern_attention(q, k, v, allowed, key_padding_mask, scale)
+
+
+def bigbird_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    block_size: int,
+    random_blocks: Tensor,
+    num_global_blocks: int,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """Blocks of ``block_size``: query block a sees key block b when |a - b| <= 1, a or b is one of
+    the first ``num_global_blocks`` blocks, or b is in random_blocks[h, a] ((H, nb, r), -1 unused).
+    """
+    n = q.shape[2]
+    heads, nb, _ = random_blocks.shape
+    a, b = _positions(nb, q.device)
+    block_allowed = ((a - b).abs() <= 1) | (a < num_global_blocks) | (b < num_global_blocks)
+    chosen = torch.zeros(heads, nb, nb + 1, dtype=torch.bool, device=q.device)
+    chosen.scatter_(2, random_blocks.masked_fill(random_blocks < 0, nb), True)
+    block_allowed = block_allowed | chosen[:, :, :nb]
+    pos_block = torch.arange(n, device=q.device) // block_size
+    allowed = block_allowed[:, pos_block][:, :, pos_block]
+    return _pattern_attention(q, k, v, allowed, key_padding_mask, scale)
+
+
+def sparse_strided_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    stride: int | None = None,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """Child et al. 2019 strided: (|i - j| < s or (i - j) % s == 0), and j <= i when causal;
+    s = stride, default round(sqrt(N))."""
+    n = q.shape[2]
+    s = max(1, round(math.sqrt(n))) if stride is None else stride
+    i, j = _positions(n, q.device)
+    allowed = ((i - j).abs() < s) | ((i - j) % s == 0)
+    if causal:
+        allowed = allowed & (j <= i)
+    return _pattern_attention(q, k, v, allowed, key_padding_mask, scale)
+
+
+def sparse_fixed_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    stride: int | None = None,
+    c: int = 8,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """Child et al. 2019 fixed: (j // s == i // s or j % s >= s - c), and j <= i when causal."""
+    n = q.shape[2]
+    s = max(1, round(math.sqrt(n))) if stride is None else stride
+    i, j = _positions(n, q.device)
+    allowed = (i // s == j // s) | (j % s >= s - c)
+    if causal:
+        allowed = allowed & (j <= i)
+    return _pattern_attention(q, k, v, allowed, key_padding_mask, scale)

@@ -39,6 +39,8 @@ from torch import Tensor
 LOG_FLOOR = -1.0e4
 # log(g) is clamped here so that g = 0 (a full reset) stays finite in log space.
 LOG_GATE_FLOOR = -30.0
+# The chunk scan of a causal block runs over at most this many chunks at a time.
+SCAN_CHUNKS = 16
 # A slice holds about this many feature values (B * H * S * F): 4 MiB in fp32, cache-sized.
 SLICE_ELEMENTS = 1 << 20
 
@@ -177,25 +179,55 @@ def causal_block(
 ) -> tuple[Tensor, RecurrentState]:
     """Causal attention over a block of L tokens that follows ``state``, chunkwise.
 
-    Inside each chunk of C tokens a masked C x C product; across chunks the running state. Per-key
+    Inside each chunk of C tokens a masked C x C product; across chunks the running state, found
+    for up to ``SCAN_CHUNKS`` chunks at a time by one small GEMM (:func:`_chunk_scan`). Per-key
     scalars (stabiliser scale, 1 - g, padding, decay to the chunk end) multiply the rows of
     [V, 1] (width Dv + 1), per-query ones multiply output rows: the only work on L x F data is
     GEMMs. Returns the output (B, H, L, Dv) and the state after the block.
     """
     _check_shapes(phi_q, phi_k, v, key_log_scale)
-    if phi_q.shape[2] != phi_k.shape[2]:
-        raise ValueError(f"causal needs N == M, got {phi_q.shape[2]} and {phi_k.shape[2]}")
+    n = phi_q.shape[2]
+    if phi_k.shape[2] != n:
+        raise ValueError(f"causal needs N == M, got {n} and {phi_k.shape[2]}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if gate is not None and gate.shape != phi_q.shape[:3]:
+        raise ValueError(
+            f"gate must be (B, H, N) = {tuple(phi_q.shape[:3])}, got {tuple(gate.shape)}"
+        )
     state = _state_for(state, phi_k, v)
+    group = SCAN_CHUNKS * chunk_size
+    outs = []
+    for s in range(0, n, group):
+        width = min(group, n - s)
+
+        def piece(t: Tensor | None, dim: int, s: int = s, width: int = width) -> Tensor | None:
+            return None if t is None else t.narrow(dim, s, width)
+
+        out, state = _causal_group(
+            piece(phi_q, 2), piece(phi_k, 2), piece(v, 2), state, piece(key_log_scale, 2),
+            piece(key_padding_mask, 1), piece(gate, 2), chunk_size, eps,
+        )
+        outs.append(out)
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), state
+
+
+def _causal_group(
+    phi_q: Tensor,
+    phi_k: Tensor,
+    v: Tensor,
+    state: RecurrentState,
+    key_log_scale: Tensor | None,
+    key_padding_mask: Tensor | None,
+    gate: Tensor | None,
+    chunk: int,
+    eps: float,
+) -> tuple[Tensor, RecurrentState]:
     b, h, n, f = phi_q.shape
-    chunk = chunk_size
     v1 = _with_ones(v)
     dv1 = v1.shape[-1]
     log_gate = None
     if gate is not None:
-        if gate.shape != (b, h, n):
-            raise ValueError(f"gate must be (B, H, N) = {(b, h, n)}, got {tuple(gate.shape)}")
         v1 = v1 * (1.0 - gate)[..., None]
         log_gate = torch.log(gate).clamp_min(LOG_GATE_FLOOR)
     if key_padding_mask is not None:
@@ -231,55 +263,60 @@ def causal_block(
     if log_gate is None:
         intra = scores.tril_() @ v_c  # (B, H, nc, C, Dv + 1)
         deltas = k_c.transpose(-1, -2) @ v_c  # (B, H, nc, F, Dv + 1), at scale chunk_max
+        chunk_log_decay = None
     else:
         cum = log_gate.reshape(b, h, nc, chunk).cumsum(-1)  # inclusive, within the chunk
         upper = torch.ones(chunk, chunk, dtype=torch.bool, device=cum.device).triu(1)
         decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf"))
         intra = (scores * decay.exp()) @ v_c
         deltas = k_c.transpose(-1, -2) @ (v_c * torch.exp(cum[..., -1:] - cum)[..., None])
+        chunk_log_decay = cum[..., -1]  # (B, H, nc)
 
-    if log_gate is None and key_log_scale is None:
-        # All chunks at scale 0: the incoming state is brought to it, then an exclusive scan.
-        # (Not cumsum - deltas: that subtraction cancels catastrophically in the backward pass
-        # when some rows carry 1/eps gradients.)
-        start = state.kv * torch.exp(state.log_scale.clamp_max(0.0))
-        inclusive = deltas.cumsum(2)
-        states = start[:, :, None] + F.pad(inclusive[:, :, :-1], (0, 0, 0, 0, 1, 0))
-        out = intra + q_c @ states
-        final = RecurrentState(start + inclusive[:, :, -1], torch.zeros_like(state.log_scale))
-    else:
-        chunk_decay = None if log_gate is None else cum[..., -1].exp()  # (B, H, nc)
-        states, state_scale, final = _prefix_states(state, deltas, chunk_max, chunk_decay)
-        inter = q_c @ states
-        if log_gate is not None:
-            inter = inter * cum.exp()[..., None]  # decay of the entering state up to query i
-        common = torch.maximum(chunk_max, state_scale)
-        out = intra * torch.exp(chunk_max - common) + inter * torch.exp(state_scale - common)
+    states, state_scale, final = _chunk_scan(state, deltas, chunk_max[..., 0, 0], chunk_log_decay)
+    common = torch.maximum(chunk_max, state_scale)
+    inter_weight = torch.exp(state_scale - common)  # (B, H, nc, 1, 1)
+    if log_gate is not None:
+        inter_weight = inter_weight * cum.exp()[..., None]  # decay of the entering state to i
+    # In place on fresh GEMM outputs (bmm keeps its inputs, not its output, for backward).
+    out = (q_c @ states).mul_(inter_weight).add_(intra.mul_(torch.exp(chunk_max - common)))
     final.position = state.position + n
     return _ratio(out.reshape(b, h, nc * chunk, dv1)[:, :, :n], eps), final
 
 
-def _prefix_states(
-    state: RecurrentState, deltas: Tensor, chunk_max: Tensor, chunk_decay: Tensor | None
+def _chunk_scan(
+    state: RecurrentState, deltas: Tensor, chunk_max: Tensor, chunk_log_decay: Tensor | None
 ) -> tuple[Tensor, Tensor, RecurrentState]:
-    """State before each chunk: S_c = a_{c-1} S_{c-1} + ΔS_{c-1}, with running-max rescaling.
+    """States before each chunk and after the last, as one GEMM over the chunk axis.
 
-    ΔS_c is at log-scale chunk_max[c]; the returned S_c is at log-scale state_scale[c] (the max
-    over earlier chunks). A loop over the chunks of (F, Dv + 1) updates: the scan with
-    data-dependent factors has no overflow-free closed form.
+    With ΔS_c at log-scale r_c, a_c the total gate of chunk c (L_c = Σ_{l<c} log a_l) and the
+    incoming state S_in at scale s, the state before chunk c, kept at scale
+    R_c = max(s, r_0, ..., r_{c-1}), is
+
+        S_c = exp(s - R_c + L_c) S_in + Σ_{c'<c} exp(r_{c'} - R_c + L_c - L_{c'+1}) ΔS_{c'}.
+
+    Every exponent is <= 0: nothing overflows, and no subtraction of large partial sums can cancel
+    (unlike an exclusive cumsum formed as cumsum - ΔS). Rows c = 0..nc; row nc is the final state.
+    Costs 2·nc²·F·(Dv + 1) per (B, H), small for the <= SCAN_CHUNKS chunks of a group.
     """
-    kv, scale = state.kv, state.log_scale
-    states, scales = [], []
-    for c in range(deltas.shape[2]):
-        states.append(kv)
-        scales.append(scale)
-        factor = 1.0 if chunk_decay is None else chunk_decay[:, :, c, None, None]
-        new_scale = torch.maximum(scale, chunk_max[:, :, c])
-        kv = kv * (factor * torch.exp(scale - new_scale)) + deltas[:, :, c] * torch.exp(
-            chunk_max[:, :, c] - new_scale
-        )
-        scale = new_scale
-    return torch.stack(states, 2), torch.stack(scales, 2), RecurrentState(kv, scale)
+    b, h, nc = deltas.shape[:3]
+    scales = torch.cat([state.log_scale.reshape(b, h, 1), chunk_max], -1)  # (B, H, nc + 1)
+    running = torch.cummax(scales, -1).values  # R_c, c = 0..nc
+    if chunk_log_decay is None:
+        decay = torch.zeros_like(scales)
+    else:
+        decay = F.pad(chunk_log_decay.cumsum(-1), (1, 0))  # L_c, c = 0..nc
+    # Column j = 0 is S_in (scale s, decaying from L_0 = 0); column j > 0 is ΔS_{j-1} (scale
+    # r_{j-1}, decaying from L_j): the exponent of (row c, column j) is scales_j - R_c + L_c - L_j.
+    exponent = (scales - decay)[..., None, :] + (decay - running)[..., :, None]
+    rows = torch.arange(nc + 1, device=deltas.device)
+    visible = rows[None, :] <= rows[:, None]  # column j feeds row c when j <= c (S_in: always)
+    weights = torch.exp(exponent.masked_fill(~visible, float("-inf")))  # (B, H, nc + 1, nc + 1)
+    flat = deltas.reshape(b, h, nc, -1)
+    mixed = weights[..., 1:] @ flat + weights[..., :1] * state.kv.reshape(b, h, 1, -1)
+    mixed = mixed.reshape(b, h, nc + 1, *deltas.shape[3:])
+    scale = running[..., None, None]
+    final = RecurrentState(mixed[:, :, nc], scale[:, :, nc])
+    return mixed[:, :, :nc], scale[:, :, :nc], final
 
 
 def linear_attention(

@@ -1,0 +1,183 @@
+"""BigBird block-sparse attention: window, global and random blocks (Zaheer et al. 2020, ITC).
+
+The sequence is cut into blocks of ``block_size`` (the last one padded internally, masked, and
+the output trimmed). Query block a attends to key block b when
+- ``|a - b| <= 1`` (the three window blocks),
+- a or b is one of the first ``num_global_blocks`` blocks (global blocks attend to everything and
+  everything attends to them), or
+- b is one of the ``num_random_blocks`` random blocks of a, drawn per head and per query block,
+  without replacement, among the blocks not already covered (fewer when fewer remain).
+
+Random blocks come from a ``torch.Generator`` seeded by ``seed``: in eval mode they are a fixed
+function of (seed, number of blocks); in training mode a module generator draws new ones on every
+call (the sequence of draws is fixed by the seed). ``seed=None`` picks a nondeterministic seed at
+construction, so an eval-mode module still uses the same blocks on every call.
+
+Computed by gathering each query block's key blocks (:func:`effattn.sparse.block_gather_attention`)
+and dense rows for the global queries: O(N (3 + g + r) block_size D) time and memory.
+q, k: (B, H, N, D), v: (B, H, N, Dv) -> (B, H, N, Dv).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from effattn.base import AttentionMethod, compute_dtype
+from effattn.methods.local import check_positive_int
+from effattn.registry import MethodSpec, register
+from effattn.sparse import block_gather_attention, dense_partial
+
+
+def check_count(name: str, value: object) -> int:
+    """``value`` as an int >= 0, else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return value
+
+
+def draw_random_blocks(
+    num_blocks: int,
+    heads: int,
+    num_random: int,
+    num_global: int,
+    generator: torch.Generator,
+) -> Tensor:
+    """Random key blocks, long (heads, num_blocks, num_random), -1 in unused slots.
+
+    Row (h, a) holds distinct blocks outside a's window {a-1, a, a+1} and the global blocks
+    {0 .. num_global - 1}, uniform among the subsets of that size (Floyd's sampling: one draw per
+    slot, O(heads num_blocks num_random)); when fewer than num_random blocks remain, all of them.
+    """
+    nb, r = num_blocks, num_random
+    a = torch.arange(nb)
+    window = torch.stack([a - 1, a, a + 1], 1)
+    window = window.masked_fill((window < 0) | (window >= nb) | (window < num_global), nb)
+    globals_ = torch.arange(min(num_global, nb)).expand(nb, -1)
+    excluded = torch.cat([globals_, window], 1).sort(1).values
+    available = nb - (excluded < nb).sum(1)
+    chosen = torch.full((heads, nb, r), -1, dtype=torch.long)
+    for slot in range(r):
+        top = available - r + slot
+        u = (torch.rand(heads, nb, generator=generator, dtype=torch.float64) * (top + 1)).long()
+        u = torch.minimum(u, top)
+        taken = (chosen[:, :, :slot] == u[..., None]).any(-1)
+        chosen[:, :, slot] = torch.where(top >= 0, torch.where(taken, top, u), -1)
+    # Index u among the available blocks -> block id: step over each excluded block at or below.
+    for col in range(excluded.shape[1]):
+        chosen = chosen + (chosen >= excluded[:, col, None]).long()
+    return chosen
+
+
+def bigbird_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    block_size: int,
+    random_blocks: Tensor,
+    num_global_blocks: int,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """BigBird attention with the given random blocks (H, nb, r) (see the module docstring)."""
+    if causal:
+        raise ValueError("bigbird_attention is bidirectional: causal=True is not supported")
+    b, h, n, _ = q.shape
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    nb = -(-n // block_size)
+    g = min(num_global_blocks, nb)
+    if random_blocks.shape[:2] != (h, nb):
+        raise ValueError(
+            f"random_blocks must have shape (H, nb, r) = ({h}, {nb}, r), "
+            f"got {tuple(random_blocks.shape)}"
+        )
+    pad = torch.zeros(b, n, dtype=torch.bool, device=q.device)
+    if key_padding_mask is not None:
+        pad = key_padding_mask
+    parts = []
+    if g > 0:
+        every_ok = ~pad[:, None, None, :]
+        parts.append(dense_partial(q[:, :, : g * block_size], k, v, lambda r0, r1: every_ok,
+                                   scale=scale)[0])
+    if g < nb:
+        a = torch.arange(g, nb, device=q.device)[:, None]
+        window = a + torch.arange(-1, 2, device=q.device)
+        window = window.masked_fill((window < 0) | (window >= nb), -1)
+        # Global blocks already in the window are listed once.
+        globals_ = torch.arange(g, device=q.device).expand(nb - g, -1)
+        globals_ = globals_.masked_fill((globals_ - a).abs() <= 1, -1)
+        shared = torch.cat([window, globals_], 1).expand(h, -1, -1)
+        key_blocks = torch.cat([shared, random_blocks[:, g:].to(q.device)], 2)
+        out, _ = block_gather_attention(
+            q[:, :, g * block_size :], k, v, key_blocks, block_size=block_size,
+            scale=scale, key_mask=key_padding_mask,
+        )
+        parts.append(out)
+    return torch.cat(parts, 2)
+
+
+class BigBirdAttention(AttentionMethod):
+    """Block window + global blocks + seeded random blocks; bidirectional."""
+
+    def __init__(
+        self, head_dim, heads, max_len=None, seed=None, scale=None, *,
+        block_size, num_random_blocks, num_global_blocks,
+    ):
+        super().__init__(head_dim, heads, max_len=max_len, seed=seed, scale=scale)
+        self.block_size = check_positive_int("block_size", block_size)
+        self.num_random_blocks = check_count("num_random_blocks", num_random_blocks)
+        self.num_global_blocks = check_count("num_global_blocks", num_global_blocks)
+        self._seed = seed if seed is not None else torch.Generator().seed()
+        self._generator = torch.Generator().manual_seed(self._seed)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, block_size={self.block_size}, "
+            f"num_random_blocks={self.num_random_blocks}, "
+            f"num_global_blocks={self.num_global_blocks}"
+        )
+
+    def random_blocks(self, num_blocks: int) -> Tensor:
+        """The random blocks used in eval mode for ``num_blocks`` blocks: (H, nb, r), fixed."""
+        return self._draw(num_blocks, torch.Generator().manual_seed(self._seed))
+
+    def _draw(self, num_blocks: int, generator: torch.Generator) -> Tensor:
+        return draw_random_blocks(
+            num_blocks, self.heads, self.num_random_blocks, self.num_global_blocks, generator
+        )
+
+    def _attend(self, q, k, v, *, causal, key_padding_mask):
+        nb = -(-q.shape[2] // self.block_size)
+        blocks = self._draw(nb, self._generator) if self.training else self.random_blocks(nb)
+        dtype = compute_dtype(q.dtype)
+        return bigbird_attention(
+            q.to(dtype), k.to(dtype), v.to(dtype), block_size=self.block_size,
+            random_blocks=blocks, num_global_blocks=self.num_global_blocks,
+            key_padding_mask=key_padding_mask, scale=self.scale,
+        )
+
+
+register(
+    MethodSpec(
+        name="bigbird",
+        summary="block-sparse: 3 window blocks, global blocks and seeded random blocks",
+        paper="Zaheer et al. 2020, Big Bird: Transformers for Longer Sequences",
+        complexity="O(N (3 + g + r) block_size D) time and memory",
+        causal=False,
+        padding_mask=True,
+        cross=False,
+        decoding=False,
+        options={"block_size": 64, "num_random_blocks": 3, "num_global_blocks": 1},
+        refusals={
+            "causal": "global blocks attend to and are attended by every block, and random "
+            "blocks point anywhere: the pattern is bidirectional by design",
+            "cross": "window and global blocks are defined over aligned query and key "
+            "positions (N == M)",
+            "decoding": "global blocks attend to the whole sequence, future included, so there "
+            "is no causal recurrence",
+        },
+    ),
+    BigBirdAttention,
+)

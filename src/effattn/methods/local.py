@@ -1,0 +1,131 @@
+"""Sliding-window (local) attention, optionally dilated.
+
+Query i attends to key j when
+- non-causal: ``|i - j| <= window // 2`` and ``(i - j) % dilation == 0``;
+- causal: ``0 <= i - j <= window - 1`` and ``(i - j) % dilation == 0`` (the last ``window``
+  positions, the query's own included; a decoder keeps exactly ``window`` keys).
+
+So the causal form equals causal softmax once ``window >= N``, the non-causal form equals softmax
+once ``window // 2 >= N - 1`` (dilation 1). Dilated windows as in Beltagy et al. 2020
+(Longformer, section 3.1); sliding windows go back to Parmar et al. 2018 (Image Transformer).
+
+Computed banded (:func:`effattn.sparse.banded_attention`): blocks of queries against the few key
+blocks their window touches, dilation as independent bands over the residue classes mod d.
+O(N window / dilation D) time and O(N window / dilation) memory; no N x N mask.
+q, k: (B, H, N, D), v: (B, H, N, Dv) -> (B, H, N, Dv).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from effattn.base import AttentionMethod, compute_dtype
+from effattn.registry import MethodSpec, register
+from effattn.sparse import banded_attention
+
+
+def check_positive_int(name: str, value: object) -> int:
+    """``value`` as an int >= 1, else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def local_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    window: int,
+    dilation: int = 1,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """Sliding-window attention (see the module docstring for the pattern); no N x N matrix."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    left, right = (window - 1, 0) if causal else (window // 2, window // 2)
+    out, _ = banded_attention(
+        q, k, v, left=left, right=right, dilation=dilation, key_mask=key_padding_mask, scale=scale
+    )
+    return out
+
+
+@dataclass
+class WindowCache:
+    """Ring buffer of the last ``window`` keys and values.
+
+    k: (B, H, window, D), v: (B, H, window, Dv); position p lives in slot p % window;
+    ``length`` tokens have been seen.
+    """
+
+    k: Tensor
+    v: Tensor
+    length: int
+
+
+class LocalAttention(AttentionMethod):
+    """Sliding-window attention with optional dilation; decodes with a window-sized ring buffer."""
+
+    def __init__(self, head_dim, heads, max_len=None, seed=None, scale=None, *, window, dilation):
+        super().__init__(head_dim, heads, max_len=max_len, seed=seed, scale=scale)
+        self.window = check_positive_int("window", window)
+        self.dilation = check_positive_int("dilation", dilation)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, window={self.window}, dilation={self.dilation}"
+
+    def _attend(self, q, k, v, *, causal, key_padding_mask):
+        dtype = compute_dtype(q.dtype)
+        return local_attention(
+            q.to(dtype), k.to(dtype), v.to(dtype), window=self.window, dilation=self.dilation,
+            causal=causal, key_padding_mask=key_padding_mask, scale=self.scale,
+        )
+
+    def _step(self, q, k, v, state):
+        dtype = compute_dtype(q.dtype)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        w = self.window
+        if state is None:
+            state = WindowCache(
+                k.new_zeros(*k.shape[:2], w, k.shape[3]),
+                v.new_zeros(*v.shape[:2], w, v.shape[3]),
+                0,
+            )
+        elif not isinstance(state, WindowCache) or state.k.shape[2] != w:
+            raise ValueError(
+                f"local state must be a WindowCache of window {w}, got {type(state).__name__}"
+            )
+        t = state.length
+        state.k[:, :, t % w] = k[:, :, 0]
+        state.v[:, :, t % w] = v[:, :, 0]
+        state.length = t + 1
+        # Slot s holds position t - ((t - s) mod w); it counts if already written and on the
+        # dilation grid.
+        back = (t - torch.arange(w, device=q.device)) % w
+        visible = (back <= t) & (back % self.dilation == 0)
+        scores = (q @ state.k.transpose(-2, -1)) * self.scale
+        weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        return weights @ state.v, state
+
+
+register(
+    MethodSpec(
+        name="local",
+        summary="sliding-window attention, optionally dilated; banded blockwise computation",
+        paper="Parmar et al. 2018, Image Transformer; dilation: Beltagy et al. 2020, Longformer",
+        complexity="O(N window / dilation D) time, O(N window / dilation) memory",
+        causal=True,
+        padding_mask=True,
+        cross=False,
+        decoding=True,
+        options={"window": 128, "dilation": 1},
+        refusals={
+            "cross": "a window over positions needs aligned query and key positions (N == M)",
+        },
+    ),
+    LocalAttention,
+)

@@ -1,0 +1,123 @@
+"""Longformer attention: a sliding window plus global tokens (Beltagy et al. 2020).
+
+Query i attends to key j when ``|i - j| <= window // 2``, or i is a global token (it attends to
+every key), or j is a global token (every query attends to it). ``global_tokens`` are positions.
+
+Computed as disjoint softmax pieces merged by their log-sum-exp
+(:func:`effattn.sparse.merge_partials`): the band over the non-global keys, plus every query
+against the G global keys; the G global queries then get a dense row over all keys.
+O(N (window + G) D) time and memory; no N x N mask.
+q, k: (B, H, N, D), v: (B, H, N, Dv) -> (B, H, N, Dv).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from effattn.base import AttentionMethod, compute_dtype
+from effattn.methods.local import check_positive_int
+from effattn.registry import MethodSpec, register
+from effattn.sparse import banded_attention, dense_partial, merge_partials
+
+
+def check_global_tokens(global_tokens: object, n: int | None = None) -> tuple[int, ...]:
+    """Sorted distinct positions; a ValueError naming global_tokens if not ints in [0, n)."""
+    if isinstance(global_tokens, int) or not isinstance(global_tokens, Sequence) or any(
+        isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in global_tokens
+    ):
+        raise ValueError(
+            f"global_tokens must be a sequence of non-negative int positions, got {global_tokens!r}"
+        )
+    if n is not None and any(t >= n for t in global_tokens):
+        raise ValueError(
+            f"global_tokens {tuple(global_tokens)} has positions outside a sequence of length {n}"
+        )
+    return tuple(sorted(set(global_tokens)))
+
+
+def longformer_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    window: int,
+    global_tokens: Sequence[int],
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """Window + global attention (see the module docstring); non-causal only."""
+    if causal:
+        raise ValueError("longformer_attention is bidirectional: causal=True is not supported")
+    b, _, n, _ = q.shape
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    tokens = check_global_tokens(global_tokens, n)
+    if not tokens:
+        out, _ = banded_attention(
+            q, k, v, left=window // 2, right=window // 2, key_mask=key_padding_mask, scale=scale
+        )
+        return out
+    idx = torch.tensor(tokens, device=q.device)
+    pad = torch.zeros(b, n, dtype=torch.bool, device=q.device)
+    if key_padding_mask is not None:
+        pad = key_padding_mask
+    not_band = pad.clone()
+    not_band[:, idx] = True
+    band = banded_attention(
+        q, k, v, left=window // 2, right=window // 2, key_mask=not_band, scale=scale
+    )
+    global_ok = ~pad[:, idx][:, None, None, :]
+    to_globals = dense_partial(
+        q, k[:, :, idx], v[:, :, idx], lambda r0, r1: global_ok, scale=scale
+    )
+    out, _ = merge_partials([band, to_globals])
+    every_ok = ~pad[:, None, None, :]
+    from_globals, _ = dense_partial(q[:, :, idx], k, v, lambda r0, r1: every_ok, scale=scale)
+    return out.index_copy(2, idx, from_globals)
+
+
+class LongformerAttention(AttentionMethod):
+    """Sliding window plus global tokens; bidirectional."""
+
+    def __init__(
+        self, head_dim, heads, max_len=None, seed=None, scale=None, *, window, global_tokens
+    ):
+        super().__init__(head_dim, heads, max_len=max_len, seed=seed, scale=scale)
+        self.window = check_positive_int("window", window)
+        self.global_tokens = check_global_tokens(global_tokens)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, window={self.window}, global_tokens={self.global_tokens}"
+
+    def _attend(self, q, k, v, *, causal, key_padding_mask):
+        dtype = compute_dtype(q.dtype)
+        return longformer_attention(
+            q.to(dtype), k.to(dtype), v.to(dtype), window=self.window,
+            global_tokens=self.global_tokens, key_padding_mask=key_padding_mask, scale=self.scale,
+        )
+
+
+register(
+    MethodSpec(
+        name="longformer",
+        summary="sliding window plus global tokens that attend to and are attended by all",
+        paper="Beltagy et al. 2020, Longformer: The Long-Document Transformer",
+        complexity="O(N (window + G) D) time and memory, G global tokens",
+        causal=False,
+        padding_mask=True,
+        cross=False,
+        decoding=False,
+        options={"window": 128, "global_tokens": (0,)},
+        refusals={
+            "causal": "global tokens attend to and are attended by every position "
+            "(bidirectional by design); use local for a causal window",
+            "cross": "a window over positions needs aligned query and key positions (N == M)",
+            "decoding": "global tokens attend to the whole sequence, future included, so there "
+            "is no causal recurrence",
+        },
+    ),
+    LongformerAttention,
+)

@@ -1,0 +1,181 @@
+"""local (sliding window, dilation) and the shared blockwise engine of effattn.sparse."""
+
+import pytest
+import torch
+from conftest import padding, qkv
+
+import effattn
+from effattn import reference as R
+from effattn.sparse import banded_attention, blockwise, masked_partial, merge_partials
+
+
+def _out_and_grads(fn, q, k, v):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out = fn(q, k, v)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    return (out, *torch.autograd.grad((out * upstream).sum(), (q, k, v)))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "n, window, dilation",
+    [(1, 10, 1), (63, 10, 1), (63, 37, 3), (257, 1, 1), (257, 64, 5), (300, 37, 3),
+     (300, 128, 1)],
+)
+def test_matches_reference_outputs_and_grads(n, causal, window, dilation):
+    q, k, v = qkv(n=n, dv=7)
+    mask = padding(2, n)
+    opts = {"window": window, "dilation": dilation}
+    m = effattn.build("local", head_dim=21, heads=3, **opts)
+    fast = _out_and_grads(lambda q, k, v: m(q, k, v, causal=causal, key_padding_mask=mask),
+                          q, k, v)
+    ref = _out_and_grads(
+        lambda q, k, v: R.local_attention(q, k, v, causal=causal, key_padding_mask=mask, **opts),
+        q, k, v,
+    )
+    for a, b in zip(fast, ref, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16, 64])
+@pytest.mark.parametrize("left, right, dilation", [(0, 0, 1), (7, 0, 1), (9, 4, 2), (30, 30, 4)])
+def test_banded_engine_any_block_size_matches_dense(block_size, left, right, dilation):
+    q, k, v = qkv(n=61, dv=5)
+    mask = padding(2, 61)
+    out, lse = banded_attention(q, k, v, left=left, right=right, dilation=dilation, scale=0.3,
+                                key_mask=mask, block_size=block_size)
+    i, j = torch.arange(61)[:, None], torch.arange(61)[None, :]
+    allowed = (i - j <= left) & (j - i <= right) & ((i - j) % dilation == 0) & ~mask[:, None, None]
+    scores = (0.3 * q @ k.transpose(-2, -1)).masked_fill(~allowed, float("-inf"))
+    torch.testing.assert_close(out, torch.softmax(scores, -1).nan_to_num(0.0) @ v)
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1))
+
+
+def test_merge_partials_of_disjoint_key_sets_is_softmax_over_the_union():
+    q, k, v = qkv(n=20, dv=4)
+    part_of_key = torch.randint(0, 3, (20,), generator=torch.Generator().manual_seed(3))
+    part_of_key[:5] = 0  # part 0 also holds keys 0..4; part 2 is empty for batch 1 below
+    empty = torch.zeros(2, 1, 1, 20, dtype=torch.bool)
+    empty[0] = True
+    pieces = [
+        masked_partial(q, k, v, (part_of_key == p) & (empty if p == 2 else True), 0.5)
+        for p in range(3)
+    ]
+    assert torch.isinf(pieces[2][1][1]).all()
+    allowed = (part_of_key < 2) | empty
+    out, lse = merge_partials(pieces)
+    scores = (0.5 * q @ k.transpose(-2, -1)).masked_fill(~allowed, float("-inf"))
+    torch.testing.assert_close(out, torch.softmax(scores, -1) @ v)
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1))
+
+
+@pytest.mark.parametrize("n", [1, 63, 257])
+def test_exact_limits(n):
+    q, k, v = qkv(n=n)
+    mask = padding(2, n)
+    full = effattn.attention(q, k, v, key_padding_mask=mask)
+    causal = effattn.attention(q, k, v, causal=True, key_padding_mask=mask)
+    # causal: the last `window` positions, so window >= N is causal softmax.
+    for window in (n, n + 7):
+        out = effattn.attention(q, k, v, "local", causal=True, key_padding_mask=mask,
+                                window=window)
+        torch.testing.assert_close(out, causal, rtol=1e-12, atol=1e-12)
+    # non-causal: window // 2 to each side, so window // 2 >= N - 1 is softmax.
+    for window in (2 * n - 2, 2 * n - 1, 10**6):
+        out = effattn.attention(q, k, v, "local", key_padding_mask=mask, window=max(1, window))
+        torch.testing.assert_close(out, full, rtol=1e-12, atol=1e-12)
+    if n > 2:
+        narrower = effattn.attention(q, k, v, "local", key_padding_mask=mask, window=2 * n - 4)
+        assert not torch.allclose(narrower, full)
+
+
+def test_no_future_leakage():
+    q, k, v = qkv(n=100)
+    m = effattn.build("local", head_dim=21, heads=3, window=17, dilation=2)
+    out = m(q, k, v, causal=True)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 60:] += 5.0
+    v2[:, :, 60:] -= 3.0
+    out2 = m(q, k2, v2, causal=True)
+    torch.testing.assert_close(out2[:, :, :60], out[:, :, :60], rtol=0, atol=0)
+    assert not torch.allclose(out2[:, :, 60:], out[:, :, 60:])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_keys_never_change_outputs(causal):
+    q, k, v = qkv(n=90)
+    mask = padding(2, 90)
+    m = effattn.build("local", head_dim=21, heads=3, window=30, dilation=3)
+    out = m(q, k, v, causal=causal, key_padding_mask=mask)
+    k2 = k.masked_fill(mask[:, None, :, None], 7.0)
+    v2 = v.masked_fill(mask[:, None, :, None], -9.0)
+    torch.testing.assert_close(m(q, k2, v2, causal=causal, key_padding_mask=mask), out)
+    assert not torch.allclose(m(q, k2, v2, causal=causal), out)
+
+
+def test_rows_whose_window_is_all_padding_give_zero_and_finite_grads():
+    q, k, v = qkv(n=40)
+    mask = torch.zeros(2, 40, dtype=torch.bool)
+    mask[0, :20] = True
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    out = effattn.attention(q, k, v, "local", key_padding_mask=mask, window=10)
+    assert out[0, :, :15].abs().max() == 0 and out[0, :, 16:].abs().min() > 0
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@pytest.mark.parametrize("window, dilation", [(1, 1), (6, 1), (7, 3), (64, 2)])
+def test_step_equals_causal_forward_with_window_sized_state(window, dilation):
+    q, k, v = qkv(n=41, dv=6)
+    m = effattn.build("local", head_dim=21, heads=3, window=window, dilation=dilation)
+    state, outs = None, []
+    for t in range(41):
+        o, state = m.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state)
+        outs.append(o)
+    assert state.k.shape[2] == window and state.v.shape == (2, 3, window, 6)
+    torch.testing.assert_close(torch.cat(outs, 2), m(q, k, v, causal=True))
+
+
+def test_step_rejects_foreign_state():
+    q, k, v = qkv(n=1)
+    m = effattn.build("local", head_dim=21, heads=3, window=4)
+    _, state = effattn.build("local", head_dim=21, heads=3, window=5).step(q, k, v)
+    with pytest.raises(ValueError, match="window 4"):
+        m.step(q, k, v, state)
+
+
+def test_cross_attention_refused_with_reason():
+    q, _, _ = qkv(n=10)
+    _, k, v = qkv(n=12)
+    with pytest.raises(ValueError, match="local cannot do cross-attention.*aligned"):
+        effattn.attention(q, k, v, "local")
+
+
+@pytest.mark.parametrize("option, value", [("window", 0), ("window", 2.5), ("window", True),
+                                           ("dilation", 0), ("dilation", None)])
+def test_option_validation(option, value):
+    with pytest.raises(ValueError, match=option):
+        effattn.build("local", **{option: value})
+
+
+def test_half_precision_keeps_dtype():
+    q, k, v = qkv(n=50, dtype=torch.bfloat16)
+    out = effattn.attention(q, k, v, "local", causal=True, window=8)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+def test_scores_are_banded_never_n_by_n(monkeypatch):
+    seen = []
+
+    def spy(q, k, v, allowed, scale):
+        seen.append(q.shape[-2] * k.shape[-2] * q.shape[:-2].numel())
+        return masked_partial(q, k, v, allowed, scale)
+
+    monkeypatch.setattr(blockwise, "masked_partial", spy)
+    q, k, v = qkv(b=1, h=1, n=2048, d=8)
+    effattn.attention(q, k, v, "local", window=64)
+    undilated = sum(seen)
+    seen.clear()
+    effattn.attention(q, k, v, "local", window=64, dilation=4)
+    # 65 keys in the window: the blocks compute at most 2.5x that, and dilation computes less.
+    assert 0 < sum(seen) < undilated <= 2048 * 65 * 2.5

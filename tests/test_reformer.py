@@ -1,0 +1,249 @@
+"""Reformer LSH attention: fast path vs dense reference, exact limits, causality, padding, seeds."""
+
+import pytest
+import torch
+from conftest import padding, qkv
+
+import effattn
+from effattn import reference as R
+from effattn.methods import reformer as F
+
+
+def _inputs(n, m, shared, seed=0, dv=5):
+    q, k, v = qkv(b=2, h=3, n=n, m=m, d=21, dv=dv, seed=seed)
+    return q, (q if shared else k), v
+
+
+def _grads(fn, q, k, v, shared, **kw):
+    q = q.clone().requires_grad_()
+    k = q if shared else k.clone().requires_grad_()
+    v = v.clone().requires_grad_()
+    out = fn(q, k, v, **kw)
+    weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+    leaves = [q, v] if shared else [q, k, v]
+    return [out, *torch.autograd.grad((out * weights).sum(), leaves)]
+
+
+CASES = [
+    # (n, m, shared_qk, causal)
+    (1, 1, False, True),
+    (63, 63, False, False),
+    (63, 63, False, True),
+    (257, 257, False, True),
+    (40, 17, False, False),
+    (17, 40, False, False),
+    (1, 1, True, True),
+    (63, 63, True, False),
+    (63, 63, True, True),
+    (257, 257, True, False),
+]
+
+
+@pytest.mark.parametrize("n, m, shared, causal", CASES)
+def test_fast_path_matches_dense_reference(n, m, shared, causal):
+    bucket_size = 8  # lengths are not multiples of it; many buckets and chunks
+    q, k, v = _inputs(n, m, shared)
+    rotations = F.draw_rotations(
+        3, 3, 21, F.num_buckets(n, m, bucket_size), generator=torch.Generator().manual_seed(n)
+    ).double()
+    for mask in (None, padding(2, m)):
+        kw = dict(
+            rotations=rotations,
+            bucket_size=bucket_size,
+            causal=causal,
+            key_padding_mask=mask,
+            shared_qk=shared,
+            scale=0.3,
+        )
+        fast = _grads(F.reformer_attention, q, k, v, shared, **kw)
+        ref = _grads(R.reformer_attention, q, k, v, shared, **kw)
+        for a, b in zip(fast, ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    if n > 2 * bucket_size:
+        # The test is not vacuous: each query sees only part of the keys.
+        seen = R.reformer_candidates(
+            q, k, rotations, bucket_size=bucket_size, causal=causal, shared_qk=shared
+        )
+        assert seen.float().mean() < 0.9
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_module_hashes_with_its_rotations(shared):
+    q, k, v = _inputs(63, 63, shared)
+    attn = effattn.build(
+        "reformer", head_dim=21, heads=3, seed=5, n_hashes=2, bucket_size=8, shared_qk=shared
+    ).eval()
+    mask = padding(2, 63)
+    out = attn(q, k, v, causal=True, key_padding_mask=mask)
+    ref = R.reformer_attention(
+        q, k, v, attn.rotations(63, 63).double(), bucket_size=8, causal=True,
+        key_padding_mask=mask, shared_qk=shared,
+    )
+    torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n, m", [(1, 1), (30, 30), (17, 30), (30, 17)])
+def test_one_chunk_is_exact_softmax(causal, n, m):
+    if causal and n != m:
+        pytest.skip("causal needs N == M")
+    q, k, v = qkv(n=n, m=m, dv=4, scale=2.0)
+    mask = padding(2, m)
+    attn = effattn.build("reformer", head_dim=21, heads=3, seed=0, n_hashes=3, bucket_size=30)
+    for pad in (None, mask):
+        out = attn(q, k, v, causal=causal, key_padding_mask=pad)
+        exact = R.softmax_attention(q, k, v, causal=causal, key_padding_mask=pad)
+        torch.testing.assert_close(out, exact, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_shared_qk_one_chunk_is_softmax_without_the_diagonal(causal):
+    q, _, v = qkv(n=20, dv=4)
+    attn = effattn.build(
+        "reformer", head_dim=21, heads=3, seed=0, n_hashes=2, bucket_size=32, shared_qk=True
+    )
+    out = attn(q, q, v, causal=causal)
+    keys = q / q.norm(dim=-1, keepdim=True)
+    scores = q @ keys.transpose(-2, -1) / 21**0.5
+    blocked = torch.eye(20, dtype=torch.bool)
+    if causal:
+        blocked |= torch.ones(20, 20, dtype=torch.bool).triu(1)
+        blocked[0, 0] = False  # token 0 has no other key: it attends to itself
+    expected = torch.softmax(scores.masked_fill(blocked, float("-inf")), -1) @ v
+    torch.testing.assert_close(out, expected)
+    if causal:
+        torch.testing.assert_close(out[:, :, 0], v[:, :, 0])
+
+
+def test_number_of_buckets_rule():
+    assert F.num_buckets(64, 64, 64) == 1
+    assert F.num_buckets(65, 10, 64) == 2
+    assert F.num_buckets(10, 200, 64) == 4
+    assert F.num_buckets(1000, 1000, 64) == 16
+    with pytest.raises(ValueError, match="n_buckets"):
+        F.draw_rotations(1, 1, 4, 3)
+
+
+def test_angular_hash_depends_on_direction_only():
+    x = torch.randn(2, 3, 50, 8, dtype=torch.float64)
+    rotations = F.draw_rotations(3, 2, 8, 6, generator=torch.Generator().manual_seed(1))
+    b = F.lsh_buckets(x, rotations)
+    assert b.shape == (2, 3, 2, 50) and b.min() >= 0 and b.max() < 6 and len(b.unique()) == 6
+    assert torch.equal(F.lsh_buckets(3.5 * x, rotations), b)
+    assert torch.equal(F.lsh_buckets(-x, rotations), (b + 3) % 6)  # antipodes: opposite bucket
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_causal_has_no_future_leakage(shared):
+    q, k, v = _inputs(63, 63, shared)
+    attn = effattn.build(
+        "reformer", head_dim=21, heads=3, seed=1, n_hashes=3, bucket_size=4, shared_qk=shared
+    ).eval()
+    out = attn(q, k, v, causal=True)
+    t = 30
+    q2, k2, v2 = q.clone(), k.clone(), v.clone()
+    g = torch.Generator().manual_seed(7)
+    q2[:, :, t:] = torch.randn(q2[:, :, t:].shape, generator=g, dtype=q.dtype)
+    k2[:, :, t:] = torch.randn(k2[:, :, t:].shape, generator=g, dtype=q.dtype)
+    v2[:, :, t:] = torch.randn(v2[:, :, t:].shape, generator=g, dtype=q.dtype)
+    if shared:
+        k2 = q2
+    out2 = attn(q2, k2, v2, causal=True)
+    # Same candidate sets; only the summation order inside the chunks moves (rounding).
+    torch.testing.assert_close(out2[:, :, :t], out[:, :, :t], rtol=0, atol=1e-12)
+    assert not torch.allclose(out2[:, :, t:], out[:, :, t:])
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_keys_never_change_unpadded_outputs(shared, causal):
+    q, k, v = _inputs(63, 63, shared)
+    mask = padding(2, 63)
+    attn = effattn.build(
+        "reformer", head_dim=21, heads=3, seed=2, n_hashes=2, bucket_size=8, shared_qk=shared
+    ).eval()
+    out = attn(q, k, v, causal=causal, key_padding_mask=mask)
+    noise = 100 * torch.randn(2, 3, 63, 21, dtype=q.dtype)
+    at = mask[:, None, :, None]
+    q2 = torch.where(at, noise, q) if shared else q
+    k2 = q2 if shared else torch.where(at, noise, k)
+    v2 = torch.where(at, -noise[..., :5], v)
+    out2 = attn(q2, k2, v2, causal=causal, key_padding_mask=mask)
+    real = ~mask[:, None, :, None].expand_as(out)
+    torch.testing.assert_close(out2[real], out[real], rtol=0, atol=1e-12)
+    if not shared:
+        torch.testing.assert_close(out2, out, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_fully_padded_rows_are_zero_and_causal_queries_never_empty(shared):
+    q, k, v = _inputs(40, 40, shared)
+    mask = torch.zeros(2, 40, dtype=torch.bool)
+    mask[0] = True
+    attn = effattn.build("reformer", head_dim=21, heads=3, seed=0, bucket_size=8, shared_qk=shared)
+    out = attn(q, k, v, causal=True, key_padding_mask=mask)
+    # Row 1 is unpadded: every causal query keeps at least its own key (shared: self fallback;
+    # not shared: key i is always a candidate), so no output is 0.
+    assert torch.isfinite(out).all() and out[0].abs().max() == 0 and out[1].abs().min() > 0
+    out = attn(q, k, v, key_padding_mask=mask)
+    assert torch.isfinite(out).all() and out[0].abs().max() == 0
+
+
+def test_causal_query_sees_its_own_key_when_its_bucket_has_no_past():
+    # n_buckets = 16 for N = 63, bucket_size 4: query 0 rarely shares a bucket with key 0.
+    q, k, v = qkv(n=63, dv=4)
+    rotations = F.draw_rotations(3, 1, 21, 16, generator=torch.Generator().manual_seed(0))
+    out = F.reformer_attention(q, k, v, rotations.double(), bucket_size=4, causal=True)
+    torch.testing.assert_close(out[:, :, 0], v[:, :, 0])
+
+
+def test_refusals_and_option_validation():
+    attn = effattn.build("reformer", head_dim=21, heads=3)
+    q, k, v = qkv(n=1)
+    with pytest.raises(ValueError, match="reformer cannot do recurrent decoding.*n_buckets"):
+        attn.step(q, k, v)
+    shared = effattn.build("reformer", head_dim=21, heads=3, shared_qk=True)
+    q, k, v = qkv(n=10, m=12)
+    with pytest.raises(ValueError, match="shared_qk=True cannot do cross-attention"):
+        shared(q, k, v)
+    q, k, v = qkv(n=10)
+    with pytest.raises(ValueError, match="k equal to q"):
+        shared(q, k, v)
+    shared(q, q.clone(), v)  # equal values are fine
+    for bad in ({"n_hashes": 0}, {"bucket_size": 1.5}, {"bucket_size": True}, {"shared_qk": 1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            effattn.build("reformer", **bad)
+    with pytest.raises(ValueError, match="rotations"):
+        F.reformer_attention(q, k, v, torch.zeros(3, 1, 20, 1), bucket_size=4)
+
+
+def test_seeds_eval_fixed_training_redraws():
+    q, k, v = qkv(n=63)
+
+    def build(seed):
+        return effattn.build("reformer", head_dim=21, heads=3, seed=seed, bucket_size=4)
+
+    a, b, c = build(3).eval(), build(3).eval(), build(4).eval()
+    out = a(q, k, v)
+    torch.testing.assert_close(b(q, k, v), out, rtol=0, atol=0)
+    torch.testing.assert_close(a(q, k, v), out, rtol=0, atol=0)
+    assert not torch.allclose(c(q, k, v), out)
+    a.train()
+    b.train()
+    first, second = a(q, k, v), a(q, k, v)
+    assert not torch.allclose(first, second)
+    torch.testing.assert_close(b(q, k, v), first, rtol=0, atol=0)  # same seed, same draws
+    torch.testing.assert_close(a.eval()(q, k, v), out, rtol=0, atol=0)
+    unseeded = effattn.build("reformer", head_dim=21, heads=3, bucket_size=4).eval()
+    torch.testing.assert_close(unseeded(q, k, v), unseeded(q, k, v), rtol=0, atol=0)
+
+
+def test_any_length_and_low_precision():
+    attn = effattn.build("reformer", head_dim=21, heads=3, seed=0, bucket_size=16)
+    for n, m in [(1, 1), (5, 77), (77, 5), (100, 100)]:
+        q, k, v = qkv(n=n, m=m, dv=7, dtype=torch.float32)
+        out = attn(q, k, v)
+        assert out.shape == (2, 3, n, 7) and torch.isfinite(out).all()
+    q, k, v = qkv(n=50, dtype=torch.bfloat16)
+    out = attn(q, k, v, causal=True)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
