@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 # Modules that contribute subcommands, in the order `effattn --help` lists them.
-_SUBCOMMANDS = ("effattn.cli_methods", "effattn.cli_bench")
+_SUBCOMMANDS = ("effattn.cli_methods", "effattn.cli_bench", "effattn.cli_train")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,108 @@
+"""``effattn train`` and ``effattn compare``: train models with any method on generated tasks."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from effattn.tasks.compare import compare, parse_options, table
+from effattn.tasks.data import TASKS
+from effattn.tasks.train import MODEL_DEFAULTS, TASK_DEFAULTS, TrainConfig, label_of, train
+
+
+def _device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def _budget_args(p: argparse.ArgumentParser) -> None:
+    defaults = ", ".join(f"{t}: {d['steps']} steps, length {d['seq_len']}, lr {d['lr']}"
+                         for t, d in TASK_DEFAULTS.items())
+    p.add_argument("--task", choices=TASKS, default="listops", help="task (default listops)")
+    p.add_argument("--steps", type=int, help=f"training steps (task default; {defaults})")
+    p.add_argument("--batch-size", type=int, default=MODEL_DEFAULTS["batch_size"])
+    p.add_argument("--lr", type=float, help="peak learning rate (task default)")
+    p.add_argument("--d-model", type=int, default=MODEL_DEFAULTS["d_model"])
+    p.add_argument("--layers", type=int, default=MODEL_DEFAULTS["layers"])
+    p.add_argument("--heads", type=int, default=MODEL_DEFAULTS["heads"])
+    p.add_argument("--seq-len", type=int, help="sequence length (task default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--task-option", action="append", metavar="KEY=VALUE",
+                   help="task option, repeatable (e.g. --task-option train_size=20000 for "
+                   "listops, --task-option test_windows=1024 for charlm)")
+
+
+def _config(args: argparse.Namespace, method: str, options: dict) -> TrainConfig:
+    return TrainConfig(task=args.task, method=method, options=options,
+                       task_options=parse_options(args.task_option or [], "task option"),
+                       steps=args.steps,
+                       batch_size=args.batch_size, lr=args.lr, d_model=args.d_model,
+                       layers=args.layers, heads=args.heads, seq_len=args.seq_len,
+                       seed=args.seed, dropout=args.dropout,
+                       checkpoint_every=args.checkpoint_every,
+                       eval_every=getattr(args, "eval_every", 0), device=_device(args.device))
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    try:
+        options = parse_options(args.option or [])
+        cfg = _config(args, args.method, options)
+        out = Path(args.out or f"runs/{args.task}-{label_of(args.method, options)}")
+        results = train(cfg, out, resume=True if args.resume else None,
+                        data_dir=args.data_dir, progress=None)
+    except (KeyError, TypeError, ValueError) as err:
+        print(f"effattn train: {err.args[0] if err.args else err}", file=sys.stderr)
+        return 2
+    metric = results["metric"]
+    value = results["score"] * (100 if metric == "accuracy" else 1)
+    print(f"{args.task} {results['label']}: test {metric} "
+          f"{value:.2f}{'%' if metric == 'accuracy' else ''}, "
+          f"{results['steps_per_s']:.2f} steps/s, peak {results['peak_memory_mb']:.0f} MB "
+          f"({results['peak_memory_kind']}); results in {out / 'results.json'}")
+    return 0
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    try:
+        base = _config(args, "softmax", {})
+        out = Path(args.out or f"runs/compare-{args.task}")
+        summary = compare(args.task, args.methods, out, base)
+    except (KeyError, TypeError, ValueError) as err:
+        print(f"effattn compare: {err.args[0] if err.args else err}", file=sys.stderr)
+        return 2
+    print(table(summary))
+    print(f"\nwritten: {out / 'compare.json'}, compare.csv, compare.md, compare.png")
+    return 1 if summary["failed"] else 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a model with one method on a generated task",
+                       description="Train a tiny Transformer with one attention method; "
+                       "checkpoints atomically and resumes from its output directory.")
+    p.add_argument("--method", default="softmax", help="registered method (effattn methods)")
+    p.add_argument("--option", action="append", metavar="KEY=VALUE",
+                   help="method option, repeatable (e.g. --option num_features=64)")
+    _budget_args(p)
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="evaluate on the validation set every N steps (0: only at the end)")
+    p.add_argument("--out", help="run directory (default runs/<task>-<method>)")
+    p.add_argument("--data-dir", help="cache of generated data sets (default <out>/data)")
+    p.add_argument("--resume", action="store_true",
+                   help="require a checkpoint in --out (resuming is automatic when one exists)")
+    p.set_defaults(func=_run_train)
+
+    c = sub.add_parser("compare", help="train every applicable method with the same budget",
+                       description="Train each method on one task with the same budget and "
+                       "print an LRA-style table; writes compare.{json,csv,md,png}.")
+    c.add_argument("--methods", nargs="+", default=["all"], metavar="METHOD",
+                   help="'all' and/or names, with options as name:key=value,key=value")
+    _budget_args(c)
+    c.add_argument("--out", help="output directory (default runs/compare-<task>)")
+    c.set_defaults(func=_run_compare)

@@ -1,0 +1,20 @@
+"""Neural-network building blocks with a pluggable attention method."""
+
+from effattn.nn.attention import CrossState, MultiheadAttention
+from effattn.nn.blocks import BlockState, FeedForward, TransformerBlock
+from effattn.nn.models import DecoderLM, DecoderState, EncoderClassifier, EncoderDecoder
+from effattn.nn.positional import SinusoidalPositionalEncoding, sinusoidal
+
+__all__ = [
+    "BlockState",
+    "CrossState",
+    "DecoderLM",
+    "DecoderState",
+    "EncoderClassifier",
+    "EncoderDecoder",
+    "FeedForward",
+    "MultiheadAttention",
+    "SinusoidalPositionalEncoding",
+    "TransformerBlock",
+    "sinusoidal",
+]

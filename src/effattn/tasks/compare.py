@@ -1,0 +1,280 @@
+"""``effattn compare``: every applicable method trained with the same budget, one table.
+
+Each method runs as its own ``effattn train`` process (so that its peak memory is its own) in
+``<out>/<label>/``; a method whose results exist with the same configuration is not rerun, and an
+interrupted one resumes from its checkpoint. The table (Markdown), JSON, CSV and a PNG bar plot
+are written to ``<out>/compare.*``.
+
+Method entries are registered names or ``name:key=value,key=value`` (options); ``all`` expands to
+every registered method plus the variants in ``VARIANTS`` (gated RFA), minus those that cannot run
+the task (listed with the spec's reason).
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from effattn.registry import methods, spec
+from effattn.tasks.train import RESULTS, TrainConfig, applicability, label_of, write_json
+
+# Extra entries of `all`: methods whose options make a different model worth its own row.
+VARIANTS = (("rfa", {"gated": True}),)
+
+# Long Range Arena ListOps test accuracy (%) (Tay et al. 2021, Table 1), by our method names.
+LRA_LISTOPS = {"softmax": 36.37, "local": 15.82, "sparse-fixed": 17.07, "sparse-strided": 17.07,
+               "longformer": 35.63, "linformer": 35.70, "reformer": 37.27, "bigbird": 36.05,
+               "linear": 16.13, "performer": 18.01}
+
+
+def scaled_options(method: str, seq_len: int, head_dim: int) -> dict[str, Any]:
+    """Options sized to the comparison's short sequences and small heads.
+
+    The library defaults (windows of 128, 64-token blocks, 256 projections) are sized for
+    sequences of thousands; at 256 tokens they would cover the whole sequence and the comparison
+    would compare softmax with itself. Windows, blocks, landmarks and projections are scaled to
+    the same fraction of the sequence instead (window L/8, block L/16, landmarks L/8, projection
+    L/4, bucket L/16). Random-feature counts become 4 D (64 at D = 16, above the D ln D that
+    several implementations use) instead of 256, which at D = 16 would make the kernelized
+    methods several times slower than softmax for no accuracy the comparison could show. Only
+    options the method has are set.
+    """
+    scaled = {"window": seq_len // 8, "block_size": seq_len // 16,
+              "num_landmarks": seq_len // 8, "proj_len": seq_len // 4,
+              "bucket_size": seq_len // 16, "num_features": 4 * head_dim}
+    known = spec(method).options
+    return {k: max(2, v) for k, v in scaled.items() if k in known}
+
+
+def parse_value(text: str) -> Any:
+    """``true``/``false``/``none`` (any case), Python literals, else the string itself."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "false", "none"):
+        return {"true": True, "false": False, "none": None}[lowered]
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def parse_options(items: list[str] | str, what: str = "option") -> dict[str, Any]:
+    """``["k=v", ...]`` or ``"k=v,k=v"`` -> dict, with values parsed by :func:`parse_value`."""
+    if isinstance(items, str):
+        items = [part for part in items.split(",") if part]
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{what} must look like key=value, got {item!r}")
+        options[key.strip()] = parse_value(value)
+    return options
+
+
+def parse_entry(entry: str) -> tuple[str, dict[str, Any]]:
+    """``"rfa:gated=true"`` -> ("rfa", {"gated": True}); the name must be registered."""
+    name, _, opts = entry.partition(":")
+    spec(name)
+    return name, parse_options(opts, f"options of {name!r}")
+
+
+def resolve(task: str, entries: list[str]) -> tuple[list[tuple[str, dict]], dict[str, str]]:
+    """The (method, options) to run for ``task`` and the skipped labels with the reason."""
+    wanted: list[tuple[str, dict]] = []
+    for entry in entries:
+        if entry == "all":
+            wanted += [(m, {}) for m in methods()]
+            wanted += [(m, dict(o)) for m, o in VARIANTS
+                       if m in methods() and set(o) <= set(spec(m).options)]
+        else:
+            wanted.append(parse_entry(entry))
+    run, skipped, seen = [], {}, set()
+    for method, options in wanted:
+        label = label_of(method, options)
+        if label in seen:
+            continue
+        seen.add(label)
+        reason = applicability(task, method, options)
+        if reason is None:
+            run.append((method, options))
+        else:
+            skipped[label] = reason
+    return run, skipped
+
+
+def _train_command(cfg: TrainConfig, out: Path, data_dir: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "effattn", "train", "--task", cfg.task, "--method", cfg.method,
+           "--steps", str(cfg.steps), "--batch-size", str(cfg.batch_size), "--lr", str(cfg.lr),
+           "--d-model", str(cfg.d_model), "--layers", str(cfg.layers), "--heads", str(cfg.heads),
+           "--seq-len", str(cfg.seq_len), "--seed", str(cfg.seed), "--device", cfg.device,
+           "--checkpoint-every", str(cfg.checkpoint_every), "--out", str(out),
+           "--data-dir", str(data_dir)]
+    for key, value in cfg.options.items():
+        cmd += ["--option", f"{key}={value!r}"]
+    for key, value in cfg.task_options.items():
+        cmd += ["--task-option", f"{key}={value!r}"]
+    return cmd
+
+
+def _subprocess_env() -> dict[str, str]:
+    # The child must import this very copy of effattn (a source checkout need not be installed).
+    src = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _cached(path: Path, cfg: TrainConfig) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    results = json.loads(path.read_text())
+    saved = {k: v for k, v in results["config"].items() if k != "device"}
+    now = {k: v for k, v in asdict(cfg).items() if k != "device"}
+    return results if saved == now else None
+
+
+def compare(
+    task: str,
+    entries: list[str],
+    out_dir: str | Path,
+    base: TrainConfig | None = None,
+    *,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Train every entry on ``task`` with ``base``'s budget; write and return the comparison."""
+    base = replace(base or TrainConfig(), task=task, method="softmax", options={}).resolved()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    run, skipped = resolve(task, entries)
+    rows, failed = [], {}
+    for method, options in run:
+        opts = {**scaled_options(method, base.seq_len, base.d_model // base.heads),
+                **options}
+        cfg = replace(base, method=method, options=opts).resolved()
+        label = label_of(method, options)
+        run_dir = out / label.replace(":", "_").replace("=", "-").replace(",", "_")
+        results = _cached(run_dir / RESULTS, cfg)
+        if results is None:
+            proc = subprocess.run(_train_command(cfg, run_dir, out / "data"),
+                                  env=_subprocess_env(),
+                                  stdout=None if progress else subprocess.DEVNULL,
+                                  stderr=None if progress else subprocess.PIPE, text=True)
+            if proc.returncode != 0:
+                last = (proc.stderr or "").strip().splitlines()[-1:]
+                failed[label] = last[0] if last else (
+                    f"exit status {proc.returncode} (see the output above)")
+                continue
+            results = json.loads((run_dir / RESULTS).read_text())
+        rows.append(_row(label, results, task))
+    summary = {"task": task, "budget": {k: v for k, v in asdict(base).items()
+                                        if k not in ("method", "options")},
+               "rows": rows, "skipped": skipped, "failed": failed}
+    write_json(out / "compare.json", summary)
+    _write_csv(out / "compare.csv", rows)
+    (out / "compare.md").write_text(table(summary) + "\n")
+    plot(summary, out / "compare.png")
+    return summary
+
+
+def _row(label: str, results: dict[str, Any], task: str) -> dict[str, Any]:
+    metric = results["metric"]
+    score = results["score"] * (100.0 if metric == "accuracy" else 1.0)
+    row = {"label": label, "method": results["config"]["method"],
+           "options": results["config"]["options"], "metric": metric, "score": score,
+           "valid": results["valid"][metric] * (100.0 if metric == "accuracy" else 1.0),
+           "final_train_loss": results["final_train_loss"], "steps_per_s": results["steps_per_s"],
+           "peak_memory_mb": results["peak_memory_mb"], "masks_padding": results["masks_padding"]}
+    if task == "listops":
+        row["lra_listops"] = LRA_LISTOPS.get(label)
+    return row
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    fields = ["label", "metric", "score", "valid", "final_train_loss", "steps_per_s",
+              "peak_memory_mb", "masks_padding", "lra_listops"]
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: row.get(k) for k in fields})
+    os.replace(tmp, path)
+
+
+def table(summary: dict[str, Any]) -> str:
+    """The comparison as a Markdown table (LRA's ListOps numbers alongside for ListOps)."""
+    rows = summary["rows"]
+    listops = summary["task"] == "listops"
+    metric = rows[0]["metric"] if rows else ("accuracy" if listops else "bpc")
+    name = "test accuracy (%)" if metric == "accuracy" else "test bits/char"
+    ref = next((r for r in rows if r["label"] == "softmax"), None)
+    head = ["method", name, "vs softmax", "steps/s", "peak MB"]
+    if listops:
+        head.append("LRA ListOps (%)")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if ref is None:
+            rel = "-"
+        elif metric == "accuracy":
+            rel = f"{r['score'] - ref['score']:+.1f} pt"
+        else:
+            rel = f"{100.0 * (r['score'] / ref['score'] - 1.0):+.1f}%"
+        note = "" if r["masks_padding"] else " (attends padding)"
+        cells = [f"`{r['label']}`{note}", f"{r['score']:.2f}" if metric == "accuracy"
+                 else f"{r['score']:.3f}", rel, f"{r['steps_per_s']:.2f}",
+                 f"{r['peak_memory_mb']:.0f}"]
+        if listops:
+            lra = r.get("lra_listops")
+            cells.append("-" if lra is None else f"{lra:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    for label, reason in summary["skipped"].items():
+        lines.append(f"| `{label}` | skipped: {reason} |" + " |" * (len(head) - 2))
+    for label, error in summary["failed"].items():
+        lines.append(f"| `{label}` | failed: {error} |" + " |" * (len(head) - 2))
+    b = summary["budget"]
+    lines.append("")
+    lines.append(f"Budget: {b['steps']} steps, batch {b['batch_size']}, length {b['seq_len']}, "
+                 f"d_model {b['d_model']}, {b['layers']} layers, {b['heads']} heads, "
+                 f"lr {b['lr']}, seed {b['seed']}, device {b['device']}.")
+    return "\n".join(lines)
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    """Bar plots of the score and of steps/s per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.35 * max(4, len(rows)) + 1.5))
+    labels = [r["label"] for r in rows]
+    metric = rows[0]["metric"] if rows else "accuracy"
+    axes[0].barh(labels, [r["score"] for r in rows], color="tab:blue")
+    axes[0].set_xlabel("test accuracy (%)" if metric == "accuracy" else "test bits/char "
+                       "(lower is better)")
+    if summary["task"] == "listops":
+        lra = [(i, r["lra_listops"]) for i, r in enumerate(rows) if r.get("lra_listops")]
+        if lra:
+            axes[0].scatter([v for _, v in lra], [i for i, _ in lra], color="tab:red",
+                            zorder=3, label="LRA (Tay et al.), 2K tokens")
+            axes[0].legend(loc="lower right", fontsize=8)
+    axes[1].barh(labels, [r["steps_per_s"] for r in rows], color="tab:green")
+    axes[1].set_xlabel("training steps/s")
+    for ax in axes:
+        ax.invert_yaxis()
+        ax.grid(axis="x", alpha=0.3)
+    b = summary["budget"]
+    fig.suptitle(f"{summary['task']}: {b['steps']} steps, batch {b['batch_size']}, "
+                 f"length {b['seq_len']}, d_model {b['d_model']}, {b['layers']} layers")
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.stem}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)

@@ -1,0 +1,161 @@
+"""Training tasks: what the model sees at each step and what it is scored on.
+
+Every training batch is a deterministic function of (seed, step), so a run resumed from a
+checkpoint at step s sees exactly the batches an uninterrupted run would. Held-out sets are fixed
+by the seed and disjoint streams of it.
+
+| task | model | input | score |
+|---|---|---|---|
+| ``listops`` | EncoderClassifier | ListOps expression (LRA grammar) | accuracy, 10 classes |
+| ``charlm`` | DecoderLM | Python stdlib source, random windows | bits per character |
+| ``recall`` | DecoderLM | multi-query associative recall | accuracy on the answers |
+| ``copy`` | DecoderLM | ``x SEP x`` | accuracy on the copy |
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from effattn.tasks import charlm, listops, synthetic
+
+TASKS = ("listops", "charlm", "recall", "copy")
+
+
+def stream_seed(seed: int, *keys: int | str) -> int:
+    """A well-mixed 63-bit seed for the stream named by ``keys`` under ``seed``."""
+    words = [seed] + [k if isinstance(k, int) else int.from_bytes(k.encode(), "little")
+                      for k in keys]
+    return int(np.random.SeedSequence(words).generate_state(2, np.uint64)[0] >> np.uint64(1))
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The generator of the training batch at ``step``."""
+    return torch.Generator().manual_seed(stream_seed(seed, "train", step))
+
+
+@dataclass
+class Task:
+    """A task bound to a sequence length and a seed.
+
+    kind: ``"classify"`` (targets (B,)) or ``"lm"`` (targets (B, L), -100 = not scored).
+    metric: ``"accuracy"`` or ``"bpc"``.
+    """
+
+    name: str
+    kind: str
+    metric: str
+    vocab_size: int
+    seq_len: int
+    num_classes: int | None
+    train_batch: Callable[[int, int], tuple[Tensor, Tensor]]
+    eval_sets: dict[str, tuple[Tensor, Tensor]]
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def _listops(seq_len: int, seed: int, data_dir: Path | None, *, train_size: int = 10_000,
+             valid_size: int = 500, test_size: int = 2_000, min_len: int | None = None) -> Task:
+    # LRA draws lengths in [500, 2000]: the same ratio of min to max length by default.
+    min_len = max(1, seq_len // 4) if min_len is None else min_len
+    sizes = {"train": train_size, "valid": valid_size, "test": test_size}
+    sets = {}
+    for split, count in sizes.items():
+        key = f"listops-L{seq_len}-min{min_len}-seed{seed}-{split}{count}.pt"
+        path = None if data_dir is None else Path(data_dir) / key
+        if path is not None and path.exists():
+            sets[split] = torch.load(path)
+            continue
+        sets[split] = listops.generate(count, seed=stream_seed(seed, "listops", split),
+                                       min_len=min_len, max_len=seq_len)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{id(sets)}")
+            torch.save(sets[split], tmp)
+            tmp.replace(path)
+    pool_x, pool_y = sets.pop("train")
+
+    def train_batch(step: int, batch_size: int) -> tuple[Tensor, Tensor]:
+        idx = torch.randint(0, len(pool_x), (batch_size,), generator=step_generator(seed, step))
+        return pool_x[idx], pool_y[idx]
+
+    return Task("listops", "classify", "accuracy", len(listops.VOCAB), seq_len,
+                listops.NUM_CLASSES, train_batch, sets,
+                {"min_len": min_len, "train_size": train_size})
+
+
+def _synthetic(name: str, seq_len: int, seed: int, *, valid_size: int = 256,
+               test_size: int = 1024, vocab: int | None = None) -> Task:
+    if name == "recall":
+        vocab = 64 if vocab is None else vocab
+
+        def make(count: int, s: int) -> tuple[Tensor, Tensor]:
+            return synthetic.associative_recall(count, seed=s, seq_len=seq_len, vocab=vocab)
+
+        vocab_size = 2 * vocab + 1
+    else:
+        vocab = 16 if vocab is None else vocab
+
+        def make(count: int, s: int) -> tuple[Tensor, Tensor]:
+            return synthetic.copy_task(count, seed=s, seq_len=seq_len, vocab=vocab)
+
+        vocab_size = vocab + 2
+
+    def train_batch(step: int, batch_size: int) -> tuple[Tensor, Tensor]:
+        return make(batch_size, stream_seed(seed, "train", step))
+
+    sets = {split: make(count, stream_seed(seed, name, split))
+            for split, count in (("valid", valid_size), ("test", test_size))}
+    return Task(name, "lm", "accuracy", vocab_size, seq_len, None, train_batch, sets,
+                {"vocab": vocab})
+
+
+_CORPUS: dict[str, charlm.Corpus] = {}
+
+
+def _charlm(seq_len: int, seed: int, *, valid_windows: int = 128,
+            test_windows: int = 512) -> Task:
+    if "stdlib" not in _CORPUS:
+        _CORPUS["stdlib"] = charlm.Corpus.stdlib()
+    corpus = _CORPUS["stdlib"]
+    train = corpus.split("train")
+
+    def train_batch(step: int, batch_size: int) -> tuple[Tensor, Tensor]:
+        return charlm.random_windows(train, batch_size, seq_len, step_generator(seed, step))
+
+    sets = {"valid": charlm.tiled_windows(corpus.split("valid"), seq_len, valid_windows),
+            "test": charlm.tiled_windows(corpus.split("test"), seq_len, test_windows)}
+    info = {"corpus": "python-stdlib", "python": corpus.python, "sha256": corpus.sha256,
+            "chars": {s: len(corpus.split(s)) for s in charlm.SPLITS},
+            "eval_chars": {s: int(sets[s][1].numel()) for s in sets}}
+    return Task("charlm", "lm", "bpc", corpus.vocab_size, seq_len, None, train_batch, sets, info)
+
+
+def make_task(name: str, seq_len: int, seed: int, data_dir: Path | None = None,
+              **options: Any) -> Task:
+    """The task ``name`` at sequence length ``seq_len`` (data cached under ``data_dir`` when the
+    generator is slow: ListOps)."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(TASKS)}")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 4:
+        raise ValueError(f"seq_len must be an int >= 4, got {seq_len!r}")
+    if name == "listops":
+        return _listops(seq_len, seed, data_dir, **options)
+    if name == "charlm":
+        return _charlm(seq_len, seed, **options)
+    return _synthetic(name, seq_len, seed, **options)
+
+
+def score(task: Task, loss_sum: float, correct: int, count: int) -> dict[str, float]:
+    """Metrics from summed cross-entropy (nats) and correct predictions over ``count`` targets."""
+    loss = loss_sum / count
+    out = {"loss": loss, "accuracy": correct / count}
+    if task.metric == "bpc":
+        out["bpc"] = loss / math.log(2)
+    return out

@@ -1,0 +1,420 @@
+"""The training loop: one method, one task, resumable, reproducible.
+
+A run lives in its own directory:
+
+- ``checkpoint.pt``: model, optimizer, step, RNG states (torch, Python, and the generators that
+  methods keep for redrawing random features), training time; written
+  atomically (temporary file + ``os.replace``) every ``checkpoint_every`` steps and at the end.
+- ``train.log``: human-readable log; ``log.jsonl``: one JSON record per logged step or evaluation.
+- ``results.json``: configuration, capabilities, held-out metrics, speed and memory; atomic.
+
+Re-running with the same configuration resumes from the checkpoint; since every batch is a
+function of (seed, step) and the RNG states are restored, the result equals an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import random
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from effattn.nn import DecoderLM, EncoderClassifier
+from effattn.registry import spec
+from effattn.tasks.data import TASKS, Task, make_task, score
+
+# Defaults of `effattn train` and `effattn compare`: tiny models, short sequences, so that a
+# comparison of ~15 methods on one task runs in about ten minutes on two CPU cores. LRA trains
+# 4-6 layer models of width 256-512 on 2K-4K tokens for 5K-250K steps: these are far smaller.
+MODEL_DEFAULTS = {"d_model": 64, "layers": 2, "heads": 4, "batch_size": 16}
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "listops": {"seq_len": 256, "steps": 500, "lr": 2e-3},
+    "charlm": {"seq_len": 256, "steps": 500, "lr": 5e-3},
+    "recall": {"seq_len": 128, "steps": 600, "lr": 2e-3},
+    "copy": {"seq_len": 64, "steps": 600, "lr": 2e-3},
+}
+CHECKPOINT = "checkpoint.pt"
+RESULTS = "results.json"
+# Fields of the configuration that may change between a run and its resumption.
+RESUMABLE_CHANGES = ("device", "checkpoint_every", "eval_every")
+
+
+@dataclass
+class TrainConfig:
+    """Everything that defines a run. ``None`` fields take the task's defaults."""
+
+    task: str = "listops"
+    method: str = "softmax"
+    options: dict[str, Any] = field(default_factory=dict)
+    task_options: dict[str, Any] = field(default_factory=dict)
+    steps: int | None = None
+    batch_size: int = MODEL_DEFAULTS["batch_size"]
+    lr: float | None = None
+    d_model: int = MODEL_DEFAULTS["d_model"]
+    layers: int = MODEL_DEFAULTS["layers"]
+    heads: int = MODEL_DEFAULTS["heads"]
+    seq_len: int | None = None
+    seed: int = 0
+    dropout: float = 0.0
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    checkpoint_every: int = 100
+    eval_every: int = 0
+    device: str = "cpu"
+
+    def resolved(self) -> TrainConfig:
+        """A copy with the task defaults filled in and every field checked."""
+        if self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r}; valid tasks: {', '.join(TASKS)}")
+        spec(self.method)
+        filled = {k: v for k, v in TASK_DEFAULTS[self.task].items()
+                  if getattr(self, k) is None}
+        cfg = dataclasses.replace(self, options=dict(self.options),
+                                  task_options=dict(self.task_options), **filled)
+        for name in ("steps", "batch_size", "d_model", "layers", "heads", "seq_len",
+                     "checkpoint_every"):
+            value = getattr(cfg, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(cfg.eval_every, bool) or not isinstance(cfg.eval_every, int) \
+                or cfg.eval_every < 0:
+            raise ValueError(f"eval_every must be an int >= 0, got {cfg.eval_every!r}")
+        if not (isinstance(cfg.lr, (int, float)) and cfg.lr > 0):
+            raise ValueError(f"lr must be a positive number, got {cfg.lr!r}")
+        if cfg.d_model % cfg.heads:
+            raise ValueError(f"d_model={cfg.d_model} must be divisible by heads={cfg.heads}")
+        if cfg.d_model % 2:
+            raise ValueError(f"d_model must be even (sinusoidal positions), got {cfg.d_model}")
+        return cfg
+
+
+def applicability(task: str, method: str, options: dict[str, Any] | None = None) -> str | None:
+    """Why ``method`` cannot run ``task`` (the spec's reason), or None when it can."""
+    method_spec = spec(method)
+    options = options or {}
+    if task == "listops":
+        if options.get("gated"):
+            return "gated attention is causal only; ListOps uses a bidirectional encoder"
+        return None
+    if not method_spec.causal:
+        return f"no causal form: {method_spec.refusals['causal']}"
+    return None
+
+
+def build_model(task: Task, cfg: TrainConfig) -> nn.Module:
+    """The model for ``task`` (classifier or causal LM) with ``cfg``'s method and size."""
+    common = {"d_model": cfg.d_model, "num_heads": cfg.heads, "num_layers": cfg.layers,
+              "method": cfg.method, "dropout": cfg.dropout, "max_len": task.seq_len,
+              "seed": cfg.seed, **cfg.options}
+    if task.kind == "classify":
+        return EncoderClassifier(task.vocab_size, task.num_classes, **common)
+    return DecoderLM(task.vocab_size, **common)
+
+
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up over min(100, steps/10) steps, then cosine decay to lr/10."""
+    warmup = max(1, min(100, cfg.steps // 10))
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, cfg.steps - warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def loss_and_counts(task: Task, logits: torch.Tensor, targets: torch.Tensor
+                    ) -> tuple[torch.Tensor, int, int]:
+    """Summed cross-entropy, correct predictions and the number of scored targets."""
+    if task.kind == "lm":
+        logits, targets = logits.flatten(0, 1), targets.flatten()
+    keep = targets != -100
+    loss = F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
+    correct = int((logits.argmax(-1)[keep] == targets[keep]).sum())
+    return loss, correct, int(keep.sum())
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, task: Task, split: str, device: torch.device,
+             batch_size: int = 64) -> dict[str, float]:
+    """Metrics of ``model`` on the held-out ``split`` (eval mode, restored afterwards)."""
+    was_training = model.training
+    model.eval()
+    inputs, targets = task.eval_sets[split]
+    total, correct, count = 0.0, 0, 0
+    for i in range(0, len(inputs), batch_size):
+        x = inputs[i:i + batch_size].to(device)
+        y = targets[i:i + batch_size].to(device)
+        loss, c, n = loss_and_counts(task, model(x), y)
+        total += float(loss)
+        correct += c
+        count += n
+    model.train(was_training)
+    return score(task, total, correct, count)
+
+
+def _atomic_write(path: Path, write: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write JSON atomically (never a half-written file, even if killed)."""
+    _atomic_write(Path(path), lambda p: p.write_text(json.dumps(obj, indent=2) + "\n"))
+
+
+class _PeakMemory:
+    """Peak memory of the training loop: CUDA allocator peak, or on CPU the peak resident set
+    (VmHWM, reset at the start through /proc/self/clear_refs) minus the resident set then."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.kind = "cuda_max_allocated" if device.type == "cuda" else "cpu_peak_rss_increase"
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self.base = 0
+        else:
+            try:
+                Path("/proc/self/clear_refs").write_text("5")
+            except OSError:
+                self.kind = "cpu_maxrss_increase"
+            self.base = self._rss()
+
+    @staticmethod
+    def _status(field_name: str) -> int | None:
+        try:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+        return None
+
+    def _rss(self) -> int:
+        rss = self._status("VmRSS")
+        if rss is None:
+            scale = 1 if sys.platform == "darwin" else 1024
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+        return rss
+
+    def peak_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        peak = self._status("VmHWM") if self.kind == "cpu_peak_rss_increase" else None
+        if peak is None:
+            scale = 1 if sys.platform == "darwin" else 1024
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+        return max(0, peak - self.base)
+
+
+def hidden_state(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Mutable state that modules keep outside their ``state_dict``: ``torch.Generator``
+    attributes (random features redrawn during training) and private int counters (calls since
+    the last redraw). A resumed run must restore them to redraw exactly what an uninterrupted run
+    would."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, module in model.named_modules():
+        saved = {}
+        for attr, value in vars(module).items():
+            if isinstance(value, torch.Generator):
+                saved[attr] = value.get_state()
+            elif attr.startswith("_") and type(value) is int:
+                saved[attr] = value
+        if saved:
+            out[name] = saved
+    return out
+
+
+def load_hidden_state(model: nn.Module, state: dict[str, dict[str, Any]]) -> None:
+    """Restore what :func:`hidden_state` saved (same model structure)."""
+    modules = dict(model.named_modules())
+    for name, saved in state.items():
+        for attr, value in saved.items():
+            current = getattr(modules[name], attr)
+            if isinstance(current, torch.Generator):
+                current.set_state(value)
+            else:
+                setattr(modules[name], attr, value)
+
+
+def _config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    return [f"{k}: checkpoint {saved.get(k)!r} != now {current.get(k)!r}"
+            for k in sorted(set(saved) | set(current))
+            if k not in RESUMABLE_CHANGES and saved.get(k) != current.get(k)]
+
+
+def _log(out: Path, record: dict[str, Any], text: str, echo: bool) -> None:
+    with open(out / "log.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+    with open(out / "train.log", "a") as f:
+        f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
+    if echo:
+        tqdm.write(text, file=sys.stderr)
+
+
+def train(
+    config: TrainConfig,
+    out_dir: str | Path,
+    *,
+    resume: bool | None = None,
+    data_dir: str | Path | None = None,
+    stop_after: int | None = None,
+    progress: bool | None = True,
+) -> dict[str, Any] | None:
+    """Train ``config`` in ``out_dir`` and return the results (also written to results.json).
+
+    resume: None resumes when ``out_dir`` holds a checkpoint; True requires one; False refuses to
+        overwrite one. A checkpoint of a different configuration is an error.
+    data_dir: where slow-to-generate data sets are cached (default ``out_dir/data``).
+    stop_after: stop (as if interrupted) once this many steps are done; returns None.
+    progress: progress bar and log lines on stderr; None shows the bar only on a terminal,
+        False is silent (the log files are written either way).
+    """
+    echo = progress is not False
+    cfg = config.resolved()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_path = out / CHECKPOINT
+    saved = None
+    if ckpt_path.exists():
+        if resume is False:
+            raise ValueError(f"{ckpt_path} exists; use another output directory or resume")
+        saved = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        diff = _config_diff(saved["config"], dataclasses.asdict(cfg))
+        if diff:
+            raise ValueError(f"{ckpt_path} was written by a different configuration ("
+                             + "; ".join(diff) + "); use another output directory")
+    elif resume:
+        raise ValueError(f"--resume given but {ckpt_path} does not exist")
+    reason = applicability(cfg.task, cfg.method, cfg.options)
+    if reason is not None:
+        raise ValueError(f"{cfg.method} cannot run task {cfg.task}: {reason}")
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available")
+
+    task = make_task(cfg.task, cfg.seq_len, cfg.seed,
+                     data_dir=out / "data" if data_dir is None else Path(data_dir),
+                     **cfg.task_options)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    model = build_model(task, cfg).to(device)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr)
+    step, train_time, peak, losses = 0, 0.0, 0, []
+    if saved is not None:
+        model.load_state_dict(saved["model"])
+        load_hidden_state(model, saved["hidden"])
+        optimizer.load_state_dict(saved["optimizer"])
+        step, train_time, peak, losses = (saved["step"], saved["train_time"], saved["peak_bytes"],
+                                          saved["losses"])
+        torch.set_rng_state(saved["torch_rng"])
+        random.setstate(saved["python_rng"])
+        if device.type == "cuda" and saved.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(saved["cuda_rng"], device)
+        _log(out, {"event": "resume", "step": step}, f"resumed from step {step}", echo)
+
+    def save_checkpoint() -> None:
+        state = {"config": dataclasses.asdict(cfg), "model": model.state_dict(),
+                 "hidden": hidden_state(model),
+                 "optimizer": optimizer.state_dict(), "step": step, "train_time": train_time,
+                 "peak_bytes": peak, "losses": losses, "torch_rng": torch.get_rng_state(),
+                 "python_rng": random.getstate(),
+                 "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+        _atomic_write(ckpt_path, lambda p: torch.save(state, p))
+
+    memory = _PeakMemory(device)
+    log_every = max(1, cfg.steps // 20)
+    bar = tqdm(total=cfg.steps, initial=step, desc=f"{cfg.task}/{cfg.method}", unit="step",
+               disable=None if progress is None else not progress, dynamic_ncols=True)
+    model.train()
+    while step < cfg.steps:
+        if stop_after is not None and step >= stop_after:
+            bar.close()
+            return None
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(cfg, step)
+        x, y = task.train_batch(step, cfg.batch_size)
+        t0 = time.perf_counter()
+        x, y = x.to(device), y.to(device)
+        loss_sum, _, count = loss_and_counts(task, model(x), y)
+        loss = loss_sum / count
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        loss_value = float(loss.detach())
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        train_time += time.perf_counter() - t0
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"{cfg.method}: training loss is {loss_value} at step {step}")
+        losses.append(loss_value)
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_value:.3f}")
+        if step % log_every == 0 or step == cfg.steps:
+            recent = losses[-log_every:]
+            mean = sum(recent) / len(recent)
+            _log(out, {"event": "train", "step": step, "loss": mean, "lr": learning_rate(
+                cfg, step - 1), "steps_per_s": step / max(train_time, 1e-9)},
+                f"step {step}/{cfg.steps} loss {mean:.4f}", echo)
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+            metrics = evaluate(model, task, "valid", device)
+            _log(out, {"event": "eval", "step": step, "split": "valid", **metrics},
+                 f"step {step} valid " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
+                 echo)
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            peak = max(peak, memory.peak_bytes())
+            save_checkpoint()
+    bar.close()
+    peak = max(peak, memory.peak_bytes())
+
+    metrics = {split: evaluate(model, task, split, device) for split in ("valid", "test")}
+    tail = losses[-max(1, cfg.steps // 10):]
+    method_spec = spec(cfg.method)
+    results = {
+        "config": dataclasses.asdict(cfg),
+        "label": label_of(cfg.method, cfg.options),
+        "metric": task.metric,
+        "score": metrics["test"][task.metric],
+        "valid": metrics["valid"],
+        "test": metrics["test"],
+        "final_train_loss": sum(tail) / len(tail),
+        "losses": losses,
+        "steps_per_s": cfg.steps / max(train_time, 1e-9),
+        "train_time_s": train_time,
+        "peak_memory_mb": peak / 2**20,
+        "peak_memory_kind": memory.kind,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "masks_padding": bool(getattr(model, "masks_padding", True)),
+        "capabilities": {c: getattr(method_spec, c)
+                         for c in ("causal", "padding_mask", "cross", "decoding")},
+        "task_info": task.info,
+        "environment": {"torch": torch.__version__, "python": platform.python_version(),
+                        "device": str(device), "threads": torch.get_num_threads()},
+    }
+    write_json(out / RESULTS, results)
+    _log(out, {"event": "done", **{f"test_{k}": v for k, v in metrics["test"].items()}},
+         f"test {task.metric} {results['score']:.4f}", echo)
+    return results
+
+
+def label_of(method: str, options: dict[str, Any]) -> str:
+    """A method with options as one word: ``rfa:gated=True``."""
+    if not options:
+        return method
+    return method + ":" + ",".join(f"{k}={v}" for k, v in sorted(options.items()))
