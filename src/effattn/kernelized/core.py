@@ -196,18 +196,11 @@ def causal_block(
             f"gate must be (B, H, N) = {tuple(phi_q.shape[:3])}, got {tuple(gate.shape)}"
         )
     state = _state_for(state, phi_k, v)
-    group = SCAN_CHUNKS * chunk_size
     outs = []
-    for s in range(0, n, group):
-        width = min(group, n - s)
-
-        def piece(t: Tensor | None, dim: int, s: int = s, width: int = width) -> Tensor | None:
-            return None if t is None else t.narrow(dim, s, width)
-
-        out, state = _causal_group(
-            piece(phi_q, 2), piece(phi_k, 2), piece(v, 2), state, piece(key_log_scale, 2),
-            piece(key_padding_mask, 1), piece(gate, 2), chunk_size, eps,
-        )
+    pieces = _slices(SCAN_CHUNKS * chunk_size, (phi_q, 2), (phi_k, 2), (v, 2),
+                     (key_log_scale, 2), (key_padding_mask, 1), (gate, 2))
+    for q_g, k_g, v_g, ls_g, pad_g, gate_g in zip(*pieces, strict=True):
+        out, state = _causal_group(q_g, k_g, v_g, state, ls_g, pad_g, gate_g, chunk_size, eps)
         outs.append(out)
     return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), state
 
@@ -390,28 +383,31 @@ def kernelized_attention(
     """
     if gate is not None and not causal:
         raise ValueError("gate needs causal=True: gated attention is a causal recurrence")
-    b, h, n = q.shape[:3]
-    m = k.shape[2]
-    step = slice_tokens(b * h, feature_dim, chunk_size, slice_elements)
-
-    def piece(t: Tensor | None, s: int, dim: int) -> Tensor | None:
-        return None if t is None else t.narrow(dim, s, min(step, t.shape[dim] - s))
-
     if causal:
         return kernelized_causal(
             q, k, v, features, feature_dim=feature_dim, key_padding_mask=key_padding_mask,
             gate=gate, chunk_size=chunk_size, eps=eps, slice_elements=slice_elements,
         )[0]
+    step = slice_tokens(q.shape[0] * q.shape[1], feature_dim, chunk_size, slice_elements)
     state = None
-    for s in range(0, m, step):
-        phi_k, log_scale = features(piece(k, s, 2), is_query=False)
+    for k_s, v_s, pad_s in zip(*_slices(step, (k, 2), (v, 2), (key_padding_mask, 1)), strict=True):
+        phi_k, log_scale = features(k_s, is_query=False)
         state = accumulate_keys(
-            state, phi_k, piece(v, s, 2), key_log_scale=log_scale,
-            key_padding_mask=piece(key_padding_mask, s, 1),
+            state, phi_k, v_s, key_log_scale=log_scale, key_padding_mask=pad_s
         )
-    outs = [read_out(state, features(piece(q, s, 2), is_query=True)[0], eps)
-            for s in range(0, n, step)]
+    outs = [read_out(state, features(q_s, is_query=True)[0], eps) for q_s in q.split(step, 2)]
     return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
+
+
+def _slices(step: int, *tensors: tuple[Tensor | None, int]) -> list[list[Tensor | None]]:
+    """Each (tensor, dim) cut into pieces of ``step`` along dim; None stays None in every piece.
+
+    ``split`` rather than ``narrow``: the backward of S narrowed views allocates S zero tensors
+    of the full input's size (O(S·N) work), that of one split is a single concatenation.
+    """
+    parts = [None if t is None else list(t.split(step, dim)) for t, dim in tensors]
+    count = max(len(p) for p in parts if p is not None)
+    return [[None] * count if p is None else p for p in parts]
 
 
 def kernelized_causal(
@@ -439,18 +435,13 @@ def kernelized_causal(
         raise ValueError(f"gate must be (B, H, N) = {(b, h, n)}, got {tuple(gate.shape)}")
     step = slice_tokens(b * h, feature_dim, chunk_size, slice_elements)
     outs = []
-    for s in range(0, n, step):
-        width = min(step, n - s)
-
-        def piece(t: Tensor | None, dim: int, s: int = s, width: int = width) -> Tensor | None:
-            return None if t is None else t.narrow(dim, s, width)
-
-        phi_q, _ = features(piece(q, 2), is_query=True)
-        phi_k, log_scale = features(piece(k, 2), is_query=False)
+    pieces = _slices(step, (q, 2), (k, 2), (v, 2), (key_padding_mask, 1), (gate, 2))
+    for q_s, k_s, v_s, pad_s, gate_s in zip(*pieces, strict=True):
+        phi_q, _ = features(q_s, is_query=True)
+        phi_k, log_scale = features(k_s, is_query=False)
         out, state = causal_block(
-            phi_q, phi_k, piece(v, 2), state, key_log_scale=log_scale,
-            key_padding_mask=piece(key_padding_mask, 1), gate=piece(gate, 2),
-            chunk_size=chunk_size, eps=eps,
+            phi_q, phi_k, v_s, state, key_log_scale=log_scale, key_padding_mask=pad_s,
+            gate=gate_s, chunk_size=chunk_size, eps=eps,
         )
         outs.append(out)
     return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), state
