@@ -8,6 +8,7 @@ own code only ever sees well-formed tensors.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -98,6 +99,20 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp16/bf16 inputs are computed in fp32 (features overflow in half precision)."""
     return torch.promote_types(dtype, torch.float32)
+
+
+@dataclass
+class KeyValueMemory:
+    """Keys and values that many later query blocks attend to (cross-attention in decoding).
+
+    The generic form keeps them as they are: k (B, H, M, D), v (B, H, M, Dv), key_padding_mask
+    (B, M) or None; kernelized methods summarise them instead (see
+    :meth:`AttentionMethod.memory`).
+    """
+
+    k: Tensor
+    v: Tensor
+    key_padding_mask: Tensor | None
 
 
 class AttentionMethod(nn.Module):
@@ -212,6 +227,47 @@ class AttentionMethod(nn.Module):
         self._check_decoding(q, k, v, "prefill")
         out, state = self._prefill(q, k, v, state, **kwargs)
         return out.to(q.dtype), state
+
+    def memory(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None) -> Any:
+        """Prepare k (B, H, M, D), v (B, H, M, Dv) for :meth:`attend_memory`, once.
+
+        For a decoder's cross-attention: every step attends to the same source. The generic
+        memory keeps k and v (each read costs O(M)); kernelized methods fold them into the
+        fixed-size state [S, z] = φ(K)^T [V, 1], so that each read costs O(F Dv) whatever M is.
+        """
+        check_qkv(k[:, :, :1], k, v, key_padding_mask=key_padding_mask)
+        self._check_heads(k)
+        if not self.spec.cross:
+            self._refuse("cross", "cross-attention over a memory")
+        return self._memory(k, v, key_padding_mask)
+
+    def attend_memory(self, q: Tensor, memory: Any) -> Tensor:
+        """Non-causal attention of q (B, H, N, D) over a :meth:`memory` -> (B, H, N, Dv).
+
+        Equals ``forward(q, k, v, key_padding_mask=mask)`` for the k, v, mask it was made from.
+        """
+        if not isinstance(q, Tensor) or q.dim() != 4 or not q.is_floating_point():
+            raise ValueError(
+                f"q must be a floating-point (B, H, N, D) tensor, got {getattr(q, 'shape', q)}"
+            )
+        self._check_heads(q)
+        return self._attend_memory(q, memory).to(q.dtype)
+
+    def _check_heads(self, x: Tensor) -> None:
+        if x.shape[1] != self.heads or x.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"expected (B, H={self.heads}, L, D={self.head_dim}), got {tuple(x.shape)}"
+            )
+
+    def _memory(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> Any:
+        return KeyValueMemory(k, v, key_padding_mask)
+
+    def _attend_memory(self, q: Tensor, memory: Any) -> Tensor:
+        if not isinstance(memory, KeyValueMemory):
+            raise ValueError(
+                f"memory must come from {self.spec.name}.memory(), got {type(memory).__name__}"
+            )
+        return self(q, memory.k, memory.v, key_padding_mask=memory.key_padding_mask)
 
     def _attend(
         self,

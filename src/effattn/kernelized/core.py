@@ -388,13 +388,45 @@ def kernelized_attention(
             q, k, v, features, feature_dim=feature_dim, key_padding_mask=key_padding_mask,
             gate=gate, chunk_size=chunk_size, eps=eps, slice_elements=slice_elements,
         )[0]
-    step = slice_tokens(q.shape[0] * q.shape[1], feature_dim, chunk_size, slice_elements)
+    state = key_state(k, v, features, feature_dim=feature_dim,
+                      key_padding_mask=key_padding_mask, slice_elements=slice_elements)
+    return read_queries(q, state, features, feature_dim=feature_dim, eps=eps,
+                        slice_elements=slice_elements)
+
+
+def key_state(
+    k: Tensor,
+    v: Tensor,
+    features: FeatureFn,
+    *,
+    feature_dim: int,
+    key_padding_mask: Tensor | None = None,
+    slice_elements: int = SLICE_ELEMENTS,
+) -> RecurrentState:
+    """[S, z] = φ(K)^T [V, 1] of all keys k (B, H, M, D), v (B, H, M, Dv), slice by slice.
+
+    The non-causal half of :func:`kernelized_attention`, and the memory a decoder's
+    cross-attention forms once per source.
+    """
+    step = slice_tokens(k.shape[0] * k.shape[1], feature_dim, 1, slice_elements)
     state = None
     for k_s, v_s, pad_s in zip(*_slices(step, (k, 2), (v, 2), (key_padding_mask, 1)), strict=True):
         phi_k, log_scale = features(k_s, is_query=False)
-        state = accumulate_keys(
-            state, phi_k, v_s, key_log_scale=log_scale, key_padding_mask=pad_s
-        )
+        state = accumulate_keys(state, phi_k, v_s, key_log_scale=log_scale, key_padding_mask=pad_s)
+    return state
+
+
+def read_queries(
+    q: Tensor,
+    state: RecurrentState,
+    features: FeatureFn,
+    *,
+    feature_dim: int,
+    eps: float = 1e-6,
+    slice_elements: int = SLICE_ELEMENTS,
+) -> Tensor:
+    """Queries q (B, H, N, D) against a finished :func:`key_state`, in slices: (B, H, N, Dv)."""
+    step = slice_tokens(q.shape[0] * q.shape[1], feature_dim, 1, slice_elements)
     outs = [read_out(state, features(q_s, is_query=True)[0], eps) for q_s in q.split(step, 2)]
     return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
 

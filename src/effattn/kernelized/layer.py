@@ -11,7 +11,9 @@ from effattn.kernelized.core import (
     RecurrentState,
     kernelized_attention,
     kernelized_causal,
+    key_state,
     linear_attention_step,
+    read_queries,
 )
 from effattn.kernelized.features import Features
 from effattn.kernelized.random import make_generator
@@ -116,6 +118,26 @@ class KernelizedAttention(AttentionMethod):
             eps=self.eps,
             slice_elements=self.slice_elements,
         )
+
+    def _memory(
+        self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None
+    ) -> RecurrentState:
+        dt = compute_dtype(k.dtype)
+        return key_state(k.to(dt), v.to(dt), self.features, feature_dim=self.feature_dim,
+                         key_padding_mask=key_padding_mask, slice_elements=self.slice_elements)
+
+    def _attend_memory(self, q: Tensor, memory: RecurrentState) -> Tensor:
+        expected = (q.shape[0], self.heads, self.feature_dim)
+        if not isinstance(memory, RecurrentState) or memory.kv.shape[:3] != expected:
+            got = (tuple(memory.kv.shape) if isinstance(memory, RecurrentState)
+                   else type(memory).__name__)
+            raise ValueError(
+                f"memory must be {self.spec.name}.memory() of a (B={q.shape[0]}, H={self.heads}) "
+                f"source: a state of shape ({', '.join(map(str, expected))}, Dv + 1), got {got}"
+            )
+        return read_queries(q.to(compute_dtype(q.dtype)), memory, self.features,
+                            feature_dim=self.feature_dim, eps=self.eps,
+                            slice_elements=self.slice_elements)
 
     def _step(
         self,

@@ -59,6 +59,10 @@ class WindowCache:
     v: Tensor
     length: int
 
+    def nbytes(self) -> int:
+        """Bytes held by the buffer: fixed by the window, whatever the position."""
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
 
 class LocalAttention(AttentionMethod):
     """Sliding-window attention with optional dilation; decodes with a window-sized ring buffer."""

@@ -2,6 +2,7 @@
 
 from effattn.nn.attention import CrossState, MultiheadAttention
 from effattn.nn.blocks import BlockState, FeedForward, TransformerBlock
+from effattn.nn.generate import generate, sample_next
 from effattn.nn.models import DecoderLM, DecoderState, EncoderClassifier, EncoderDecoder
 from effattn.nn.positional import SinusoidalPositionalEncoding, sinusoidal
 
@@ -16,5 +17,7 @@ __all__ = [
     "MultiheadAttention",
     "SinusoidalPositionalEncoding",
     "TransformerBlock",
+    "generate",
+    "sample_next",
     "sinusoidal",
 ]

@@ -30,14 +30,14 @@ PARAMETER_FREE_MIXERS = frozenset({"fnet"})
 
 @dataclass
 class CrossState:
-    """Projected memory for cross-attention during decoding, computed once per source.
+    """A decoder's cross-attention memory, prepared once per source.
 
-    k: (B, H, M, D), v: (B, H, M, D), key_padding_mask: bool (B, M) or None.
+    ``memory`` is the mechanism's own (:meth:`effattn.base.AttentionMethod.memory`): the
+    projected keys and values (B, H, M, D) for most methods, the fixed-size [S, z] of the
+    projected source for kernelized ones.
     """
 
-    k: Tensor
-    v: Tensor
-    key_padding_mask: Tensor | None
+    memory: Any
 
 
 def gate_bias_init(num_heads: int) -> Tensor:
@@ -276,8 +276,8 @@ class MultiheadAttention(nn.Module):
         self._check_input("value", value, self.vdim)
         if not self.batch_first:
             key, value = key.transpose(0, 1), value.transpose(0, 1)
-        return CrossState(self._heads(key, self.k_proj), self._heads(value, self.v_proj),
-                          key_padding_mask)
+        return CrossState(self.attn.memory(self._heads(key, self.k_proj),
+                                           self._heads(value, self.v_proj), key_padding_mask))
 
     def cross_step(self, x: Tensor, state: CrossState) -> Tensor:
         """Cross-attention of decoder queries x (B, L, E) (one step: L = 1) over a projected
@@ -285,7 +285,6 @@ class MultiheadAttention(nn.Module):
         self._check_input("x", x, self.embed_dim)
         if not self.batch_first:
             x = x.transpose(0, 1)
-        o = self.attn(self._heads(x, self.q_proj), state.k, state.v,
-                      key_padding_mask=state.key_padding_mask)
+        o = self.attn.attend_memory(self._heads(x, self.q_proj), state.memory)
         out = self._merge(o)
         return out if self.batch_first else out.transpose(0, 1)
