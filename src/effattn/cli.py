@@ -9,7 +9,8 @@ import sys
 from collections.abc import Sequence
 
 # Modules that contribute subcommands, in the order `effattn --help` lists them.
-_SUBCOMMANDS = ("effattn.cli_methods", "effattn.cli_bench", "effattn.cli_train")
+_SUBCOMMANDS = ("effattn.cli_methods", "effattn.cli_bench", "effattn.cli_decode",
+                "effattn.cli_train")
 
 
 def build_parser() -> argparse.ArgumentParser:

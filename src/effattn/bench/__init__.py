@@ -1,5 +1,5 @@
-"""Measurement tools: speed/memory sweeps (``effattn bench``) and the approximation study
-(``effattn approx``).
+"""Measurement tools: speed/memory sweeps (``effattn bench``), the approximation study
+(``effattn approx``) and the decoding benchmark (``effattn decode``).
 
 - :mod:`effattn.bench.timing`   warm-up + repeated timing, median and IQR
 - :mod:`effattn.bench.memory`   peak memory of one call (RSS high-water mark / CUDA allocator)
@@ -8,4 +8,5 @@
 - :mod:`effattn.bench.results`  the resumable result store, crossover lengths, terminal tables
 - :mod:`effattn.bench.plots`    PNG figures (matplotlib, Agg)
 - :mod:`effattn.bench.approx`   output error vs exact attention, and the kernel-estimator MSE study
+- :mod:`effattn.bench.decode`   tokens/s, per-token time and state memory of token-by-token decoding
 """

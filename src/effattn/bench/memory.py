@@ -88,12 +88,20 @@ class PeakMemory:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.read()
+
+    def read(self) -> int:
+        """The peak so far, over the memory before the block; also stored in ``peak_bytes``.
+
+        Inside the block it reads the running peak, e.g. at every report point of a decode.
+        """
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
         else:
             peak = peak_rss_bytes()
         self.peak_bytes = max(0, peak - self._base)
+        return self.peak_bytes
 
 
 def cap_memory(device: torch.device | str, mib: float) -> None:

@@ -23,11 +23,14 @@ def _style(method: str, index: int) -> dict[str, Any]:
             "linestyle": ("-", "--", ":")[index // 10 % 3], "zorder": 5}
 
 
-def _series(records: Iterable[dict[str, Any]], pass_name: str, value: str) -> dict:
+def _series(records: Iterable[dict[str, Any]], value: str, **match: Any) -> dict:
+    """Per method, the sorted (length, value) points of the ok records whose fields equal
+    ``match``; softmax first."""
     series: dict[str, list[tuple[int, float]]] = {}
     for r in records:
         x = r.get(value)
-        if r["pass"] == pass_name and r["status"] == "ok" and x is not None and x > 0:
+        if (all(r.get(k) == v for k, v in match.items()) and r["status"] == "ok"
+                and x is not None and x > 0):
             series.setdefault(r["method"], []).append((r["length"], x))
     return {m: sorted(p) for m, p in sorted(series.items(), key=lambda kv: kv[0] != "softmax")}
 
@@ -47,6 +50,46 @@ def _guides(ax: Any, series: dict) -> None:
         ax.annotate(label, (lengths[-1], ys[-1]), color="grey", fontsize=8)
 
 
+def _panel(
+    ax: Any,
+    series: dict,
+    names: Sequence[str],
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    hlines: Mapping[str, float] | None = None,
+    guides: bool = True,
+    logy: bool = True,
+) -> None:
+    """One panel: a line per method of ``series`` against length (log2 x axis)."""
+    for method, points in series.items():
+        style = _style(method, names.index(method) if method in names else 0)
+        ax.plot([n for n, _ in points], [y for _, y in points], label=method, **style)
+    if guides:
+        _guides(ax, series)
+    for label, y in (hlines or {}).items():
+        ax.axhline(y, color="red", linestyle="--", linewidth=1.2, label=label)
+    ax.set_xscale("log", base=2)
+    lengths = sorted({n for pts in series.values() for n, _ in pts})
+    if lengths:
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    if series or hlines:
+        ax.legend(fontsize=8, loc="best")
+
+
+def _other_methods(records: Sequence[dict[str, Any]]) -> list[str]:
+    # A fixed order, so that a method keeps its colour in every panel and figure.
+    return sorted({r["method"] for r in records} - {"softmax"})
+
+
 def plot_vs_length(
     records: Sequence[dict[str, Any]],
     path: Path,
@@ -61,29 +104,38 @@ def plot_vs_length(
 ) -> None:
     """One panel per pass: ``value`` against length (log-log), one line per method."""
     fig, axes = plt.subplots(1, len(passes), figsize=(6.5 * len(passes), 4.8), squeeze=False)
-    names = sorted({r["method"] for r in records} - {"softmax"})
+    names = _other_methods(records)
     for ax, pass_name in zip(axes[0], passes, strict=True):
-        series = _series(records, pass_name, value)
-        for method, points in series.items():
-            style = _style(method, names.index(method) if method in names else 0)
-            ax.plot([n for n, _ in points], [y for _, y in points], label=method, **style)
-        if guides:
-            _guides(ax, series)
-        for label, y in (hlines or {}).items():
-            ax.axhline(y, color="red", linestyle="--", linewidth=1.2, label=label)
-        ax.set_xscale("log", base=2)
-        lengths = sorted({n for pts in series.values() for n, _ in pts})
-        if lengths:
-            ax.set_xticks(lengths, [str(n) for n in lengths])
-            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-        if logy:
-            ax.set_yscale("log")
-        ax.set_xlabel("sequence length N (= M)")
-        ax.set_ylabel(ylabel)
-        ax.set_title(f"{title}: {PASS_TITLES.get(pass_name, pass_name)}")
-        ax.grid(True, which="both", alpha=0.3)
-        if series or hlines:
-            ax.legend(fontsize=8, loc="best")
+        _panel(ax, _series(records, value, **{"pass": pass_name}), names,
+               xlabel="sequence length N (= M)", ylabel=ylabel,
+               title=f"{title}: {PASS_TITLES.get(pass_name, pass_name)}", hlines=hlines,
+               guides=guides, logy=logy)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_decode(
+    records: Sequence[dict[str, Any]],
+    path: Path,
+    *,
+    value: str,
+    ylabel: str,
+    title: str,
+    batches: Sequence[int],
+    logy: bool,
+) -> None:
+    """``effattn decode``: one panel per batch size, ``value`` against the number of decoded
+    tokens (log2 x axis), one line per method entry, softmax (KV cache) the thick black line."""
+    fig, axes = plt.subplots(1, len(batches), figsize=(6.5 * len(batches), 4.8), squeeze=False)
+    names = _other_methods(records)
+    for ax, batch in zip(axes[0], batches, strict=True):
+        series = _series(records, value, batch=batch)
+        _panel(ax, series, names, xlabel="decoded tokens (position in the output)",
+               ylabel=ylabel, title=f"{title}: batch {batch}", guides=False, logy=logy)
+        if series and not logy:
+            # From zero, so that heights compare as ratios (flatness, speed-up) by eye.
+            ax.set_ylim(bottom=0)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

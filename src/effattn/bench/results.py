@@ -52,17 +52,24 @@ def write_csv(path: Path, rows: Sequence[dict[str, Any]], fields: Sequence[str])
     atomic_write(path, buf.getvalue())
 
 
-def record_key(record: dict[str, Any]) -> tuple:
-    return tuple(record[f] for f in KEY_FIELDS)
+def record_key(record: dict[str, Any], fields: Sequence[str] = KEY_FIELDS) -> tuple:
+    return tuple(record[f] for f in fields)
 
 
 class ResultStore:
-    """The records of ``<folder>/results.json`` (and ``results.csv``), keyed by configuration."""
+    """The records of ``<folder>/results.json`` (and ``results.csv``), keyed by configuration.
 
-    def __init__(self, folder: Path | str) -> None:
+    ``key_fields`` identify a configuration and ``csv_fields`` are the CSV columns; the defaults
+    are those of ``effattn bench`` (``effattn decode`` passes its own).
+    """
+
+    def __init__(self, folder: Path | str, key_fields: Sequence[str] = KEY_FIELDS,
+                 csv_fields: Sequence[str] = CSV_FIELDS) -> None:
         self.folder = Path(folder)
         self.json_path = self.folder / "results.json"
         self.csv_path = self.folder / "results.csv"
+        self.key_fields = tuple(key_fields)
+        self.csv_fields = tuple(csv_fields)
         self._records: dict[tuple, dict[str, Any]] = {}
         if self.json_path.exists():
             try:
@@ -70,7 +77,7 @@ class ResultStore:
                 if not isinstance(data, list):
                     raise ValueError("not a list of records")
                 for record in data:
-                    self._records[record_key(record)] = record
+                    self._records[record_key(record, self.key_fields)] = record
             except (ValueError, KeyError, TypeError) as err:
                 raise ValueError(
                     f"cannot resume from {self.json_path}: {err}; move it away to start afresh"
@@ -80,19 +87,19 @@ class ResultStore:
         return len(self._records)
 
     def get(self, fields: dict[str, Any]) -> dict[str, Any] | None:
-        return self._records.get(record_key(fields))
+        return self._records.get(record_key(fields, self.key_fields))
 
     def records(self) -> list[dict[str, Any]]:
         return list(self._records.values())
 
     def add(self, record: dict[str, Any]) -> None:
-        self._records[record_key(record)] = record
+        self._records[record_key(record, self.key_fields)] = record
         self.save()
 
     def save(self) -> None:
         records = self.records()
         write_json(self.json_path, records)
-        write_csv(self.csv_path, records, CSV_FIELDS)
+        write_csv(self.csv_path, records, self.csv_fields)
 
 
 def select(records: Iterable[dict[str, Any]], **fields: Any) -> list[dict[str, Any]]:
@@ -100,10 +107,10 @@ def select(records: Iterable[dict[str, Any]], **fields: Any) -> list[dict[str, A
     return [r for r in records if all(r.get(k) == v for k, v in fields.items())]
 
 
-def _by_method_length(records: Iterable[dict[str, Any]], pass_name: str) -> dict:
+def _by_method_length(records: Iterable[dict[str, Any]], pass_name: str | None) -> dict:
     table: dict[str, dict[int, dict[str, Any]]] = {}
     for r in records:
-        if r["pass"] == pass_name:
+        if pass_name is None or r["pass"] == pass_name:
             table.setdefault(r["method"], {})[r["length"]] = r
     return table
 
@@ -158,9 +165,10 @@ def _cell(record: dict[str, Any] | None, value: str, fmt: str) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
-def table(records: Iterable[dict[str, Any]], pass_name: str, value: str = "median_ms",
+def table(records: Iterable[dict[str, Any]], pass_name: str | None, value: str = "median_ms",
           fmt: str = ".3g") -> str:
-    """A method x length text table of ``value`` for one pass (status word where not ok)."""
+    """A method x length text table of ``value`` for one pass, or for every record when
+    ``pass_name`` is None (records without a pass); the status word where not ok."""
     rows = _by_method_length(records, pass_name)
     lengths = sorted({n for r in rows.values() for n in r})
     names = sorted(rows, key=lambda m: (m != "softmax", m))

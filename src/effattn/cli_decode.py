@@ -1,0 +1,240 @@
+"""``effattn decode``: tokens/s, per-token time and state memory of greedy decoding against
+output length and batch size, for every decoding-capable method against softmax with a KV cache."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import effattn
+from effattn.cli_bench import _device, _int_list, _machine, _positive_float, _positive_int
+
+if TYPE_CHECKING:
+    from effattn.bench.decode import DecodeConfig
+
+DEFAULT_LENGTHS = "128,256,512,1024,2048,4096,8192"
+
+
+def decoding_entries() -> list[tuple[str, dict[str, Any]]]:
+    """``default`` / ``all``: every registered method that can decode, plus the variants that
+    ``effattn compare`` adds (gated RFA)."""
+    from effattn.tasks.compare import VARIANTS
+
+    names = [m for m in effattn.methods() if effattn.spec(m).decoding]
+    return [(m, {}) for m in names] + [
+        (m, dict(o)) for m, o in VARIANTS
+        if m in names and set(o) <= set(effattn.spec(m).options)]
+
+
+def parse_methods(items: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
+    """Method entries -> [(name, options)], deduplicated, each checked to be able to decode.
+
+    Entries are ``name`` or ``name:key=value,key=value`` (as in ``effattn compare``), separated by
+    spaces or commas; a comma piece with ``=`` and no ``:`` is one more option of the entry before
+    it (``rfa:gated=True,num_features=64,softmax`` is two entries). ``default`` and ``all`` expand
+    to :func:`decoding_entries`. Raises ``ValueError`` (or ``KeyError`` for an unknown name) with
+    a message for the user.
+    """
+    from effattn.tasks.compare import parse_entry
+
+    texts: list[str] = []
+    for piece in (p.strip() for item in items for p in item.split(",")):
+        if not piece:
+            continue
+        if "=" in piece and ":" not in piece:
+            if not texts or texts[-1] in ("default", "all"):
+                raise ValueError(f"option {piece!r} does not follow a method name:key=value entry")
+            texts[-1] += "," + piece
+        else:
+            texts.append(piece)
+    if not texts:
+        raise ValueError("no methods given")
+    entries: list[tuple[str, dict[str, Any]]] = []
+    for text in texts:
+        if text in ("default", "all"):
+            entries += decoding_entries()
+            continue
+        name, options = parse_entry(text)
+        method_spec = effattn.spec(name)
+        if not method_spec.decoding:
+            valid = ", ".join(m for m in effattn.methods() if effattn.spec(m).decoding)
+            raise ValueError(f"{name} cannot decode token by token: "
+                             f"{method_spec.refusals.get('decoding', 'no decoding state')}; "
+                             f"methods that can: {valid}")
+        unknown = sorted(set(options) - set(method_spec.options))
+        if unknown:
+            raise ValueError(f"{name} has no option {', '.join(map(repr, unknown))}; its options: "
+                             f"{', '.join(method_spec.options) or 'none'}")
+        entries.append((name, options))
+    unique: dict[str, tuple[str, dict[str, Any]]] = {}
+    for name, options in entries:
+        unique.setdefault(f"{name}:{sorted(options.items())}", (name, options))
+    return list(unique.values())
+
+
+def make_configs(entries: Sequence[tuple[str, dict[str, Any]]], extra: dict[str, Any],
+                 batches: Sequence[int], **settings: Any) -> list[DecodeConfig]:
+    """One run per entry and batch size. ``extra`` (``--option``) goes to the methods that have
+    each option, under the entry's own options; ``settings`` are the other
+    :class:`~effattn.bench.decode.DecodeConfig` fields. ``ValueError`` for an option no entry
+    has."""
+    from effattn.bench.decode import DecodeConfig
+
+    for key in extra:
+        if not any(key in effattn.spec(m).options for m, _ in entries):
+            raise ValueError(f"option {key!r} is not an option of any of "
+                             f"{', '.join(m for m, _ in entries)}")
+    configs = []
+    for name, options in entries:
+        known = effattn.spec(name).options
+        merged = {k: v for k, v in extra.items() if k in known} | options
+        configs += [DecodeConfig(method=name, options=tuple(sorted(merged.items())), batch=b,
+                                 **settings) for b in batches]
+    return configs
+
+
+def _fmt(x: float | None, fmt: str, unit: str = "") -> str:
+    return "n/a" if x is None else f"{x:{fmt}}{unit}"
+
+
+def _met(flag: bool | None) -> str:
+    return {True: "met", False: "NOT met", None: "not measured"}[flag]
+
+
+def goal_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The goals of the summary rows, one line per (batch, method) besides softmax."""
+    from effattn.bench.decode import FLAT_GOAL, STATE_GOAL_PCT
+
+    lines = []
+    for r in rows:
+        if r["method"] == "softmax":
+            continue
+        lengths = r["flatness_lengths"]
+        span = f" ({lengths[0]} -> {lengths[1]})" if lengths else ""
+        lines.append(
+            f"  B={r['batch']} {r['method']}: flatness {_fmt(r['flatness'], '.2f', 'x')}{span} "
+            f"[<= {FLAT_GOAL:g}x: {_met(r['flat_goal_met'])}]; state at {r['state_length']} "
+            f"{_fmt(r['state_pct_of_softmax'], '.2f', '%')} of the KV cache "
+            f"[< {STATE_GOAL_PCT:g}%: {_met(r['state_goal_met'])}]; speed-up at "
+            f"{r['state_length']} {_fmt(r['speedup_at_goal_length'], '.2f', 'x')}")
+    return lines
+
+
+def _run_decode(args: argparse.Namespace) -> int:
+    from effattn.bench import decode, plots
+    from effattn.bench.results import record_key, table, write_json
+    from effattn.tasks.compare import parse_options
+
+    def fail(message: str) -> int:
+        print(f"effattn decode: error: {message}", file=sys.stderr)
+        return 2
+
+    if args.d_model % args.heads:
+        return fail(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
+    try:
+        extra = parse_options(args.option, "--option")
+        configs = make_configs(
+            parse_methods(args.methods), extra, args.batch, lengths=tuple(args.lengths),
+            d_model=args.d_model, heads=args.heads, layers=args.layers, vocab=args.vocab,
+            prompt_len=args.prompt_len, device=args.device)
+    except (KeyError, ValueError) as err:
+        return fail(err.args[0] if err.args else str(err))
+    try:
+        store = decode.open_store(args.out)
+    except ValueError as err:
+        print(f"effattn decode: error: {err}", file=sys.stderr)
+        return 1
+    stats = decode.run_all(configs, store, max_seconds=args.max_seconds, timeout=args.timeout)
+    keys = {record_key(c.fields(n), decode.KEY_FIELDS) for c in configs for n in c.lengths}
+    records = decode.with_speedup(
+        [r for r in store.records() if record_key(r, decode.KEY_FIELDS) in keys])
+    print(f"{stats.measured} runs measured, {stats.resumed} already in {store.json_path} "
+          f"(d_model={args.d_model}, heads={args.heads}, layers={args.layers}, "
+          f"vocab={args.vocab}, prompt {args.prompt_len} tokens, {args.device})")
+    for batch in args.batch:
+        rows = [r for r in records if r["batch"] == batch]
+        print(f"\n== batch {batch} ==")
+        for title, value, fmt in (
+                ("per-token time near position L (ms)", "ms_per_token", ".3g"),
+                ("tokens/s over the first L tokens", "tokens_per_s", ".4g"),
+                ("decoding state after L tokens (MiB in use, all layers)", "state_mib", ".3g"),
+                ("speed-up over softmax with KV cache (tokens/s ratio)", "speedup", ".2f")):
+            print(f"\n{title}:\n{table(rows, None, value, fmt)}")
+    length = decode.GOAL_LENGTH if decode.GOAL_LENGTH in args.lengths else max(args.lengths)
+    rows = decode.summarize(records, length)
+    print("\ngoals (flatness = per-token time at the largest length / at the smallest):")
+    print("\n".join(goal_lines(rows)) or "  (no method besides softmax)")
+    print(f"for comparison: {decode.RFA_CLAIMS}")
+    out = Path(args.out)
+    summary = {
+        "settings": {k: v for k, v in vars(args).items() if k not in ("func", "option", "out",
+                                                                      "methods")}
+        | {"methods": list(dict.fromkeys(c.label for c in configs)), "options": extra,
+           "out": str(out)},
+        "machine": _machine(),
+        "goals": {"flatness_max": decode.FLAT_GOAL, "state_pct_below": decode.STATE_GOAL_PCT,
+                  "length": length},
+        "rfa_claims": decode.RFA_CLAIMS,
+        "rows": rows,
+    }
+    write_json(out / "summary.json", summary)
+    figures = (("time_per_token.png", "ms_per_token", "ms per token (median of the last "
+                f"{decode.TAIL_STEPS} steps)", "per-token time", False),
+               ("state_memory.png", "state_mib", "decoding state, MiB in use (all layers)",
+                "state memory", True),
+               ("tokens_per_s.png", "tokens_per_s", "tokens/s over the first L tokens",
+                "throughput", False))
+    for name, value, ylabel, title, logy in figures:
+        plots.plot_decode(records, out / name, value=value, ylabel=ylabel, title=title,
+                          batches=args.batch, logy=logy)
+    written = ["results.json", "results.csv", "summary.json", *(f[0] for f in figures)]
+    print(f"\nwrote {', '.join(str(out / w) for w in written)}")
+    return 0
+
+
+EPILOG = """\
+Each (method, batch) pair runs in a fresh worker process that prefills a random prompt and
+decodes greedily to the largest length, recording at every length. Results are saved after each
+run; rerunning the same command with the same --out skips the runs already there. The default
+run (7 entries x batch 1, 16, to 8192 tokens) takes a while on a CPU; see docs/benchmarks.md.
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "decode", help="decoding speed and state memory against output length and batch",
+        description="Greedy decoding with every decoding-capable method against softmax with a "
+        "KV cache, same model: tokens/s, per-token time and state memory against output length, "
+        "per batch size; table, JSON/CSV, summary and PNG plots.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", nargs="+", default=["default"], metavar="METHOD",
+                   help="method entries, name or name:key=value,key=value (space or comma "
+                   "separated); 'default' or 'all': every method that can decode plus "
+                   "rfa:gated=True")
+    p.add_argument("--lengths", type=_int_list, default=DEFAULT_LENGTHS,
+                   help=f"comma list of output lengths to report (default {DEFAULT_LENGTHS}); "
+                   "one decode runs to the largest")
+    p.add_argument("--batch", type=_int_list, default="1,16",
+                   help="comma list of batch sizes (default 1,16)")
+    p.add_argument("--d-model", type=_positive_int, default=256, help="model width (default 256)")
+    p.add_argument("--heads", type=_positive_int, default=4, help="attention heads (default 4)")
+    p.add_argument("--layers", type=_positive_int, default=2, help="decoder layers (default 2)")
+    p.add_argument("--vocab", type=_positive_int, default=256, help="vocabulary (default 256)")
+    p.add_argument("--prompt-len", type=_positive_int, default=16,
+                   help="random prompt tokens, prefilled in parallel (default 16)")
+    p.add_argument("--device", type=_device, default="cpu", help="cpu or cuda[:i]")
+    p.add_argument("--max-seconds", type=_positive_float, default=600.0,
+                   help="a decode that runs longer stops; the lengths not reached are recorded "
+                   "as too slow (default 600)")
+    p.add_argument("--timeout", type=_positive_float, default=1200.0,
+                   help="seconds before a run's worker is killed and all its lengths are "
+                   "recorded as timeout (default 1200)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="method option, repeatable, given to the methods that have it (a "
+                   "method entry's own options win)")
+    p.add_argument("--out", type=Path, default=Path("effattn-decode"),
+                   help="output folder (default ./effattn-decode); reused to resume")
+    p.set_defaults(func=_run_decode)
