@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from effattn.tasks.compare import compare, parse_options, table
-from effattn.tasks.data import TASKS
+from effattn.tasks.data import FRACTION_METRICS, TASKS
 from effattn.tasks.train import MODEL_DEFAULTS, TASK_DEFAULTS, TrainConfig, label_of, train
 
 
@@ -61,9 +61,10 @@ def _run_train(args: argparse.Namespace) -> int:
         print(f"effattn train: {err.args[0] if err.args else err}", file=sys.stderr)
         return 2
     metric = results["metric"]
-    value = results["score"] * (100 if metric == "accuracy" else 1)
-    print(f"{args.task} {results['label']}: test {metric} "
-          f"{value:.2f}{'%' if metric == 'accuracy' else ''}, "
+    percent = metric in FRACTION_METRICS
+    value = results["score"] * (100 if percent else 1)
+    print(f"{args.task} {results['label']}: test {metric.replace('_', ' ')} "
+          f"{value:.2f}{'%' if percent else ''}, "
           f"{results['steps_per_s']:.2f} steps/s, peak {results['peak_memory_mb']:.0f} MB "
           f"({results['peak_memory_kind']}); results in {out / 'results.json'}")
     return 0

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from effattn.registry import methods, spec
+from effattn.tasks.data import FRACTION_METRICS, METRIC_NAMES, TASK_METRICS
 from effattn.tasks.train import RESULTS, TrainConfig, applicability, label_of, write_json
 
 # Extra entries of `all`: methods whose options make a different model worth its own row.
@@ -184,20 +185,27 @@ def compare(
 
 def _row(label: str, results: dict[str, Any], task: str) -> dict[str, Any]:
     metric = results["metric"]
-    score = results["score"] * (100.0 if metric == "accuracy" else 1.0)
+    unit = 100.0 if metric in FRACTION_METRICS else 1.0
     row = {"label": label, "method": results["config"]["method"],
-           "options": results["config"]["options"], "metric": metric, "score": score,
-           "valid": results["valid"][metric] * (100.0 if metric == "accuracy" else 1.0),
+           "options": results["config"]["options"], "metric": metric,
+           "score": results["score"] * unit, "valid": results["valid"][metric] * unit,
            "final_train_loss": results["final_train_loss"], "steps_per_s": results["steps_per_s"],
            "peak_memory_mb": results["peak_memory_mb"], "masks_padding": results["masks_padding"]}
     if task == "listops":
         row["lra_listops"] = LRA_LISTOPS.get(label)
+    if "decoding_at_length" in results:
+        decoding = results["decoding_at_length"]
+        row["token_accuracy"] = 100.0 * results["test"]["accuracy"]
+        row["decode_tokens_per_s"] = decoding["test"]["tokens_per_s"]
+        row["exact_match_at"] = {name: 100.0 * r["exact_match"] for name, r in decoding.items()
+                                 if name != "test"}
     return row
 
 
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     fields = ["label", "metric", "score", "valid", "final_train_loss", "steps_per_s",
-              "peak_memory_mb", "masks_padding", "lra_listops"]
+              "peak_memory_mb", "masks_padding", "lra_listops", "token_accuracy",
+              "decode_tokens_per_s"]
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
@@ -207,31 +215,45 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
+def _axis_label(metric: str) -> str:
+    return METRIC_NAMES[metric] + (" (%)" if metric in FRACTION_METRICS else "")
+
+
 def table(summary: dict[str, Any]) -> str:
-    """The comparison as a Markdown table (LRA's ListOps numbers alongside for ListOps)."""
+    """The comparison as a Markdown table (LRA's ListOps numbers alongside for ListOps; for
+    seq2seq the teacher-forced token accuracy, greedy exact match at each decoding length and
+    decoding speed)."""
     rows = summary["rows"]
     listops = summary["task"] == "listops"
-    metric = rows[0]["metric"] if rows else ("accuracy" if listops else "bpc")
-    name = "test accuracy (%)" if metric == "accuracy" else "test bits/char"
+    metric = rows[0]["metric"] if rows else TASK_METRICS[summary["task"]]
+    fraction = metric in FRACTION_METRICS
     ref = next((r for r in rows if r["label"] == "softmax"), None)
-    head = ["method", name, "vs softmax", "steps/s", "peak MB"]
+    head = ["method", _axis_label(metric), "vs softmax", "steps/s", "peak MB"]
     if listops:
         head.append("LRA ListOps (%)")
+    lengths = list(rows[0].get("exact_match_at", {})) if rows else []
+    if "token_accuracy" in (rows[0] if rows else {}):
+        head += ["token accuracy (%)", *(f"exact match at {n} (%)" for n in lengths),
+                 "decoding tokens/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if ref is None:
             rel = "-"
-        elif metric == "accuracy":
+        elif fraction:
             rel = f"{r['score'] - ref['score']:+.1f} pt"
         else:
             rel = f"{100.0 * (r['score'] / ref['score'] - 1.0):+.1f}%"
         note = "" if r["masks_padding"] else " (attends padding)"
-        cells = [f"`{r['label']}`{note}", f"{r['score']:.2f}" if metric == "accuracy"
+        cells = [f"`{r['label']}`{note}", f"{r['score']:.2f}" if fraction
                  else f"{r['score']:.3f}", rel, f"{r['steps_per_s']:.2f}",
                  f"{r['peak_memory_mb']:.0f}"]
         if listops:
             lra = r.get("lra_listops")
             cells.append("-" if lra is None else f"{lra:.2f}")
+        if "token_accuracy" in r:
+            cells += [f"{r['token_accuracy']:.2f}",
+                      *(f"{r['exact_match_at'][n]:.2f}" for n in lengths),
+                      f"{r['decode_tokens_per_s']:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     for label, reason in summary["skipped"].items():
         lines.append(f"| `{label}` | skipped: {reason} |" + " |" * (len(head) - 2))
@@ -255,10 +277,10 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     rows = summary["rows"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 0.35 * max(4, len(rows)) + 1.5))
     labels = [r["label"] for r in rows]
-    metric = rows[0]["metric"] if rows else "accuracy"
+    metric = rows[0]["metric"] if rows else TASK_METRICS[summary["task"]]
     axes[0].barh(labels, [r["score"] for r in rows], color="tab:blue")
-    axes[0].set_xlabel("test accuracy (%)" if metric == "accuracy" else "test bits/char "
-                       "(lower is better)")
+    axes[0].set_xlabel(_axis_label(metric) + ("" if metric in FRACTION_METRICS
+                                              else " (lower is better)"))
     if summary["task"] == "listops":
         lra = [(i, r["lra_listops"]) for i, r in enumerate(rows) if r.get("lra_listops")]
         if lra:

@@ -10,6 +10,7 @@ by the seed and disjoint streams of it.
 | ``charlm`` | DecoderLM | Python stdlib source, random windows | bits per character |
 | ``recall`` | DecoderLM | multi-query associative recall | accuracy on the answers |
 | ``copy`` | DecoderLM | ``x SEP x`` | accuracy on the copy |
+| ``reverse`` | EncoderDecoder | digit string -> the string reversed | greedy exact match |
 """
 
 from __future__ import annotations
@@ -26,7 +27,15 @@ from torch import Tensor
 
 from effattn.tasks import charlm, listops, synthetic
 
-TASKS = ("listops", "charlm", "recall", "copy")
+# Each task's score.
+TASK_METRICS = {"listops": "accuracy", "charlm": "bpc", "recall": "accuracy", "copy": "accuracy",
+                "reverse": "exact_match"}
+TASKS = tuple(TASK_METRICS)
+# Metrics that are fractions of the test set (shown in %, higher is better); bpc is a loss, lower
+# is better.
+FRACTION_METRICS = ("accuracy", "exact_match")
+METRIC_NAMES = {"accuracy": "test accuracy", "exact_match": "test exact match",
+                "bpc": "test bits/char"}
 
 
 def stream_seed(seed: int, *keys: int | str) -> int:
@@ -45,8 +54,16 @@ def step_generator(seed: int, step: int) -> torch.Generator:
 class Task:
     """A task bound to a sequence length and a seed.
 
-    kind: ``"classify"`` (targets (B,)) or ``"lm"`` (targets (B, L), -100 = not scored).
-    metric: ``"accuracy"`` or ``"bpc"``.
+    kind: ``"classify"`` (targets (B,)), ``"lm"`` (targets (B, L), -100 = not scored) or
+        ``"seq2seq"`` (inputs are sources (B, M), targets (B, T) end with EOS, then -100; the
+        decoder reads BOS and the targets shifted right, see :func:`decoder_inputs`).
+    metric: ``"accuracy"``, ``"bpc"`` or ``"exact_match"`` (seq2seq: greedy decoding reproduces
+        the whole target).
+    bos_id: seq2seq only, the token that starts decoding.
+    length_sets: seq2seq only, test sets at other lengths for the evaluation of decoding at
+        length, by name.
+    model_len: the longest sequence the model is given, which mechanisms with length-dependent
+        parameters are built for (None: ``seq_len``).
     """
 
     name: str
@@ -58,6 +75,9 @@ class Task:
     train_batch: Callable[[int, int], tuple[Tensor, Tensor]]
     eval_sets: dict[str, tuple[Tensor, Tensor]]
     info: dict[str, Any] = field(default_factory=dict)
+    bos_id: int | None = None
+    length_sets: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    model_len: int | None = None
 
 
 def _listops(seq_len: int, seed: int, data_dir: Path | None, *, train_size: int = 10_000,
@@ -85,9 +105,25 @@ def _listops(seq_len: int, seed: int, data_dir: Path | None, *, train_size: int 
         idx = torch.randint(0, len(pool_x), (batch_size,), generator=step_generator(seed, step))
         return pool_x[idx], pool_y[idx]
 
-    return Task("listops", "classify", "accuracy", len(listops.VOCAB), seq_len,
+    return Task("listops", "classify", TASK_METRICS["listops"], len(listops.VOCAB), seq_len,
                 listops.NUM_CLASSES, train_batch, sets,
                 {"min_len": min_len, "train_size": train_size})
+
+
+BatchMaker = Callable[[int, int], tuple[Tensor, Tensor]]
+
+
+def _streams(name: str, seed: int, make: BatchMaker, valid_size: int, test_size: int
+             ) -> tuple[BatchMaker, dict[str, tuple[Tensor, Tensor]]]:
+    """Training batches and held-out sets from ``make(count, seed)``: a batch is drawn by
+    (seed, step), each held-out split from its own stream."""
+
+    def train_batch(step: int, batch_size: int) -> tuple[Tensor, Tensor]:
+        return make(batch_size, stream_seed(seed, "train", step))
+
+    sets = {split: make(count, stream_seed(seed, name, split))
+            for split, count in (("valid", valid_size), ("test", test_size))}
+    return train_batch, sets
 
 
 def _synthetic(name: str, seq_len: int, seed: int, *, valid_size: int = 256,
@@ -107,13 +143,46 @@ def _synthetic(name: str, seq_len: int, seed: int, *, valid_size: int = 256,
 
         vocab_size = vocab + 2
 
-    def train_batch(step: int, batch_size: int) -> tuple[Tensor, Tensor]:
-        return make(batch_size, stream_seed(seed, "train", step))
-
-    sets = {split: make(count, stream_seed(seed, name, split))
-            for split, count in (("valid", valid_size), ("test", test_size))}
-    return Task(name, "lm", "accuracy", vocab_size, seq_len, None, train_batch, sets,
+    train_batch, sets = _streams(name, seed, make, valid_size, test_size)
+    return Task(name, "lm", TASK_METRICS[name], vocab_size, seq_len, None, train_batch, sets,
                 {"vocab": vocab})
+
+
+def _reverse(seq_len: int, seed: int, *, min_len: int | None = None,
+             max_len: int | None = None, digits: int = 10, valid_size: int = 256,
+             test_size: int = 1024, length_size: int = 256,
+             length_factors: tuple[int, ...] = (1, 2, 4)) -> Task:
+    # A source and its reversal together fill about seq_len tokens, as `x SEP x` does in copy;
+    # lengths spread over [L/4, L/2] like ListOps' [L/4, L].
+    max_len = max(1, seq_len // 2) if max_len is None else max_len
+    min_len = max(1, seq_len // 4) if min_len is None else min_len
+
+    def make(count: int, s: int, low: int = min_len, high: int = max_len
+             ) -> tuple[Tensor, Tensor]:
+        return synthetic.reverse_task(count, seed=s, min_len=low, max_len=high, digits=digits)
+
+    train_batch, sets = _streams("reverse", seed, make, valid_size, test_size)
+    # Decoding at length: strings of exactly k times the longest training string.
+    length_sets = {f"{k}x": make(length_size, stream_seed(seed, "reverse", "length", k),
+                                 k * max_len, k * max_len)
+                   for k in length_factors}
+    info = {"min_len": min_len, "max_len": max_len, "digits": digits,
+            "length_factors": list(length_factors)}
+    # Targets are one wider than their sources (EOS), and so are the decoder's inputs.
+    widest = max(t.shape[1] for _, t in [*sets.values(), *length_sets.values()])
+    return Task("reverse", "seq2seq", TASK_METRICS["reverse"], digits + synthetic.SPECIALS,
+                seq_len, None, train_batch, sets, info, bos_id=synthetic.BOS,
+                length_sets=length_sets, model_len=widest)
+
+
+def decoder_inputs(task: Task, targets: Tensor) -> Tensor:
+    """Teacher forcing for seq2seq: BOS, then ``targets`` (B, T) shifted right by one.
+
+    Positions after EOS (-100 in the targets) become padding; a causal decoder never lets them
+    reach a scored position.
+    """
+    shifted = targets[:, :-1].masked_fill(targets[:, :-1] == synthetic.IGNORE, synthetic.PAD)
+    return torch.cat((shifted.new_full((len(targets), 1), task.bos_id), shifted), dim=1)
 
 
 _CORPUS: dict[str, charlm.Corpus] = {}
@@ -134,7 +203,8 @@ def _charlm(seq_len: int, seed: int, *, valid_windows: int = 128,
     info = {"corpus": "python-stdlib", "python": corpus.python, "sha256": corpus.sha256,
             "chars": {s: len(corpus.split(s)) for s in charlm.SPLITS},
             "eval_chars": {s: int(sets[s][1].numel()) for s in sets}}
-    return Task("charlm", "lm", "bpc", corpus.vocab_size, seq_len, None, train_batch, sets, info)
+    return Task("charlm", "lm", TASK_METRICS["charlm"], corpus.vocab_size, seq_len, None,
+                train_batch, sets, info)
 
 
 def make_task(name: str, seq_len: int, seed: int, data_dir: Path | None = None,
@@ -149,6 +219,8 @@ def make_task(name: str, seq_len: int, seed: int, data_dir: Path | None = None,
         return _listops(seq_len, seed, data_dir, **options)
     if name == "charlm":
         return _charlm(seq_len, seed, **options)
+    if name == "reverse":
+        return _reverse(seq_len, seed, **options)
     return _synthetic(name, seq_len, seed, **options)
 
 

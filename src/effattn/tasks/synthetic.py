@@ -1,13 +1,16 @@
-"""Associative recall and copying: the synthetic tasks where linear attention is known to struggle.
+"""Associative recall, copying and reversal: generated tasks with labels known by construction.
 
-Both are causal language-modelling tasks: ``inputs`` (B, L) and ``targets`` (B, L), where
-``targets[b, i]`` is the token the model must predict after reading ``inputs[b, : i + 1]``, and
-``IGNORE`` (-100, ``cross_entropy``'s ignore_index) marks positions that are not scored.
+Recall and copy, the tasks where linear attention is known to struggle, are causal
+language-modelling tasks: ``inputs`` (B, L) and ``targets`` (B, L), where ``targets[b, i]`` is the
+token the model must predict after reading ``inputs[b, : i + 1]``, and ``IGNORE`` (-100,
+``cross_entropy``'s ignore_index) marks positions that are not scored. Reversal is a transduction
+task for an encoder-decoder: a source string and the target string that must be decoded from it.
 
 - Multi-query associative recall (Arora et al. 2023, "Zoology"): ``k1 v1 k2 v2 ... kP vP`` with
   distinct keys, then queries ``q1 a1 q2 a2 ...`` where each q is one of the keys and a its value;
   the model is scored on predicting a after q. A fixed-size recurrent state must store P pairs.
 - Copy: ``x1 ... xL SEP x1 ... xL``; scored on every token of the second half.
+- Reverse: source ``x1 ... xn``, target ``xn ... x1 EOS``; the decoder starts from BOS.
 """
 
 from __future__ import annotations
@@ -76,3 +79,33 @@ def copy_task(
     inputs[:, length + 1 : 2 * length + 1] = x
     targets[:, length : 2 * length] = x
     return inputs, targets
+
+
+# Token ids of the reversal task (source and target share the vocabulary).
+PAD, BOS, EOS = 0, 1, 2
+SPECIALS = 3
+
+
+def reverse_task(
+    count: int, *, seed: int, min_len: int, max_len: int, digits: int = 10
+) -> tuple[Tensor, Tensor]:
+    """``count`` strings to reverse, of lengths uniform in [min_len, max_len], deterministic in
+    ``seed``: (sources (count, max_len), targets (count, max_len + 1)).
+
+    Token ids: 0 PAD, 1 BOS, 2 EOS, symbols 3..digits+2 (vocabulary digits + 3). A source is
+    ``x1 ... xn`` padded at the end; its target is ``xn ... x1 EOS``, then ``IGNORE``.
+    """
+    if not 1 <= min_len <= max_len:
+        raise ValueError(f"need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
+    if digits < 2:
+        raise ValueError(f"digits must be >= 2, got {digits}")
+    g = _generator(seed)
+    lengths = torch.randint(min_len, max_len + 1, (count, 1), generator=g)
+    symbols = torch.randint(SPECIALS, SPECIALS + digits, (count, max_len), generator=g)
+    pos = torch.arange(max_len + 1)
+    sources = symbols.masked_fill(pos[:max_len] >= lengths, PAD)
+    # Position i of the target holds source position n - 1 - i; i == n is EOS.
+    back = (lengths - 1 - pos).clamp(0, max_len - 1)
+    targets = sources.gather(1, back)
+    targets = targets.masked_fill(pos == lengths, EOS).masked_fill(pos > lengths, IGNORE)
+    return sources, targets

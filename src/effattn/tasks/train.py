@@ -23,6 +23,8 @@ import random
 import resource
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,9 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from effattn.nn import DecoderLM, EncoderClassifier
+from effattn.nn import DecoderLM, EncoderClassifier, EncoderDecoder, generate
 from effattn.registry import spec
-from effattn.tasks.data import TASKS, Task, make_task, score
+from effattn.tasks.data import TASKS, Task, decoder_inputs, make_task, score
+from effattn.tasks.synthetic import IGNORE
 
 # Defaults of `effattn train` and `effattn compare`: tiny models, short sequences, so that a
 # comparison of ~15 methods on one task runs in about ten minutes on two CPU cores. LRA trains
@@ -45,7 +48,16 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "charlm": {"seq_len": 256, "steps": 500, "lr": 5e-3},
     "recall": {"seq_len": 128, "steps": 600, "lr": 2e-3},
     "copy": {"seq_len": 64, "steps": 600, "lr": 2e-3},
+    "reverse": {"seq_len": 32, "steps": 600, "lr": 2e-3},
 }
+# What a method must be able to do for a task; listops needs nothing but refuses gates (below).
+# Reverse is scored by greedy decoding, which runs through the decoder's recurrent `step`.
+TASK_NEEDS: dict[str, tuple[str, ...]] = {
+    "listops": (), "charlm": ("causal",), "recall": ("causal",), "copy": ("causal",),
+    "reverse": ("causal", "cross", "decoding"),
+}
+_NEED_WORDS = {"causal": "no causal form", "cross": "cannot cross-attend",
+               "decoding": "no recurrent decoding"}
 CHECKPOINT = "checkpoint.pt"
 RESULTS = "results.json"
 # Fields of the configuration that may change between a run and its resumption.
@@ -104,23 +116,25 @@ class TrainConfig:
 def applicability(task: str, method: str, options: dict[str, Any] | None = None) -> str | None:
     """Why ``method`` cannot run ``task`` (the spec's reason), or None when it can."""
     method_spec = spec(method)
-    options = options or {}
-    if task == "listops":
-        if options.get("gated"):
-            return "gated attention is causal only; ListOps uses a bidirectional encoder"
-        return None
-    if not method_spec.causal:
-        return f"no causal form: {method_spec.refusals['causal']}"
+    if task == "listops" and (options or {}).get("gated"):
+        return "gated attention is causal only; ListOps uses a bidirectional encoder"
+    for need in TASK_NEEDS[task]:
+        if not getattr(method_spec, need):
+            return f"{_NEED_WORDS[need]}: {method_spec.refusals[need]}"
     return None
 
 
 def build_model(task: Task, cfg: TrainConfig) -> nn.Module:
-    """The model for ``task`` (classifier or causal LM) with ``cfg``'s method and size."""
+    """The model for ``task`` (classifier, causal LM or encoder-decoder) with ``cfg``'s method
+    and size."""
     common = {"d_model": cfg.d_model, "num_heads": cfg.heads, "num_layers": cfg.layers,
-              "method": cfg.method, "dropout": cfg.dropout, "max_len": task.seq_len,
+              "method": cfg.method, "dropout": cfg.dropout,
+              "max_len": task.seq_len if task.model_len is None else task.model_len,
               "seed": cfg.seed, **cfg.options}
     if task.kind == "classify":
         return EncoderClassifier(task.vocab_size, task.num_classes, **common)
+    if task.kind == "seq2seq":
+        return EncoderDecoder(task.vocab_size, task.vocab_size, **common)
     return DecoderLM(task.vocab_size, **common)
 
 
@@ -133,34 +147,100 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
+def predict(model: nn.Module, task: Task, inputs: torch.Tensor, targets: torch.Tensor
+            ) -> torch.Tensor:
+    """The model's logits for a batch; a seq2seq decoder reads the targets (teacher forcing)."""
+    if task.kind == "seq2seq":
+        return model(inputs, decoder_inputs(task, targets))
+    return model(inputs)
+
+
 def loss_and_counts(task: Task, logits: torch.Tensor, targets: torch.Tensor
                     ) -> tuple[torch.Tensor, int, int]:
     """Summed cross-entropy, correct predictions and the number of scored targets."""
-    if task.kind == "lm":
+    if task.kind != "classify":
         logits, targets = logits.flatten(0, 1), targets.flatten()
-    keep = targets != -100
-    loss = F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
+    keep = targets != IGNORE
+    loss = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE, reduction="sum")
     correct = int((logits.argmax(-1)[keep] == targets[keep]).sum())
     return loss, correct, int(keep.sum())
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, task: Task, split: str, device: torch.device,
-             batch_size: int = 64) -> dict[str, float]:
-    """Metrics of ``model`` on the held-out ``split`` (eval mode, restored afterwards)."""
+@contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
     was_training = model.training
     model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def greedy_scores(model: nn.Module, task: Task, sources: torch.Tensor, targets: torch.Tensor,
+                  device: torch.device, batch_size: int = 64) -> dict[str, float]:
+    """Greedy decoding of ``sources`` from BOS (seq2seq), scored against ``targets``.
+
+    exact_match: fraction of examples whose every target token, EOS included, is decoded right;
+    token_accuracy: fraction of target tokens decoded right at their position (once the model
+    has gone wrong it continues from its own tokens, unlike teacher forcing); tokens_per_s: decoded
+    tokens per second, encoding the source included. Every example is decoded for the full
+    width of ``targets`` (no early stop at EOS), so the work is the same for every method.
+    """
+    exact, correct, seconds = 0, 0, 0.0
+    with _eval_mode(model):
+        for i in range(0, len(sources), batch_size):
+            src = sources[i:i + batch_size].to(device)
+            tgt = targets[i:i + batch_size].to(device)
+            t0 = time.perf_counter()
+            out = generate(model, src.new_full((len(src), 1), task.bos_id), tgt.shape[1],
+                           src=src)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds += time.perf_counter() - t0
+            scored = tgt != IGNORE
+            right = (out[:, 1:] == tgt) | ~scored
+            exact += int(right.all(1).sum())
+            correct += int((right & scored).sum())
+    return {"exact_match": exact / len(sources),
+            "token_accuracy": correct / int((targets != IGNORE).sum()),
+            "tokens_per_s": targets.numel() / max(seconds, 1e-9)}
+
+
+def evaluate(model: nn.Module, task: Task, split: str, device: torch.device,
+             batch_size: int = 64) -> dict[str, float]:
+    """Metrics of ``model`` on the held-out ``split`` (eval mode, restored afterwards): loss and
+    accuracy with teacher forcing, and for seq2seq the exact match of greedy decoding."""
     inputs, targets = task.eval_sets[split]
     total, correct, count = 0.0, 0, 0
-    for i in range(0, len(inputs), batch_size):
-        x = inputs[i:i + batch_size].to(device)
-        y = targets[i:i + batch_size].to(device)
-        loss, c, n = loss_and_counts(task, model(x), y)
-        total += float(loss)
-        correct += c
-        count += n
-    model.train(was_training)
-    return score(task, total, correct, count)
+    with _eval_mode(model):
+        for i in range(0, len(inputs), batch_size):
+            x = inputs[i:i + batch_size].to(device)
+            y = targets[i:i + batch_size].to(device)
+            loss, c, n = loss_and_counts(task, predict(model, task, x, y), y)
+            total += float(loss)
+            correct += c
+            count += n
+    metrics = score(task, total, correct, count)
+    if task.kind == "seq2seq":
+        metrics["exact_match"] = greedy_scores(model, task, inputs, targets, device,
+                                               batch_size)["exact_match"]
+    return metrics
+
+
+def decoding_at_length(model: nn.Module, task: Task, device: torch.device
+                       ) -> dict[str, dict[str, Any]]:
+    """Greedy decoding (:func:`greedy_scores`) of the test set, at the training lengths, and of
+    the task's length sets, longer ones included: beyond the training lengths a model meets
+    positions it never saw, and the scores say how far it generalises."""
+    out = {}
+    for name, (sources, targets) in {"test": task.eval_sets["test"],
+                                     **task.length_sets}.items():
+        lengths = (targets != IGNORE).sum(1) - 1  # without EOS
+        out[name] = {"min_len": int(lengths.min()), "max_len": int(lengths.max()),
+                     "examples": len(sources),
+                     **greedy_scores(model, task, sources, targets, device)}
+    return out
 
 
 def _atomic_write(path: Path, write: Any) -> None:
@@ -350,7 +430,7 @@ def train(
         x, y = task.train_batch(step, cfg.batch_size)
         t0 = time.perf_counter()
         x, y = x.to(device), y.to(device)
-        loss_sum, _, count = loss_and_counts(task, model(x), y)
+        loss_sum, _, count = loss_and_counts(task, predict(model, task, x, y), y)
         loss = loss_sum / count
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -407,6 +487,13 @@ def train(
         "environment": {"torch": torch.__version__, "python": platform.python_version(),
                         "device": str(device), "threads": torch.get_num_threads()},
     }
+    if task.kind == "seq2seq":
+        results["decoding_at_length"] = decoding_at_length(model, task, device)
+        for name, r in results["decoding_at_length"].items():
+            _log(out, {"event": "decode", "set": name, **r},
+                 f"greedy decoding, {name} (lengths {r['min_len']}-{r['max_len']}): exact match "
+                 f"{r['exact_match']:.4f}, token accuracy {r['token_accuracy']:.4f}, "
+                 f"{r['tokens_per_s']:.0f} tokens/s", echo)
     write_json(out / RESULTS, results)
     _log(out, {"event": "done", **{f"test_{k}": v for k, v in metrics["test"].items()}},
          f"test {task.metric} {results['score']:.4f}", echo)
