@@ -107,13 +107,68 @@ def test_step_equals_causal_forward_and_state_is_fixed_size(gated):
     assert state.s.shape == (2, 3, 10, 5) and state.z.shape == (2, 3, 10)
 
 
-def test_causal_has_no_future_leakage_even_through_the_stabiliser():
+def _steps(phi_q, phi_k, v, ls, gate, state=None):
+    outs = []
+    for t in range(phi_q.shape[2]):
+        o, state = linear_attention_step(
+            phi_q[:, :, t : t + 1], phi_k[:, :, t : t + 1], v[:, :, t : t + 1], state,
+            key_log_scale=None if ls is None else ls[:, :, t : t + 1],
+            gate=None if gate is None else gate[:, :, t : t + 1],
+        )
+        outs.append(o)
+    return torch.cat(outs, 2), state
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_step_rescales_lazily_but_exactly(gated):
+    """The step keeps its state at a scale that lags the keys' by up to RESCALE_MARGIN: key
+    scales that jump far past it, and gates that drive it far below the keys', must still give
+    the causal forward."""
+    phi_q, phi_k, v, ls, gate = features(n=60)
+    ls = ls.clone()
+    ls[:, :, 20:] += 45.0  # past the margin at once
+    ls[:, :, 40:] += torch.linspace(0, 30, 20, dtype=ls.dtype)[:, None]  # creeping up
+    if gated:
+        gate = gate.clone()
+        gate[:, :, 5:35] = 0.02  # log g ~ -3.9 per step: the scale falls ~120 below the keys'
+        gate[0, 0, 50] = 0.0  # a full reset
+    full = linear_attention(
+        phi_q, phi_k, v, key_log_scale=ls, causal=True, gate=gate if gated else None, chunk_size=8
+    )
+    stepped, _ = _steps(phi_q, phi_k, v, ls, gate if gated else None)
+    torch.testing.assert_close(stepped, full, rtol=1e-10, atol=1e-10)
+
+
+def test_step_updates_in_place_without_autograd_and_not_with_it():
+    phi_q, phi_k, v, ls, gate = features(n=6)
+    with torch.no_grad():
+        _, state = _steps(phi_q[:, :, :3], phi_k[:, :, :3], v[:, :, :3], ls[:, :, :3], None)
+        before = state.kv.clone()
+        _, after = linear_attention_step(phi_q[:, :, 3:4], phi_k[:, :, 3:4], v[:, :, 3:4], state,
+                                         key_log_scale=ls[:, :, 3:4])
+        assert after.kv.data_ptr() == state.kv.data_ptr()  # consumed: no new state tensor
+        assert not torch.equal(state.kv, before)
+    # With autograd recording the old state stays intact, and gradients through the steps
+    # equal those of the chunkwise forward.
+    inputs = [t.clone().requires_grad_(True) for t in (phi_q, phi_k, v, ls, gate)]
+    stepped, _ = _steps(*inputs)
+    g_step = torch.autograd.grad(stepped.square().sum(), inputs)
+    full = linear_attention(*inputs[:3], key_log_scale=inputs[3], causal=True, gate=inputs[4],
+                            chunk_size=4)
+    g_full = torch.autograd.grad(full.square().sum(), inputs)
+    for a, b in zip(g_step, g_full, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("jump", [48, 44], ids=["chunk-boundary", "mid-chunk"])
+def test_causal_has_no_future_leakage_even_through_the_stabiliser(jump):
     phi_q, phi_k, v, ls, gate = features(n=64)
     out = linear_attention(phi_q, phi_k, v, key_log_scale=ls, causal=True, gate=gate, chunk_size=16)
     phi_k2, v2, ls2 = phi_k.clone(), v.clone(), ls.clone()
     phi_k2[:, :, 40:] = 5.0
     v2[:, :, 40:] = -7.0
-    ls2[:, :, 48:] += 60.0  # a huge future key scale must not swamp earlier chunks
+    # A huge future key scale must not swamp earlier keys, in its chunk or before it.
+    ls2[:, :, jump:] += 60.0
     out2 = linear_attention(
         phi_q, phi_k2, v2, key_log_scale=ls2, causal=True, gate=gate, chunk_size=16
     )

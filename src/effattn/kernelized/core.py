@@ -39,6 +39,11 @@ from torch import Tensor
 LOG_FLOOR = -1.0e4
 # log(g) is clamped here so that g = 0 (a full reset) stays finite in log space.
 LOG_GATE_FLOOR = -30.0
+# A decoding step keeps the state at a lazily updated scale: it adds its key at
+# exp(key scale - state scale) <= e^RESCALE_MARGIN and rescales the whole state only when a key
+# would exceed that. A memory-bound step costs its passes over the state, so this saves one per
+# step (two with a gate); e^20 of headroom leaves fp32 ~1e29 of range.
+RESCALE_MARGIN = 20.0
 # The chunk scan of a causal block runs over at most this many chunks at a time.
 SCAN_CHUNKS = 16
 # A slice holds about this many feature values (B * H * S * F): 4 MiB in fp32, cache-sized.
@@ -46,15 +51,6 @@ SLICE_ELEMENTS = 1 << 20
 
 # features(x, is_query=...) -> (phi, key_log_scale or None); see kernelized.features.
 FeatureFn = Callable[..., tuple[Tensor, "Tensor | None"]]
-
-
-def safe_denominator(den: Tensor, eps: float) -> Tensor:
-    """Push |den| to at least eps, keeping its sign (trigonometric features can go negative).
-
-    For positive features this is ``den.clamp_min(eps)``; a query that sees no key (all padding)
-    gets 0 / eps = 0.
-    """
-    return torch.where(den >= 0, den.clamp_min(eps), den.clamp_max(-eps))
 
 
 def _shared_max(log_scale: Tensor, dim: int) -> Tensor:
@@ -66,8 +62,17 @@ def _with_ones(v: Tensor) -> Tensor:
     return torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
 
 
-def _ratio(out: Tensor, eps: float) -> Tensor:
-    return out[..., :-1] / safe_denominator(out[..., -1:], eps)
+def _ratio(out: Tensor, eps: float, log_scale: Tensor) -> Tensor:
+    """[num, den] held at scale exp(log_scale) -> num / den, with |den| pushed to ``eps`` at the
+    true scale (as the reference does), so that the result does not depend on where a
+    stabiliser put the scale: a key far larger than the others in its chunk must not push its
+    neighbours' denominators under eps. The sign is kept (trigonometric features can give
+    negative denominators); a query that sees no key gets 0."""
+    with torch.no_grad():
+        floor = (eps * torch.exp(-log_scale)).clamp_min(torch.finfo(out.dtype).tiny)
+    den = out[..., -1:]
+    return out[..., :-1] / torch.where(den >= 0, torch.maximum(den, floor),
+                                       torch.minimum(den, -floor))
 
 
 def _check_shapes(phi_q: Tensor, phi_k: Tensor, v: Tensor, key_log_scale: Tensor | None) -> None:
@@ -162,7 +167,7 @@ def accumulate_keys(
 
 def read_out(state: RecurrentState, phi_q: Tensor, eps: float = 1e-6) -> Tensor:
     """Queries against a finished non-causal state: φ(Q) [S, z] -> (B, H, N, Dv)."""
-    return _ratio(phi_q @ state.kv, eps)
+    return _ratio(phi_q @ state.kv, eps, state.log_scale)
 
 
 def causal_block(
@@ -273,7 +278,8 @@ def _causal_group(
     # In place on fresh GEMM outputs (bmm keeps its inputs, not its output, for backward).
     out = (q_c @ states).mul_(inter_weight).add_(intra.mul_(torch.exp(chunk_max - common)))
     final.position = state.position + n
-    return _ratio(out.reshape(b, h, nc * chunk, dv1)[:, :, :n], eps), final
+    out_scale = common.expand(b, h, nc, chunk, 1).reshape(b, h, nc * chunk, 1)[:, :, :n]
+    return _ratio(out.reshape(b, h, nc * chunk, dv1)[:, :, :n], eps, out_scale), final
 
 
 def _chunk_scan(
@@ -494,21 +500,39 @@ def linear_attention_step(
     S_t = g_t S_{t-1} + (1 - g_t) φ(k_t) v_t^T (g_t = 1, no (1 - g) factor, when ungated),
     o_t = φ(q_t) S_t / φ(q_t) z_t. Matches :func:`causal_block` token by token, without its
     chunk machinery (this is the decoding hot loop).
+
+    The step consumes ``state``, as the softmax KV cache is appended in place: unless autograd
+    records (a tensor involved requires grad), the state's tensor is updated in place and
+    handed on in the returned state. Copy it (``copy.deepcopy``) to branch from one state.
     """
     _check_shapes(phi_q, phi_k, v, key_log_scale)
     state = _state_for(state, phi_k, v)
-    log_scale = key_log_scale if key_log_scale is not None else torch.zeros_like(state.log_scale)
-    new_scale = torch.maximum(state.log_scale, log_scale)
-    decay = torch.exp(state.log_scale - new_scale)
     v1 = _with_ones(v)
+    scale = state.log_scale
     if gate is not None:
         if gate.shape != phi_k.shape[:3]:
             raise ValueError(
                 f"gate must be (B, H, 1) = {tuple(phi_k.shape[:3])}, got {tuple(gate.shape)}"
             )
         g = gate[..., None]
-        decay = decay * g
+        # The decay g S_{t-1} is a shift of the state's scale, not a pass over the state.
+        scale = scale + torch.log(g).clamp_min(LOG_GATE_FLOOR)
         v1 = v1 * (1.0 - g)
-    update = phi_k.transpose(-2, -1) @ (v1 * torch.exp(log_scale - new_scale))
-    kv = state.kv * decay + update
-    return _ratio(phi_q @ kv, eps), RecurrentState(kv, new_scale, state.position + 1)
+    key_scale = torch.zeros_like(scale) if key_log_scale is None else key_log_scale
+    kv = state.kv
+    recording = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad
+        for t in (phi_q, phi_k, v, key_log_scale, gate, kv, state.log_scale)
+    )
+    # Without autograd the step reuses the state's memory: a fresh multi-MiB state per step
+    # would be page-faulted in by the allocator, which costs more than the update itself.
+    in_place = not recording and (torch.is_inference_mode_enabled() or not kv.is_inference())
+    if bool((key_scale - scale > RESCALE_MARGIN).any()):
+        new_scale = torch.maximum(scale, key_scale)
+        decay = torch.exp(scale - new_scale)
+        kv = kv.mul_(decay) if in_place else kv * decay
+        scale = new_scale
+    # S += φ(k) [v, 1]^T as one elementwise pass over the state (an outer product, no GEMM).
+    update = (phi_k.transpose(-2, -1), v1 * torch.exp(key_scale - scale))
+    kv = kv.addcmul_(*update) if in_place else torch.addcmul(kv, *update)
+    return _ratio(phi_q @ kv, eps, scale), RecurrentState(kv, scale, state.position + 1)
