@@ -240,6 +240,10 @@ def test_store_rewrites_atomically_and_rejects_a_corrupt_file(tmp_path):
     store.add({**fields, "status": "ok", "median_ms": 2.0})  # same key: replaced
     assert [r["median_ms"] for r in results.ResultStore(tmp_path).records()] == [2.0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.csv", "results.json"]
+    # Shared like any file open() creates, not owner-only as the temporary file was.
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert (tmp_path / "results.json").stat().st_mode & 0o777 == 0o666 & ~umask
     (tmp_path / "results.json").write_text("{not json")
     with pytest.raises(ValueError, match="cannot resume"):
         results.ResultStore(tmp_path)

@@ -22,6 +22,10 @@ from typing import Any
 
 KEY_FIELDS = ("method", "length", "pass", "batch", "heads", "head_dim", "dtype", "causal",
               "device", "options")
+# mkstemp creates files readable by their owner only; results are meant to be shared, so they get
+# the mode a plain open() would give (read once here: os.umask can only be read by setting it).
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
 CSV_FIELDS = (*KEY_FIELDS, "status", "median_ms", "iqr_ms", "peak_mib", "gflops", "flops",
               "samples", "calls_per_sample", "timestamp")
 
@@ -34,6 +38,7 @@ def atomic_write(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", newline="") as f:
             f.write(text)
+        os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
