@@ -40,8 +40,12 @@ CASES = [
 
 
 @pytest.mark.parametrize("n, m, shared, causal", CASES)
-def test_fast_path_matches_dense_reference(n, m, shared, causal):
+@pytest.mark.parametrize("group_elements", [None, 2500], ids=["one-group", "grouped"])
+def test_fast_path_matches_dense_reference(n, m, shared, causal, group_elements, monkeypatch):
     bucket_size = 8  # lengths are not multiples of it; many buckets and chunks
+    if group_elements is not None:
+        # Chunks in groups of 1 (C = 16) or 3 (shared, C = 8), the last one short.
+        monkeypatch.setattr(F, "GROUP_ELEMENTS", group_elements)
     q, k, v = _inputs(n, m, shared)
     rotations = F.draw_rotations(
         3, 3, 21, F.num_buckets(n, m, bucket_size), generator=torch.Generator().manual_seed(n)

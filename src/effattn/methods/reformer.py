@@ -56,6 +56,9 @@ from torch import Tensor
 from effattn.base import AttentionMethod, check_positive_int, compute_dtype
 from effattn.registry import MethodSpec, register
 
+# Scores per group of chunks (1 MiB in fp32).
+GROUP_ELEMENTS = 1 << 18
+
 
 def num_buckets(n: int, m: int, bucket_size: int) -> int:
     """Buckets per round for N queries and M keys: 1 if max(N, M) <= bucket_size, else
@@ -209,6 +212,44 @@ def _exp_clamped(x: Tensor) -> Tensor:
     return x.clamp(-80.0, 0.0).exp()
 
 
+def _round_chunks(
+    layout: _Layout,
+    r: int,
+    rows: Tensor,
+    cols: Tensor,
+    q_rows: Tensor,
+    k_cols: Tensor,
+    v_cols: Tensor,
+    key_ok: Tensor,
+    causal: bool,
+    not_self: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Round r over a group of g chunks: rows (B, H, g, C) query slots, cols (B, H, g, 2C) key
+    slots, and the (scaled) queries (B, H, g, C, D), keys (B, H, g, 2C, D) and values
+    (B, H, g, 2C, Dv) they hold. Returns the stabilised numerator (B, H, g, C, Dv), denominator
+    and row max (B, H, g, C, 1) of every slot's candidates."""
+    scores = torch.einsum("bhncd,bhnkd->bhnck", q_rows, k_cols)
+    keep = ((cols >= 0) & _take1(key_ok, cols))[..., None, :]
+    if causal:
+        # Same bucket, within C slots before: keys j <= i only (the bucket is in position
+        # order), chosen among tokens <= i only.
+        keep = keep & _related(layout, r, rows, cols, causal=True)
+    if not_self is not None:
+        keep = keep & not_self
+    keep = keep.expand_as(scores).clone() if keep.shape != scores.shape else keep
+    # A pair seen in an earlier round is dropped: each key of the union counts once (the
+    # paper's duplicate correction).
+    for earlier in range(r):
+        keep.logical_and_(_related(layout, earlier, rows, cols, causal, negate=True))
+    drop = keep.logical_not_()
+    top = scores.detach().masked_fill(drop, float("-inf")).amax(dim=-1, keepdim=True)
+    weights = _exp_clamped(scores - torch.where(torch.isfinite(top), top, 0.0)).masked_fill(
+        drop, 0.0
+    )
+    num = torch.einsum("bhnck,bhnke->bhnce", weights, v_cols)
+    return num, weights.sum(-1, keepdim=True), top
+
+
 def reformer_attention(
     q: Tensor,
     k: Tensor,
@@ -242,39 +283,34 @@ def reformer_attention(
     layout = _layout(q, k, rotations, pad, bucket_size, causal, shared_qk)
     chunk = layout.chunk
     key_ok = ~pad[:, None, :].expand(b, h, m)
+    not_self = None
     if shared_qk:
         # Query slot u of a chunk holds the same token as key column C + u: the diagonal.
         u = torch.arange(chunk, device=q.device)
         not_self = u[:, None] + chunk != torch.arange(2 * chunk, device=q.device)[None, :]
 
+    # Chunks are processed in groups of about GROUP_ELEMENTS scores: the dozen masked
+    # elementwise passes over a group's (C, 2C) blocks then run in cache, not in memory.
+    per_chunk = b * h * chunk * 2 * chunk
+    group = max(1, GROUP_ELEMENTS // per_chunk)
+    q_scaled = q * scale
     nums, dens, tops = [], [], []
     for r in range(rotations.shape[1]):
         rows = layout.q_at[:, :, r].unflatten(-1, (-1, chunk))  # (B, H, n, C)
         own = layout.k_at[:, :, r].unflatten(-1, (-1, chunk))
         before = torch.nn.functional.pad(own[:, :, :-1], (0, 0, 1, 0), value=-1)
         cols = torch.cat([before, own], dim=-1)  # (B, H, n, 2C): previous chunk, own chunk
-        scores = torch.einsum("bhncd,bhnkd->bhnck", _take(q, rows) * scale, _take(keys, cols))
-
-        keep = ((cols >= 0) & _take1(key_ok, cols))[..., None, :]
-        if causal:
-            # Same bucket, within C slots before: keys j <= i only (the bucket is in position
-            # order), chosen among tokens <= i only.
-            keep = keep & _related(layout, r, rows, cols, causal=True)
-        if shared_qk:
-            keep = keep & not_self
-        keep = keep.expand_as(scores).clone() if keep.shape != scores.shape else keep
-        # A pair seen in an earlier round is dropped: each key of the union counts once (the
-        # paper's duplicate correction).
-        for earlier in range(r):
-            keep.logical_and_(_related(layout, earlier, rows, cols, causal, negate=True))
-        top = scores.detach().masked_fill(~keep, float("-inf")).amax(dim=-1, keepdim=True)
-        shifted = scores - torch.where(torch.isfinite(top), top, 0.0)
-        weights = _exp_clamped(shifted).masked_fill(~keep, 0.0)
-        num = torch.einsum("bhnck,bhnke->bhnce", weights, _take(v, cols)).flatten(2, 3)
-        den = weights.sum(-1, keepdim=True).flatten(2, 3)
+        # Gathered once per round and cut with split: a gather or a narrow per group would
+        # give every group's backward a full-size zero-filled gradient.
+        pieces = [t.split(group, dim=2) for t in
+                  (rows, cols, _take(q_scaled, rows), _take(keys, cols), _take(v, cols))]
+        parts = [_round_chunks(layout, r, *group_tensors, key_ok, causal, not_self)
+                 for group_tensors in zip(*pieces, strict=True)]
+        num, den, top = (torch.cat(t, dim=2) if len(t) > 1 else t[0]
+                         for t in zip(*parts, strict=True))
         slot = layout.q_slot[:, :, r]  # (B, H, N): every query back to its own position
-        nums.append(_take(num, slot))
-        dens.append(_take1(den.squeeze(-1), slot))
+        nums.append(_take(num.flatten(2, 3), slot))
+        dens.append(_take1(den.flatten(2, 4), slot))
         tops.append(_take1(top.flatten(2, 4), slot))
 
     if causal and not shared_qk:
