@@ -6,8 +6,8 @@ interrupted one resumes from its checkpoint. The table (Markdown), JSON, CSV and
 are written to ``<out>/compare.*``.
 
 Method entries are registered names or ``name:key=value,key=value`` (options); ``all`` expands to
-every registered method plus the variants in ``VARIANTS`` (gated RFA), minus those that cannot run
-the task (listed with the spec's reason).
+every registered method plus the variants in ``VARIANTS`` (learned σ and gated RFA), minus those
+that cannot run the task (listed with the spec's reason).
 """
 
 from __future__ import annotations
@@ -27,7 +27,10 @@ from effattn.tasks.data import FRACTION_METRICS, METRIC_NAMES, TASK_METRICS
 from effattn.tasks.train import RESULTS, TrainConfig, applicability, label_of, write_json
 
 # Extra entries of `all`: methods whose options make a different model worth its own row.
-VARIANTS = (("rfa", {"gated": True}),)
+# RFA's authors learn σ per head; with σ = 1 fixed on unit q, k the logits stay in [-1, 1] and
+# attention can only weigh keys within a factor e² of each other.
+VARIANTS = (("rfa", {"learn_sigma": True}), ("rfa", {"gated": True}),
+            ("rfa", {"gated": True, "learn_sigma": True}))
 
 # Long Range Arena ListOps test accuracy (%) (Tay et al. 2021, Table 1), by our method names.
 LRA_LISTOPS = {"softmax": 36.37, "local": 15.82, "sparse-fixed": 17.07, "sparse-strided": 17.07,
