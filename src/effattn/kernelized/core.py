@@ -310,9 +310,10 @@ def _chunk_scan(
     rows = torch.arange(nc + 1, device=deltas.device)
     visible = rows[None, :] <= rows[:, None]  # column j feeds row c when j <= c (S_in: always)
     weights = torch.exp(exponent.masked_fill(~visible, float("-inf")))  # (B, H, nc + 1, nc + 1)
-    flat = deltas.reshape(b, h, nc, -1)
-    mixed = weights[..., 1:] @ flat + weights[..., :1] * state.kv.reshape(b, h, 1, -1)
-    mixed = mixed.reshape(b, h, nc + 1, *deltas.shape[3:])
+    # S_in as row 0 of the GEMM's right side: one product, no separate full-size mul and add.
+    flat = torch.cat([state.kv.reshape(b, h, 1, -1).to(deltas.dtype),
+                      deltas.reshape(b, h, nc, -1)], dim=2)
+    mixed = (weights @ flat).reshape(b, h, nc + 1, *deltas.shape[3:])
     scale = running[..., None, None]
     final = RecurrentState(mixed[:, :, nc], scale[:, :, nc])
     return mixed[:, :, :nc], scale[:, :, :nc], final
