@@ -236,7 +236,7 @@ def table(summary: dict[str, Any]) -> str:
         head.append("LRA ListOps (%)")
     lengths = list(rows[0].get("exact_match_at", {})) if rows else []
     if "token_accuracy" in (rows[0] if rows else {}):
-        head += ["token accuracy (%)", *(f"exact match at {n} (%)" for n in lengths),
+        head += ["teacher-forced accuracy (%)", *(f"exact match at {n} (%)" for n in lengths),
                  "decoding tokens/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
