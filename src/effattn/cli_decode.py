@@ -18,14 +18,16 @@ if TYPE_CHECKING:
 DEFAULT_LENGTHS = "128,256,512,1024,2048,4096,8192"
 
 
-def decoding_entries() -> list[tuple[str, dict[str, Any]]]:
-    """``default`` / ``all``: every registered method that can decode, plus the variants that
-    ``effattn compare`` adds (gated RFA)."""
-    from effattn.tasks.compare import VARIANTS
+# Variants whose decoding step differs from their method's: the gate adds a decay to every step.
+# (A learned σ, the other variant `effattn compare` trains, decodes at exactly rfa's cost.)
+DECODE_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (("rfa", {"gated": True}),)
 
+
+def decoding_entries() -> list[tuple[str, dict[str, Any]]]:
+    """``default`` / ``all``: every registered method that can decode, plus gated RFA."""
     names = [m for m in effattn.methods() if effattn.spec(m).decoding]
     return [(m, {}) for m in names] + [
-        (m, dict(o)) for m, o in VARIANTS
+        (m, dict(o)) for m, o in DECODE_VARIANTS
         if m in names and set(o) <= set(effattn.spec(m).options)]
 
 
