@@ -246,12 +246,22 @@ def test_decoder_lm_step_equals_forward(method):
     torch.testing.assert_close(logits, full[:, 3:10])
 
 
-def test_decoder_lm_has_no_future_leakage():
-    model = DecoderLM(20, 16, 2, 2).double().eval()
-    tokens = torch.randint(0, 20, (1, 12))
+CAUSAL_ENTRIES = [(m, {}) for m in effattn.methods() if effattn.spec(m).causal] + [
+    ("rfa", {"gated": True})]
+# Small budgets, so that windows, buckets and chunks do not cover the whole sequence.
+SMALL = {"window": 8, "bucket_size": 4, "chunk_size": 8, "stride": 4}
+
+
+@pytest.mark.parametrize("method, options", CAUSAL_ENTRIES, ids=str)
+def test_decoder_lm_has_no_future_leakage(method, options):
+    small = {k: v for k, v in SMALL.items() if k in effattn.spec(method).options}
+    model = DecoderLM(20, 16, 2, 2, method, max_len=40, seed=0, **small, **options).double().eval()
+    tokens = torch.randint(0, 20, (2, 40), generator=torch.Generator().manual_seed(0))
     changed = tokens.clone()
-    changed[0, 8:] = (changed[0, 8:] + 1) % 20
-    torch.testing.assert_close(model(changed)[:, :8], model(tokens)[:, :8])
+    changed[:, 27:] = (changed[:, 27:] + 1) % 20
+    out, out_changed = model(tokens), model(changed)
+    torch.testing.assert_close(out_changed[:, :27], out[:, :27], rtol=1e-10, atol=1e-10)
+    assert not torch.allclose(out_changed[:, 27:], out[:, 27:])
 
 
 def test_models_refuse_with_the_spec_reason():
