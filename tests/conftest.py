@@ -1,3 +1,7 @@
+import json
+from pathlib import Path
+
+import matplotlib.image
 import pytest
 import torch
 
@@ -27,3 +31,24 @@ def padding(b, m, seed=0):
         for i in range(1, b):
             mask[i, m - max(1, m // (3 + i)) :] = True
     return mask
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models gain nothing from threads; one keeps the suite cheap on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def load_results(out: Path) -> dict:
+    """The results.json a CLI wrote into ``out``."""
+    return json.loads((out / "results.json").read_text())
+
+
+def assert_png(path: Path) -> None:
+    """``path`` is a real PNG image of a plausible plot size."""
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+    image = matplotlib.image.imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100

@@ -9,9 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import matplotlib.image
 import pytest
 import torch
+from conftest import assert_png, load_results
 
 import effattn
 from effattn.bench import flops, results, timing
@@ -35,16 +35,6 @@ def _methods_arg():
     return "softmax" if other is None else f"softmax,{other}"
 
 
-def _load(out):
-    return json.loads((out / "results.json").read_text())
-
-
-def _is_png(path):
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
-    image = matplotlib.image.imread(path)
-    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
-
-
 def test_cli_end_to_end_writes_results_plots_and_resumes(tmp_path, capsys):
     out = tmp_path / "bench"
     args = ["bench", "--methods", _methods_arg(), *TINY, "--out", str(out)]
@@ -54,7 +44,7 @@ def test_cli_end_to_end_writes_results_plots_and_resumes(tmp_path, capsys):
     assert f"{2 * n_methods} configurations measured, 0 already" in printed
     assert "median time per call (ms), fwd" in printed and "effective GFLOP/s" in printed
 
-    records = _load(out)
+    records = load_results(out)
     assert len(records) == 2 * n_methods
     assert {r["pass"] for r in records} == {"fwd", "fwdbwd"}
     for r in records:
@@ -69,7 +59,7 @@ def test_cli_end_to_end_writes_results_plots_and_resumes(tmp_path, capsys):
         rows = list(csv.DictReader(f))
     assert len(rows) == len(records) and rows[0]["method"] and rows[0]["status"] == "ok"
     for png in ("time.png", "memory.png", "gflops.png"):
-        _is_png(out / png)
+        assert_png(out / png)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["matmul_peak_gflops"]["float32"] > 0
     assert set(summary["crossover"]) == {"fwd", "fwdbwd"}
@@ -77,13 +67,13 @@ def test_cli_end_to_end_writes_results_plots_and_resumes(tmp_path, capsys):
     # Rerunning the same command measures nothing and leaves the records untouched.
     assert main(args) == 0
     assert f"0 configurations measured, {2 * n_methods} already" in capsys.readouterr().out
-    assert _load(out) == records
+    assert load_results(out) == records
 
     # A record that is missing (an interrupted sweep) is measured again, and only it.
     (out / "results.json").write_text(json.dumps(records[1:]))
     assert main(args) == 0
     assert f"1 configurations measured, {2 * n_methods - 1} already" in capsys.readouterr().out
-    again = _load(out)
+    again = load_results(out)
     assert sorted(r["timestamp"] for r in again[:-1]) == sorted(r["timestamp"] for r in records[1:])
 
 
@@ -91,7 +81,7 @@ def test_too_slow_is_recorded_and_larger_lengths_skipped(tmp_path, capsys):
     out = tmp_path / "slow"
     assert main(["bench", "--methods", "softmax", *TINY, "--lengths", "16,32",
                  "--max-seconds", "1e-9", "--out", str(out)]) == 0
-    status = {(r["length"], r["pass"]): r["status"] for r in _load(out)}
+    status = {(r["length"], r["pass"]): r["status"] for r in load_results(out)}
     assert status[(16, "fwd")].startswith("too slow: one call took")
     assert status[(16, "fwdbwd")] == "skipped: too slow at N=16"
     assert status[(32, "fwd")] == status[(32, "fwdbwd")] == "skipped: too slow at N=16"
@@ -102,7 +92,7 @@ def test_timeout_is_recorded_not_raised(tmp_path):
     out = tmp_path / "timeout"
     assert main(["bench", "--methods", "softmax", *TINY, "--lengths", "16,32", "--passes", "fwd",
                  "--timeout", "0.001", "--out", str(out)]) == 0
-    status = {r["length"]: r["status"] for r in _load(out)}
+    status = {r["length"]: r["status"] for r in load_results(out)}
     assert status[16].startswith("timeout: no result within")
     assert status[32] == "skipped: timeout at N=16"
 
@@ -112,7 +102,7 @@ def test_memory_cap_records_oom(tmp_path):
     out = tmp_path / "oom"
     assert main(["bench", "--methods", "softmax", "--lengths", "512", "--batch", "4",
                  "--passes", "fwd", "--repeats", "1", "--max-memory", "1", "--out", str(out)]) == 0
-    (record,) = _load(out)
+    (record,) = load_results(out)
     assert record["status"].startswith("oom"), record
 
 

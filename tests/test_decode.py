@@ -4,9 +4,9 @@ numbers computed from hand-made records. Timings are never asserted (only that t
 import csv
 import json
 
-import matplotlib.image
 import pytest
 import torch
+from conftest import assert_png, load_results
 
 import effattn
 from effattn.bench import decode
@@ -23,16 +23,6 @@ TINY = ["--lengths", "8,16,32", "--batch", "1,2", "--d-model", "16", "--heads", 
 PROMPT, HEADS, HEAD_DIM = 4, 2, 8
 
 
-def _load(out):
-    return json.loads((out / "results.json").read_text())
-
-
-def _is_png(path):
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
-    image = matplotlib.image.imread(path)
-    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
-
-
 def test_cli_end_to_end_writes_results_plots_and_resumes(tmp_path, capsys):
     out = tmp_path / "decode"
     args = ["decode", "--methods", "softmax", "linear", *TINY, "--out", str(out)]
@@ -42,7 +32,7 @@ def test_cli_end_to_end_writes_results_plots_and_resumes(tmp_path, capsys):
     assert "== batch 2 ==" in printed and "speed-up over softmax" in printed
     assert "B=1 linear: flatness" in printed and "Peng et al. 2021" in printed
 
-    records = _load(out)
+    records = load_results(out)
     assert len(records) == 2 * 2 * 3
     for r in records:
         assert r["status"] == "ok", r
@@ -65,7 +55,7 @@ def test_cli_end_to_end_writes_results_plots_and_resumes(tmp_path, capsys):
     assert len(rows) == len(records) and rows[0]["status"] == "ok"
     assert set(decode.CSV_FIELDS) <= set(rows[0])
     for png in ("time_per_token.png", "state_memory.png", "tokens_per_s.png"):
-        _is_png(out / png)
+        assert_png(out / png)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["settings"]["methods"] == ["softmax", "linear"]
     assert summary["goals"]["length"] == 32  # 2048 was not measured: the largest length
@@ -75,14 +65,14 @@ def test_cli_end_to_end_writes_results_plots_and_resumes(tmp_path, capsys):
     # The same command again runs nothing and leaves the records as they were.
     assert main(args) == 0
     assert "0 runs measured, 4 already" in capsys.readouterr().out
-    assert _load(out) == records
+    assert load_results(out) == records
 
     # A run with a missing record (interrupted) runs again, and only it.
     missing = next(r for r in records if r["method"] == "linear" and r["batch"] == 2)
     (out / "results.json").write_text(json.dumps([r for r in records if r is not missing]))
     assert main(args) == 0
     assert "1 runs measured, 3 already" in capsys.readouterr().out
-    again = {(r["method"], r["batch"], r["length"]): r for r in _load(out)}
+    again = {(r["method"], r["batch"], r["length"]): r for r in load_results(out)}
     assert len(again) == len(records)
     for key, r in by.items():
         same = r["timestamp"] == again[key]["timestamp"]
@@ -94,7 +84,7 @@ def test_max_seconds_records_too_slow_after_the_lengths_reached(tmp_path):
     assert main(["decode", "--methods", "linear", "--lengths", "1,2,50000", "--batch", "1",
                  "--d-model", "16", "--heads", "2", "--layers", "1", "--max-seconds", "0.2",
                  "--out", str(out)]) == 0
-    status = {r["length"]: r["status"] for r in _load(out)}
+    status = {r["length"]: r["status"] for r in load_results(out)}
     assert status[1] == status[2] == "ok"
     assert status[50000].startswith("too slow: decoding passed --max-seconds 0.2 s after ")
     assert status[50000].endswith("(last length reached: 2)")

@@ -10,13 +10,7 @@ from effattn.kernelized.core import RecurrentState
 from effattn.kernelized.layer import KernelizedAttention
 from effattn.nn import DecoderLM, EncoderDecoder, generate, sample_next
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 CROSS = [m for m in effattn.methods() if effattn.spec(m).cross]

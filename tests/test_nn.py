@@ -16,14 +16,7 @@ from effattn.nn import (
 )
 from effattn.nn.attention import gate_bias_init
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads; one keeps the suite cheap on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 DECODING = [m for m in effattn.methods() if effattn.spec(m).decoding]

@@ -13,14 +13,7 @@ from effattn.tasks import synthetic
 from effattn.tasks.data import decoder_inputs, make_task
 from effattn.tasks.train import TrainConfig, applicability, greedy_scores, train
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads; one keeps the suite cheap on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 TINY = {"d_model": 16, "layers": 1, "heads": 2, "batch_size": 8, "seq_len": 12}

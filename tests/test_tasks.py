@@ -8,14 +8,7 @@ import torch
 from effattn.tasks import charlm, listops, synthetic
 from effattn.tasks.data import make_task, score, stream_seed
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads; one keeps the suite cheap on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------- ListOps

@@ -12,14 +12,7 @@ from effattn.nn import DecoderLM, EncoderClassifier
 from effattn.tasks import compare as cmp
 from effattn.tasks.train import TrainConfig, applicability, learning_rate, train
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads; one keeps the suite cheap on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 TINY = {"d_model": 16, "layers": 1, "heads": 2, "batch_size": 4, "seq_len": 24}
