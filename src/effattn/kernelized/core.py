@@ -310,10 +310,12 @@ def _chunk_scan(
     rows = torch.arange(nc + 1, device=deltas.device)
     visible = rows[None, :] <= rows[:, None]  # column j feeds row c when j <= c (S_in: always)
     weights = torch.exp(exponent.masked_fill(~visible, float("-inf")))  # (B, H, nc + 1, nc + 1)
-    # S_in as row 0 of the GEMM's right side: one product, no separate full-size mul and add.
-    flat = torch.cat([state.kv.reshape(b, h, 1, -1).to(deltas.dtype),
-                      deltas.reshape(b, h, nc, -1)], dim=2)
-    mixed = (weights @ flat).reshape(b, h, nc + 1, *deltas.shape[3:])
+    # The incoming state's rank-1 term is added in place to the fresh GEMM output: one pass, no
+    # concatenated copy of the deltas and no full-size temporary.
+    mixed = (weights[..., 1:] @ deltas.reshape(b, h, nc, -1)).addcmul_(
+        weights[..., :1], state.kv.reshape(b, h, 1, -1).to(deltas.dtype)
+    )
+    mixed = mixed.reshape(b, h, nc + 1, *deltas.shape[3:])
     scale = running[..., None, None]
     final = RecurrentState(mixed[:, :, nc], scale[:, :, nc])
     return mixed[:, :, :nc], scale[:, :, :nc], final
