@@ -96,6 +96,14 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     return value
 
 
+def resolve_seed(seed: int | None) -> int:
+    """``seed``, or a seed drawn from the global RNG when None.
+
+    Drawing from the global RNG keeps ``torch.manual_seed`` in control of unseeded modules.
+    """
+    return seed if seed is not None else int(torch.randint(0, 2**62, ()).item())
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp16/bf16 inputs are computed in fp32 (features overflow in half precision)."""
     return torch.promote_types(dtype, torch.float32)
@@ -291,3 +299,75 @@ class AttentionMethod(nn.Module):
             out, state = self._step(q[:, :, one], k[:, :, one], v[:, :, one], state)
             outs.append(out)
         return torch.cat(outs, 2), state
+
+
+class RandomizedAttention(AttentionMethod):
+    """Base of the methods that keep drawing random numbers after construction.
+
+    It owns the module's random state and saves it with the ``state_dict`` (as extra state), so
+    that a checkpoint loaded into a fresh build, whatever that build's ``seed``, continues
+    exactly as the saved module would have:
+
+    - ``_generator``: a CPU ``torch.Generator`` seeded with the seed; training-mode draws (fresh
+      random blocks, rotations or subsets on every call, redrawn random features) advance it;
+    - ``_seed``: eval-mode draws restart from it on every call, so eval calls repeat them;
+    - ``_calls``: training-mode forward calls so far (redraw schedules count them).
+
+    ``seed=None`` draws the seed from the global RNG (see :func:`resolve_seed`).
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        heads: int,
+        max_len: int | None = None,
+        seed: int | None = None,
+        scale: float | None = None,
+    ) -> None:
+        super().__init__(head_dim, heads, max_len, seed, scale)
+        self._seed = resolve_seed(seed)
+        self._generator = torch.Generator().manual_seed(self._seed)
+        self._calls = 0
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool = False,
+        key_padding_mask: Tensor | None = None,
+        **kwargs: Any,
+    ) -> Tensor:
+        """:meth:`AttentionMethod.forward`, counting training-mode calls in ``_calls``."""
+        out = super().forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, **kwargs)
+        if self.training:
+            self._calls += 1
+        return out
+
+    def _eval_generator(self) -> torch.Generator:
+        """A generator restarted at the module's seed: the same draws on every call."""
+        return torch.Generator().manual_seed(self._seed)
+
+    def _call_generator(self) -> torch.Generator:
+        """The generator for this call's draws: fresh ones in training mode, fixed in eval."""
+        return self._generator if self.training else self._eval_generator()
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """Generator state (uint8 tensor), seed and call count: plain data, so a state_dict
+        holding it loads with ``torch.load(weights_only=True)``."""
+        return {"generator": self._generator.get_state(), "seed": self._seed,
+                "calls": self._calls}
+
+    def set_extra_state(self, state: Any) -> None:
+        """Restore what :meth:`get_extra_state` saved."""
+        keys = {"generator", "seed", "calls"}
+        if (not isinstance(state, dict) or set(state) != keys
+                or not isinstance(state["generator"], Tensor)):
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(
+                f"{self.spec.name}: extra state must be the dict of get_extra_state() with keys "
+                f"{sorted(keys)} (generator a uint8 tensor), got {got}"
+            )
+        self._generator.set_state(state["generator"].cpu())
+        self._seed = int(state["seed"])
+        self._calls = int(state["calls"])

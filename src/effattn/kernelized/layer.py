@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from effattn.base import AttentionMethod, check_positive_int, compute_dtype
+from effattn.base import RandomizedAttention, check_positive_int, compute_dtype
 from effattn.kernelized.core import (
     SLICE_ELEMENTS,
     RecurrentState,
@@ -16,14 +16,14 @@ from effattn.kernelized.core import (
     read_queries,
 )
 from effattn.kernelized.features import Features
-from effattn.kernelized.random import make_generator
 
 
-class KernelizedAttention(AttentionMethod):
+class KernelizedAttention(RandomizedAttention):
     """Base of kernelized methods: subclasses define :meth:`features` (and random draws).
 
-    Random features are drawn from a generator seeded by ``seed`` and redrawn in training mode
-    every ``redraw_interval`` forward calls (None: never); never in eval mode or in ``step``.
+    Random features are drawn from the module generator (see :class:`RandomizedAttention`, which
+    saves it with the state_dict) and redrawn in training mode every ``redraw_interval`` forward
+    calls (None: never); never in eval mode or in ``step``.
     ``chunk_size`` is the C of the causal chunkwise form. Inputs in fp16/bf16 are computed in
     fp32; the output comes back in the input dtype.
     """
@@ -50,8 +50,6 @@ class KernelizedAttention(AttentionMethod):
         self.redraw_interval = redraw_interval
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
         self.eps = eps
-        self._generator = make_generator(seed)
-        self._calls = 0
 
     @property
     def feature_dim(self) -> int:
@@ -66,12 +64,11 @@ class KernelizedAttention(AttentionMethod):
         """Draw fresh random features from the module's generator (no-op for deterministic maps)."""
 
     def _maybe_redraw(self) -> None:
-        if not self.training:
-            return
+        # _calls counts the training calls before this one: calls interval + 1, 2 interval + 1,
+        # ... start with a redraw.
         interval = self.redraw_interval
-        if interval is not None and self._calls and self._calls % interval == 0:
+        if self.training and interval is not None and self._calls and self._calls % interval == 0:
             self.redraw()
-        self._calls += 1
 
     def _check_gate(self, gate: Tensor | None, causal: bool, shape: torch.Size) -> None:
         if not self.gated:

@@ -10,15 +10,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from effattn.base import resolve_seed
+
 
 def make_generator(seed: int | None) -> torch.Generator:
-    """A CPU generator seeded with ``seed``, or from the global RNG when ``seed`` is None.
-
-    Drawing from the global RNG keeps ``torch.manual_seed`` in control of unseeded modules.
-    """
-    g = torch.Generator()
-    g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
-    return g
+    """A CPU generator seeded with ``seed``, or from the global RNG when ``seed`` is None."""
+    return torch.Generator().manual_seed(resolve_seed(seed))
 
 
 def gaussian_projection(

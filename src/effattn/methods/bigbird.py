@@ -8,10 +8,11 @@ the output trimmed). Query block a attends to key block b when
 - b is one of the ``num_random_blocks`` random blocks of a, drawn per head and per query block,
   without replacement, among the blocks not already covered (fewer when fewer remain).
 
-Random blocks come from a ``torch.Generator`` seeded by ``seed``: in eval mode they are a fixed
-function of (seed, number of blocks); in training mode a module generator draws new ones on every
-call (the sequence of draws is fixed by the seed). ``seed=None`` picks a nondeterministic seed at
-construction, so an eval-mode module still uses the same blocks on every call.
+Random blocks come from the module's random state (:class:`effattn.base.RandomizedAttention`,
+saved with the state_dict): in eval mode they are a fixed function of (seed, number of blocks);
+in training mode the module generator draws new ones on every call (the sequence of draws is
+fixed by the seed). ``seed=None`` draws the seed from the global RNG at construction, so an
+eval-mode module still uses the same blocks on every call.
 
 Computed by gathering each query block's key blocks (:func:`effattn.sparse.block_gather_attention`)
 and dense rows for the global queries: O(N (3 + g + r) block_size D) time and memory.
@@ -23,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from effattn.base import AttentionMethod, check_positive_int, compute_dtype
+from effattn.base import RandomizedAttention, check_positive_int, compute_dtype
 from effattn.registry import MethodSpec, register
 from effattn.sparse import block_gather_attention, dense_partial
 
@@ -117,7 +118,7 @@ def bigbird_attention(
     return torch.cat(parts, 2)
 
 
-class BigBirdAttention(AttentionMethod):
+class BigBirdAttention(RandomizedAttention):
     """Block window + global blocks + seeded random blocks; bidirectional."""
 
     def __init__(
@@ -128,8 +129,6 @@ class BigBirdAttention(AttentionMethod):
         self.block_size = check_positive_int("block_size", block_size)
         self.num_random_blocks = check_count("num_random_blocks", num_random_blocks)
         self.num_global_blocks = check_count("num_global_blocks", num_global_blocks)
-        self._seed = seed if seed is not None else torch.Generator().seed()
-        self._generator = torch.Generator().manual_seed(self._seed)
 
     def extra_repr(self) -> str:
         return (
@@ -140,7 +139,7 @@ class BigBirdAttention(AttentionMethod):
 
     def random_blocks(self, num_blocks: int) -> Tensor:
         """The random blocks used in eval mode for ``num_blocks`` blocks: (H, nb, r), fixed."""
-        return self._draw(num_blocks, torch.Generator().manual_seed(self._seed))
+        return self._draw(num_blocks, self._eval_generator())
 
     def _draw(self, num_blocks: int, generator: torch.Generator) -> Tensor:
         return draw_random_blocks(
@@ -149,7 +148,7 @@ class BigBirdAttention(AttentionMethod):
 
     def _attend(self, q, k, v, *, causal, key_padding_mask):
         nb = -(-q.shape[2] // self.block_size)
-        blocks = self._draw(nb, self._generator) if self.training else self.random_blocks(nb)
+        blocks = self._draw(nb, self._call_generator())
         dtype = compute_dtype(q.dtype)
         return bigbird_attention(
             q.to(dtype), k.to(dtype), v.to(dtype), block_size=self.block_size,

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from effattn.base import AttentionMethod, compute_dtype
+from effattn.base import RandomizedAttention, compute_dtype
 from effattn.registry import MethodSpec, register
 
 # Elements of one block's gathered keys (B, H, C, S, D): about 16 MB in float32.
@@ -202,12 +202,13 @@ def random_subset_attention(
     return _SubsetAttention.apply(q, k, v, indices, key_padding_mask, causal, scale)
 
 
-class RandomSubsetAttention(AttentionMethod):
+class RandomSubsetAttention(RandomizedAttention):
     """Each query attends to ``ratio`` of the keys, a stratified random subset.
 
     The pattern depends on (N, M, causal), so it is drawn at call time: in training mode from the
-    module's generator (fresh every call), in eval mode from a generator re-seeded with a seed
-    fixed at construction (``seed``, or a random one when None), so eval calls repeat it.
+    module's generator (fresh every call), in eval mode from a generator restarted at the
+    module's seed, so eval calls repeat it (see :class:`effattn.base.RandomizedAttention`, which
+    also saves that state with the state_dict).
     """
 
     def __init__(
@@ -228,8 +229,6 @@ class RandomSubsetAttention(AttentionMethod):
         ):
             raise ValueError(f"ratio must be a number in (0, 1], got {ratio!r}")
         self.ratio = float(ratio)
-        self._eval_seed = seed if seed is not None else torch.Generator().seed()
-        self._train_generator = torch.Generator().manual_seed(self._eval_seed)
 
     def subsets(self, n: int, m: int, causal: bool) -> Tensor:
         """The (H, N, S) pattern for N queries over M keys (see :func:`sample_subsets`).
@@ -237,13 +236,9 @@ class RandomSubsetAttention(AttentionMethod):
         Eval mode: always the same for (N, M, causal). Training mode: a fresh draw (advances the
         module's generator, as each forward call does).
         """
-        generator = (
-            self._train_generator
-            if self.training
-            else torch.Generator().manual_seed(self._eval_seed)
-        )
         return sample_subsets(
-            self.heads, n, m, subset_size(m, self.ratio), causal=causal, generator=generator
+            self.heads, n, m, subset_size(m, self.ratio), causal=causal,
+            generator=self._call_generator(),
         )
 
     def _attend(self, q, k, v, *, causal, key_padding_mask):

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from effattn.base import AttentionMethod, check_positive_int, compute_dtype
+from effattn.base import RandomizedAttention, check_positive_int, compute_dtype
 from effattn.registry import MethodSpec, register
 
 # Scores per group of chunks (1 MiB in fp32).
@@ -338,13 +338,13 @@ def reformer_attention(
     return out
 
 
-class ReformerAttention(AttentionMethod):
+class ReformerAttention(RandomizedAttention):
     """LSH attention with ``n_hashes`` rounds of angular hashing into chunks of ``bucket_size``.
 
     Rotations depend on the length (through n_buckets), so they are drawn at call time: in
     training mode from the module's generator (fresh every call), in eval mode from a generator
-    re-seeded with a seed fixed at construction (``seed``, or a random one when None), so eval
-    calls of one module always hash alike.
+    restarted at the module's seed, so eval calls of one module always hash alike (see
+    :class:`effattn.base.RandomizedAttention`, which also saves that state with the state_dict).
     """
 
     def __init__(
@@ -365,8 +365,6 @@ class ReformerAttention(AttentionMethod):
         if not isinstance(shared_qk, bool):
             raise ValueError(f"shared_qk must be a bool, got {shared_qk!r}")
         self.shared_qk = shared_qk
-        self._eval_seed = seed if seed is not None else torch.Generator().seed()
-        self._train_generator = torch.Generator().manual_seed(self._eval_seed)
 
     def rotations(self, n: int, m: int) -> Tensor:
         """The rotations (H, n_hashes, D, n_buckets/2) for N queries and M keys.
@@ -374,17 +372,12 @@ class ReformerAttention(AttentionMethod):
         Eval mode: always the same for (N, M). Training mode: a fresh draw (advances the
         module's generator, as each forward call does).
         """
-        generator = (
-            self._train_generator
-            if self.training
-            else torch.Generator().manual_seed(self._eval_seed)
-        )
         return draw_rotations(
             self.heads,
             self.n_hashes,
             self.head_dim,
             num_buckets(n, m, self.bucket_size),
-            generator=generator,
+            generator=self._call_generator(),
         )
 
     def _attend(self, q, k, v, *, causal, key_padding_mask):
