@@ -87,9 +87,18 @@ def test_resume_after_interruption_equals_uninterrupted_run(method, options, tmp
     _same_results(whole, resumed)
     a = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=False)["model"]
     b = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=False)["model"]
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    torch.testing.assert_close(b, a, rtol=0, atol=0)  # parameters, buffers and random state
     log = (tmp_path / "cut" / "train.log").read_text()
     assert "resumed from step 4" in log
+
+
+def test_checkpoint_of_an_older_version_is_refused(tmp_path, data_dir):
+    cfg = _config()
+    assert train(cfg, tmp_path, data_dir=data_dir, stop_after=2, progress=False) is None
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    torch.save({**saved, "hidden": {}}, tmp_path / "checkpoint.pt")
+    with pytest.raises(ValueError, match="older effattn"):
+        train(cfg, tmp_path, data_dir=data_dir, progress=False)
 
 
 def test_results_json_and_logs(tmp_path, data_dir):

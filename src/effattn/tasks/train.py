@@ -298,36 +298,6 @@ class _PeakMemory:
         return max(0, peak - self.base)
 
 
-def hidden_state(model: nn.Module) -> dict[str, dict[str, Any]]:
-    """Mutable state that modules keep outside their ``state_dict``: ``torch.Generator``
-    attributes (random features redrawn during training) and private int counters (calls since
-    the last redraw). A resumed run must restore them to redraw exactly what an uninterrupted run
-    would."""
-    out: dict[str, dict[str, Any]] = {}
-    for name, module in model.named_modules():
-        saved = {}
-        for attr, value in vars(module).items():
-            if isinstance(value, torch.Generator):
-                saved[attr] = value.get_state()
-            elif attr.startswith("_") and type(value) is int:
-                saved[attr] = value
-        if saved:
-            out[name] = saved
-    return out
-
-
-def load_hidden_state(model: nn.Module, state: dict[str, dict[str, Any]]) -> None:
-    """Restore what :func:`hidden_state` saved (same model structure)."""
-    modules = dict(model.named_modules())
-    for name, saved in state.items():
-        for attr, value in saved.items():
-            current = getattr(modules[name], attr)
-            if isinstance(current, torch.Generator):
-                current.set_state(value)
-            else:
-                setattr(modules[name], attr, value)
-
-
 def _config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     return [f"{k}: checkpoint {saved.get(k)!r} != now {current.get(k)!r}"
             for k in sorted(set(saved) | set(current))
@@ -371,6 +341,11 @@ def train(
         if resume is False:
             raise ValueError(f"{ckpt_path} exists; use another output directory or resume")
         saved = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        if "hidden" in saved:
+            # Such checkpoints kept the modules' random state beside the model's state_dict,
+            # which now carries it: their model state lacks it, so they cannot resume exactly.
+            raise ValueError(f"{ckpt_path} was written by an older effattn (random state "
+                             "outside the model's state_dict); use another output directory")
         diff = _config_diff(saved["config"], dataclasses.asdict(cfg))
         if diff:
             raise ValueError(f"{ckpt_path} was written by a different configuration ("
@@ -397,7 +372,6 @@ def train(
     step, train_time, peak, losses = 0, 0.0, 0, []
     if saved is not None:
         model.load_state_dict(saved["model"])
-        load_hidden_state(model, saved["hidden"])
         optimizer.load_state_dict(saved["optimizer"])
         step, train_time, peak, losses = (saved["step"], saved["train_time"], saved["peak_bytes"],
                                           saved["losses"])
@@ -409,7 +383,6 @@ def train(
 
     def save_checkpoint() -> None:
         state = {"config": dataclasses.asdict(cfg), "model": model.state_dict(),
-                 "hidden": hidden_state(model),
                  "optimizer": optimizer.state_dict(), "step": step, "train_time": train_time,
                  "peak_bytes": peak, "losses": losses, "torch_rng": torch.get_rng_state(),
                  "python_rng": random.getstate(),
