@@ -29,6 +29,7 @@ Shapes: B batch, H heads, N queries, M keys, F features, Dv value dim, C chunk, 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,8 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# Smallest log-scale the core works with: keeps exp(a - b) finite when every key is padding.
-LOG_FLOOR = -1.0e4
+# Smallest log-scale the core works with: keeps exp(a - b) finite when every key is padding. It
+# must lie below every real key's log-scale, about -|x̃|²/2 for positive features (below -1e4
+# already for entries ~50 at D = 16): a key clamped up to the floor would vanish.
+LOG_FLOOR = -1.0e30
 # log(g) is clamped here so that g = 0 (a full reset) stays finite in log space.
 LOG_GATE_FLOOR = -30.0
 # A decoding step keeps the state at a lazily updated scale: it adds its key at
@@ -68,12 +71,17 @@ def _ratio(out: Tensor, eps: float, log_scale: Tensor) -> Tensor:
     true scale (as the reference does), so that the result does not depend on where a
     stabiliser put the scale: a key far larger than the others in its chunk must not push its
     neighbours' denominators under eps. The sign is kept (trigonometric features can give
-    negative denominators); a query that sees no key gets 0."""
+    negative denominators); a query that sees no key gets 0. ``eps = 0`` (non-negative
+    features) only keeps 0 / 0 at 0: any positive denominator, however small, is divided by."""
+    log_eps = math.log(eps) if eps > 0 else -math.inf
     with torch.no_grad():
-        floor = (eps * torch.exp(-log_scale)).clamp_min(torch.finfo(out.dtype).tiny)
+        # In log space: eps / exp(log_scale) overflows for the tiny true scales of positive
+        # features (exp(-|x|²/2)), and 0 * inf would be NaN.
+        floor = torch.exp(log_eps - log_scale)
     den = out[..., -1:]
-    return out[..., :-1] / torch.where(den >= 0, torch.maximum(den, floor),
-                                       torch.minimum(den, -floor))
+    den = torch.where(den >= 0, torch.maximum(den, floor), torch.minimum(den, -floor))
+    # num = den = 0 when no key is seen: 0 / 1 keeps the output and its gradient at 0.
+    return out[..., :-1] / torch.where(den == 0, 1.0, den)
 
 
 def _check_shapes(phi_q: Tensor, phi_k: Tensor, v: Tensor, key_log_scale: Tensor | None) -> None:
@@ -362,7 +370,8 @@ def linear_attention(
         causal: query i sees keys j <= i (N == M); computed chunkwise (:func:`causal_block`).
         gate: optional (B, H, N) in [0, 1], causal only (gated RFA).
         chunk_size: C of the chunkwise causal form; any N works (the tail chunk is padded).
-        eps: floor of |denominator|.
+        eps: floor of |denominator| at the true scale, for features that can cancel; 0 for
+            non-negative ones (:func:`kernelized.features.denominator_eps`).
 
     Non-causal cost: 2·(N + M)·F·(Dv + 1) flops per (B, H), memory O((N + M)·F + F·Dv).
     Causal adds the C x C intra-chunk products: 2·N·C·(F + Dv + 1), and (N/C)·F·(Dv + 1) states.
