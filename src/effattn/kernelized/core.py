@@ -12,9 +12,10 @@ Two conventions make every feature map numerically safe without ever looking at 
 
 - ``key_log_scale`` (B, H, M, 1): the true key features are ``phi_k * exp(key_log_scale)``.
   Exponential feature maps return per-token-normalised features plus that log-scale; the core
-  rescales keys by a max that is shared by the keys being summed (per sequence when non-causal,
-  per chunk with a running max when causal or recurrent). The shared factor cancels between
-  numerator and denominator.
+  rescales keys by a max that is shared by the keys being summed: per sequence when non-causal;
+  when causal, each query's keys at the running max of the key log-scales it can see (a prefix
+  max inside a chunk, per complete chunk in the state), so that no future key sets the scale.
+  The shared factor cancels between numerator and denominator.
 - The normaliser is computed as an extra column of V ([V, 1]), so numerator and denominator come
   out of the same GEMMs.
 
@@ -28,6 +29,7 @@ Shapes: B batch, H heads, N queries, M keys, F features, Dv value dim, C chunk, 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,8 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# Smallest log-scale the core works with: keeps exp(a - b) finite when every key is padding.
-LOG_FLOOR = -1.0e4
+# Smallest log-scale the core works with: keeps exp(a - b) finite when every key is padding. It
+# must lie below every real key's log-scale, about -|x̃|²/2 for positive features (below -1e4
+# already for entries ~50 at D = 16): a key clamped up to the floor would vanish.
+LOG_FLOOR = -1.0e30
 # log(g) is clamped here so that g = 0 (a full reset) stays finite in log space.
 LOG_GATE_FLOOR = -30.0
 # A decoding step keeps the state at a lazily updated scale: it adds its key at
@@ -67,12 +71,17 @@ def _ratio(out: Tensor, eps: float, log_scale: Tensor) -> Tensor:
     true scale (as the reference does), so that the result does not depend on where a
     stabiliser put the scale: a key far larger than the others in its chunk must not push its
     neighbours' denominators under eps. The sign is kept (trigonometric features can give
-    negative denominators); a query that sees no key gets 0."""
+    negative denominators); a query that sees no key gets 0. ``eps = 0`` (non-negative
+    features) only keeps 0 / 0 at 0: any positive denominator, however small, is divided by."""
+    log_eps = math.log(eps) if eps > 0 else -math.inf
     with torch.no_grad():
-        floor = (eps * torch.exp(-log_scale)).clamp_min(torch.finfo(out.dtype).tiny)
+        # In log space: eps / exp(log_scale) overflows for the tiny true scales of positive
+        # features (exp(-|x|²/2)), and 0 * inf would be NaN.
+        floor = torch.exp(log_eps - log_scale)
     den = out[..., -1:]
-    return out[..., :-1] / torch.where(den >= 0, torch.maximum(den, floor),
-                                       torch.minimum(den, -floor))
+    den = torch.where(den >= 0, torch.maximum(den, floor), torch.minimum(den, -floor))
+    # num = den = 0 when no key is seen: 0 / 1 keeps the output and its gradient at 0.
+    return out[..., :-1] / torch.where(den == 0, 1.0, den)
 
 
 def _check_shapes(phi_q: Tensor, phi_k: Tensor, v: Tensor, key_log_scale: Tensor | None) -> None:
@@ -184,7 +193,8 @@ def causal_block(
 ) -> tuple[Tensor, RecurrentState]:
     """Causal attention over a block of L tokens that follows ``state``, chunkwise.
 
-    Inside each chunk of C tokens a masked C x C product; across chunks the running state, found
+    Inside each chunk of C tokens a masked C x C product, weighted by exp(a_i - a_j) (gate decay
+    and stabiliser prefix max, see :func:`_causal_group`); across chunks the running state, found
     for up to ``SCAN_CHUNKS`` chunks at a time by one small GEMM (:func:`_chunk_scan`). Per-key
     scalars (stabiliser scale, 1 - g, padding, decay to the chunk end) multiply the rows of
     [V, 1] (width Dv + 1), per-query ones multiply output rows: the only work on L x F data is
@@ -250,35 +260,51 @@ def _causal_group(
     k_c = phi_k.reshape(b, h, nc, chunk, f)
     v_c = v1.reshape(b, h, nc, chunk, dv1)
 
+    # Query i of a chunk sums its keys j <= i at the prefix-max scale P_i = max_{j<=i} ls_j: a
+    # key later in the chunk cannot set the scale of earlier queries (their keys would underflow
+    # against it). Key j enters at exp(ls_j - P_j) <= 1 and moves to scale P_i through
+    # exp(P_j - P_i) <= 1, a C x C factor of the same form as the gate's decay exp(cum_i - cum_j):
+    # both are exp(a_i - a_j) with a = cum - P. The last prefix max is the chunk's max, the
+    # scale of its delta for later chunks, which only see it complete.
+    log_weight = None  # a (B, H, nc, C), None when every a is 0
     if key_log_scale is None:
-        chunk_max = v1.new_zeros(b, h, nc, 1, 1)
+        prefix = v1.new_zeros(b, h, nc, chunk, 1)
     else:
         ls_c = key_log_scale.reshape(b, h, nc, chunk, 1)
-        chunk_max = _shared_max(ls_c, -2)  # (B, H, nc, 1, 1)
-        v_c = v_c * torch.exp(ls_c - chunk_max)
+        with torch.no_grad():
+            prefix = torch.cummax(ls_c, -2).values.clamp_min_(LOG_FLOOR)  # P, (B, H, nc, C, 1)
+        v_c = v_c * torch.exp(ls_c - prefix)
+        log_weight = -prefix[..., 0]
+    if log_gate is not None:
+        cum = log_gate.reshape(b, h, nc, chunk).cumsum(-1)  # inclusive, within the chunk
+        log_weight = cum if log_weight is None else cum + log_weight
+    chunk_max = prefix[..., -1:, :]  # (B, H, nc, 1, 1)
 
     scores = q_c @ k_c.transpose(-1, -2)  # (B, H, nc, C, C)
-    if log_gate is None:
+    if log_weight is None:
         intra = scores.tril_() @ v_c  # (B, H, nc, C, Dv + 1)
         deltas = k_c.transpose(-1, -2) @ v_c  # (B, H, nc, F, Dv + 1), at scale chunk_max
-        chunk_log_decay = None
     else:
-        cum = log_gate.reshape(b, h, nc, chunk).cumsum(-1)  # inclusive, within the chunk
-        upper = torch.ones(chunk, chunk, dtype=torch.bool, device=cum.device).triu(1)
-        decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf"))
-        intra = (scores * decay.exp()) @ v_c
-        deltas = k_c.transpose(-1, -2) @ (v_c * torch.exp(cum[..., -1:] - cum)[..., None])
-        chunk_log_decay = cum[..., -1]  # (B, H, nc)
+        upper = torch.ones(chunk, chunk, dtype=torch.bool, device=scores.device).triu_(1)
+        weight = (log_weight[..., :, None] - log_weight[..., None, :]).masked_fill_(
+            upper, float("-inf")
+        ).exp_()
+        # In place when the weights carry no gradient (no gate): mul then keeps only them.
+        scores = scores * weight if weight.requires_grad else scores.mul_(weight)
+        intra = scores @ v_c
+        to_end = torch.exp(log_weight[..., -1:] - log_weight)[..., None]  # exp(a_last - a_j)
+        deltas = k_c.transpose(-1, -2) @ (v_c * to_end)
+    chunk_log_decay = None if log_gate is None else cum[..., -1]  # (B, H, nc)
 
     states, state_scale, final = _chunk_scan(state, deltas, chunk_max[..., 0, 0], chunk_log_decay)
-    common = torch.maximum(chunk_max, state_scale)
-    inter_weight = torch.exp(state_scale - common)  # (B, H, nc, 1, 1)
+    common = torch.maximum(prefix, state_scale)  # (B, H, nc, C, 1): query i's output scale
+    inter_weight = torch.exp(state_scale - common)
     if log_gate is not None:
         inter_weight = inter_weight * cum.exp()[..., None]  # decay of the entering state to i
     # In place on fresh GEMM outputs (bmm keeps its inputs, not its output, for backward).
-    out = (q_c @ states).mul_(inter_weight).add_(intra.mul_(torch.exp(chunk_max - common)))
+    out = (q_c @ states).mul_(inter_weight).add_(intra.mul_(torch.exp(prefix - common)))
     final.position = state.position + n
-    out_scale = common.expand(b, h, nc, chunk, 1).reshape(b, h, nc * chunk, 1)[:, :, :n]
+    out_scale = common.reshape(b, h, nc * chunk, 1)[:, :, :n]
     return _ratio(out.reshape(b, h, nc * chunk, dv1)[:, :, :n], eps, out_scale), final
 
 
@@ -344,7 +370,8 @@ def linear_attention(
         causal: query i sees keys j <= i (N == M); computed chunkwise (:func:`causal_block`).
         gate: optional (B, H, N) in [0, 1], causal only (gated RFA).
         chunk_size: C of the chunkwise causal form; any N works (the tail chunk is padded).
-        eps: floor of |denominator|.
+        eps: floor of |denominator| at the true scale, for features that can cancel; 0 for
+            non-negative ones (:func:`kernelized.features.denominator_eps`).
 
     Non-causal cost: 2·(N + M)·F·(Dv + 1) flops per (B, H), memory O((N + M)·F + F·Dv).
     Causal adds the C x C intra-chunk products: 2·N·C·(F + Dv + 1), and (N/C)·F·(Dv + 1) states.

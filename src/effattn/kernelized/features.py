@@ -15,6 +15,7 @@ x̃_q · x̃_k = scale · q · k. w is the (F, D) projection. Shapes of phi: (B,
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -91,3 +92,13 @@ def arccos(x_unit: Tensor, w: Tensor) -> Features:
 def elu_plus_one(x: Tensor) -> Features:
     """Linear transformer (Katharopoulos et al. 2020): φ(x) = elu(x) + 1."""
     return F.elu(x).add_(1.0), None
+
+
+# φ >= 0: the normaliser is a sum of non-negative terms. It can be tiny (exp(q̃·k̃) small for
+# every key, softmax still well defined) but never cancels, so an eps floor could only cut it.
+NONNEGATIVE = frozenset({positive, hyperbolic, relu, arccos, elu_plus_one})
+
+
+def denominator_eps(feature_map: Callable[..., Features], eps: float = 1e-6) -> float:
+    """The core's ``eps`` for ``feature_map``: 0 for non-negative maps, else ``eps``."""
+    return 0.0 if feature_map in NONNEGATIVE else eps

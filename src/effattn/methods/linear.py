@@ -31,6 +31,7 @@ def linear_transformer_attention(
     return kernelized_attention(
         q, k, v, features, feature_dim=q.shape[-1], causal=causal,
         key_padding_mask=key_padding_mask, chunk_size=chunk_size,
+        eps=fm.denominator_eps(fm.elu_plus_one),
     )
 
 
@@ -47,7 +48,8 @@ class LinearTransformerAttention(KernelizedAttention):
         *,
         chunk_size: int = 64,
     ) -> None:
-        super().__init__(head_dim, heads, max_len, seed, scale, chunk_size=chunk_size)
+        super().__init__(head_dim, heads, max_len, seed, scale, chunk_size=chunk_size,
+                         eps=fm.denominator_eps(fm.elu_plus_one))
 
     @property
     def feature_dim(self) -> int:

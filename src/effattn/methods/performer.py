@@ -54,7 +54,7 @@ def performer_attention(
     paired = feature_map in ("hyperbolic", "trig")
     return kernelized_attention(
         q, k, v, features, feature_dim=w.shape[0] * (2 if paired else 1), causal=causal,
-        key_padding_mask=key_padding_mask, chunk_size=chunk_size,
+        key_padding_mask=key_padding_mask, chunk_size=chunk_size, eps=fm.denominator_eps(phi),
     )
 
 
@@ -79,6 +79,7 @@ class PerformerAttention(KernelizedAttention):
                          redraw_interval=redraw_interval, chunk_size=chunk_size)
         self.num_features = check_positive_int("num_features", num_features)
         self.feature_map = check_choice("feature_map", feature_map, tuple(FEATURE_MAPS))
+        self.eps = fm.denominator_eps(FEATURE_MAPS[self.feature_map], self.eps)
         self.orthogonal = bool(orthogonal)
         self.register_buffer("projection", self._draw())
 

@@ -29,7 +29,7 @@ from effattn.kernelized.layer import KernelizedAttention
 from effattn.kernelized.random import gaussian_projection
 from effattn.registry import MethodSpec, register
 
-FEATURE_MAPS = ("sincos", "arccos")
+FEATURE_MAPS = {"sincos": fm.sincos, "arccos": fm.arccos}
 
 
 def unit(x: Tensor) -> Tensor:
@@ -41,7 +41,7 @@ def rfa_features(x: Tensor, projection: Tensor, sigma: Tensor, feature_map: str)
     """φ of unit(x) with w = projection / σ_h; sigma (H,) broadcasts over (B, H, L, F)."""
     w = projection.to(x.dtype)
     xs = unit(x) / sigma.to(x.dtype)[:, None, None]
-    return fm.sincos(xs, w) if feature_map == "sincos" else fm.arccos(xs, w)
+    return FEATURE_MAPS[feature_map](xs, w)
 
 
 def rfa_attention(
@@ -64,7 +64,7 @@ def rfa_attention(
     width = projection.shape[0] * (2 if feature_map == "sincos" else 1)
     return kernelized_attention(
         q, k, v, features, feature_dim=width, causal=causal, key_padding_mask=key_padding_mask,
-        gate=gate, chunk_size=chunk_size,
+        gate=gate, chunk_size=chunk_size, eps=fm.denominator_eps(FEATURE_MAPS[feature_map]),
     )
 
 
@@ -90,7 +90,8 @@ class RandomFeatureAttention(KernelizedAttention):
         super().__init__(head_dim, heads, max_len, seed, scale,
                          redraw_interval=redraw_interval, chunk_size=chunk_size)
         self.num_features = check_positive_int("num_features", num_features)
-        self.feature_map = check_choice("feature_map", feature_map, FEATURE_MAPS)
+        self.feature_map = check_choice("feature_map", feature_map, tuple(FEATURE_MAPS))
+        self.eps = fm.denominator_eps(FEATURE_MAPS[self.feature_map], self.eps)
         if not isinstance(sigma, (int, float)) or isinstance(sigma, bool) or sigma <= 0:
             raise ValueError(f"sigma must be a positive number, got {sigma!r}")
         self.gated = bool(gated)
