@@ -11,7 +11,7 @@ from conftest import assert_png, load_results
 import effattn
 from effattn.bench import decode
 from effattn.cli import main
-from effattn.cli_decode import make_configs, parse_methods
+from effattn.cli.decode import make_configs, parse_methods
 from effattn.kernelized.core import RecurrentState
 from effattn.methods.local import WindowCache
 from effattn.methods.softmax import KVCache
@@ -31,6 +31,10 @@ def test_cli_end_to_end_writes_results_plots_and_resumes(tmp_path, capsys):
     assert "4 runs measured, 0 already" in printed
     assert "== batch 2 ==" in printed and "speed-up over softmax" in printed
     assert "B=1 linear: flatness" in printed and "Peng et al. 2021" in printed
+    # The goals are defined at 2048 tokens and from 128 to 8192: not judged at 8..32 tokens.
+    assert "NOT met" not in printed and "[<= 1.2x: met]" not in printed
+    assert "[< 10%: defined at 2048 tokens, not measured]" in printed
+    assert "[<= 1.2x: defined from 128 to 8192 tokens, not measured]" in printed
 
     records = load_results(out)
     assert len(records) == 2 * 2 * 3
@@ -127,7 +131,7 @@ def test_method_entries_and_options():
     assert parse_methods(["softmax,rfa:gated=true,num_features=8,linear", "softmax"]) == [
         ("softmax", {}), ("rfa", {"gated": True, "num_features": 8}), ("linear", {})]
     configs = make_configs([("softmax", {}), ("performer", {}), ("rfa", {"num_features": 4})],
-                           {"num_features": 8}, [1, 16], lengths=(8,))
+                           ["num_features=8"], [1, 16], lengths=(8,))
     assert [(c.label, c.batch) for c in configs] == [
         ("softmax", 1), ("softmax", 16), ("performer:num_features=8", 1),
         ("performer:num_features=8", 16), ("rfa:num_features=4", 1), ("rfa:num_features=4", 16)]
