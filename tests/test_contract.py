@@ -35,6 +35,25 @@ def test_unknown_option_is_type_error(name):
         effattn.build(name, bogus=3)
 
 
+BOOL_OPTIONS = [(name, key) for name in effattn.methods()
+                for key, default in effattn.spec(name).options.items() if isinstance(default, bool)]
+
+
+@pytest.mark.parametrize("name, key", BOOL_OPTIONS)
+@pytest.mark.parametrize("value", ["false", "True", 0, 1, None])
+def test_bool_options_take_only_bools(name, key, value):
+    # bool("false") is True: a string from a command line must not be coerced into its opposite.
+    with pytest.raises(ValueError, match=f"{key} must be a bool"):
+        effattn.build(name, head_dim=8, heads=2, max_len=16, **{key: value})
+
+
+def test_layer_gate_flag_takes_only_bools():
+    from effattn.nn import MultiheadAttention
+
+    with pytest.raises(ValueError, match="gated must be a bool"):
+        MultiheadAttention(16, 2, method="rfa", gated="false")
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

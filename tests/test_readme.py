@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from effattn.cli_methods import capability_table
+from effattn.cli.methods import capability_table
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import effattn
 from effattn.cli import main
+from effattn.cli.common import parse_entry, parse_options
 from effattn.nn import DecoderLM, EncoderClassifier
 from effattn.tasks import compare as cmp
 from effattn.tasks.train import TrainConfig, applicability, learning_rate, train
@@ -173,10 +174,12 @@ def test_cli_train_and_errors(tmp_path, capsys):
 
 
 def test_compare_options_and_resolution():
-    assert cmp.parse_options("a=1,b=true,c=x,d=0.5") == {"a": 1, "b": True, "c": "x", "d": 0.5}
-    assert cmp.parse_entry("softmax") == ("softmax", {})
+    defaults = {"a": 0, "b": False, "c": "s", "d": 1.0}
+    assert parse_options("a=1,b=true,c=x,d=0.5", defaults) == {
+        "a": 1, "b": True, "c": "x", "d": 0.5}
+    assert parse_entry("softmax") == ("softmax", {})
     with pytest.raises(KeyError):
-        cmp.parse_entry("nope:x=1")
+        parse_entry("nope:x=1")
     run, skipped = cmp.resolve("charlm", ["all", "softmax"])
     labels = [m for m, _ in run]
     assert labels.count("softmax") == 1

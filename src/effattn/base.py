@@ -89,6 +89,17 @@ def check_positive_int(name: str, value: Any) -> int:
     return value
 
 
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` if it is a bool, else a ValueError naming the option.
+
+    Only ``True``/``False``: ``bool("false")`` is True, so coercing would turn a string from a
+    command line or a config file into the opposite of what it says.
+    """
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
+    return value
+
+
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     """``value`` if it is one of ``choices``, else a ValueError naming the option."""
     if value not in choices:

@@ -200,6 +200,8 @@ def measure_peak(dtype: str, device: str) -> dict[str, Any]:
 
 
 def _worker(conn: Any, target: Callable[..., dict[str, Any]], args: tuple) -> None:
+    # Ctrl-C reaches the whole process group; the parent handles it (and kills this worker).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         result = target(*args)
     except BaseException as err:  # report it to the parent instead of dying silently

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from effattn.base import check_positive_int
+from effattn.base import check_bool, check_positive_int
 from effattn.kernelized import features as fm
 from effattn.kernelized.core import kernelized_attention
 from effattn.kernelized.layer import KernelizedAttention
@@ -66,7 +66,7 @@ class FavorAttention(KernelizedAttention):
         super().__init__(head_dim, heads, max_len, seed, scale,
                          redraw_interval=redraw_interval, chunk_size=chunk_size)
         self.num_features = check_positive_int("num_features", num_features)
-        self.orthogonal = bool(orthogonal)
+        self.orthogonal = check_bool("orthogonal", orthogonal)
         w, b = self._draw()
         self.register_buffer("projection", w)
         self.register_buffer("phase", b)

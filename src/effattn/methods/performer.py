@@ -16,7 +16,7 @@ import math
 
 from torch import Tensor
 
-from effattn.base import check_choice, check_positive_int
+from effattn.base import check_bool, check_choice, check_positive_int
 from effattn.kernelized import features as fm
 from effattn.kernelized.core import kernelized_attention
 from effattn.kernelized.layer import KernelizedAttention
@@ -80,7 +80,7 @@ class PerformerAttention(KernelizedAttention):
         self.num_features = check_positive_int("num_features", num_features)
         self.feature_map = check_choice("feature_map", feature_map, tuple(FEATURE_MAPS))
         self.eps = fm.denominator_eps(FEATURE_MAPS[self.feature_map], self.eps)
-        self.orthogonal = bool(orthogonal)
+        self.orthogonal = check_bool("orthogonal", orthogonal)
         self.register_buffer("projection", self._draw())
 
     def _draw(self) -> Tensor:

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from effattn.base import RandomizedAttention, check_positive_int, compute_dtype
+from effattn.base import RandomizedAttention, check_bool, check_positive_int, compute_dtype
 from effattn.registry import MethodSpec, register
 
 # Scores per group of chunks (1 MiB in fp32).
@@ -362,9 +362,7 @@ class ReformerAttention(RandomizedAttention):
         super().__init__(head_dim, heads, max_len, seed, scale)
         self.n_hashes = check_positive_int("n_hashes", n_hashes)
         self.bucket_size = check_positive_int("bucket_size", bucket_size)
-        if not isinstance(shared_qk, bool):
-            raise ValueError(f"shared_qk must be a bool, got {shared_qk!r}")
-        self.shared_qk = shared_qk
+        self.shared_qk = check_bool("shared_qk", shared_qk)
 
     def rotations(self, n: int, m: int) -> Tensor:
         """The rotations (H, n_hashes, D, n_buckets/2) for N queries and M keys.

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from effattn.base import check_choice, check_positive_int
+from effattn.base import check_bool, check_choice, check_positive_int
 from effattn.kernelized import features as fm
 from effattn.kernelized.core import kernelized_attention
 from effattn.kernelized.layer import KernelizedAttention
@@ -94,9 +94,9 @@ class RandomFeatureAttention(KernelizedAttention):
         self.eps = fm.denominator_eps(FEATURE_MAPS[self.feature_map], self.eps)
         if not isinstance(sigma, (int, float)) or isinstance(sigma, bool) or sigma <= 0:
             raise ValueError(f"sigma must be a positive number, got {sigma!r}")
-        self.gated = bool(gated)
+        self.gated = check_bool("gated", gated)
         log_sigma = torch.full((heads,), math.log(sigma))
-        if learn_sigma:
+        if check_bool("learn_sigma", learn_sigma):
             self.log_sigma = nn.Parameter(log_sigma)
         else:
             self.register_buffer("log_sigma", log_sigma)

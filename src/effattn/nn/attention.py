@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from effattn.base import check_bool
 from effattn.registry import build, spec
 
 # Mechanisms that mix tokens without queries/keys/values: no projections around them.
@@ -98,7 +99,7 @@ class MultiheadAttention(nn.Module):
         self.batch_first = batch_first
         self.kdim = embed_dim if kdim is None else kdim
         self.vdim = embed_dim if vdim is None else vdim
-        self.gated = bool({**method_spec.options, **options}.get("gated", False))
+        self.gated = check_bool("gated", {**method_spec.options, **options}.get("gated", False))
         if method in PARAMETER_FREE_MIXERS:
             if (self.kdim, self.vdim) != (embed_dim, embed_dim):
                 raise ValueError(f"{method} mixes one sequence: kdim/vdim must equal embed_dim")

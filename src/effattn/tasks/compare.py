@@ -5,14 +5,14 @@ Each method runs as its own ``effattn train`` process (so that its peak memory i
 interrupted one resumes from its checkpoint. The table (Markdown), JSON, CSV and a PNG bar plot
 are written to ``<out>/compare.*``.
 
-Method entries are registered names or ``name:key=value,key=value`` (options); ``all`` expands to
+Method entries are registered names or ``name:key=value,key=value`` (options, typed by the
+method's defaults: :func:`effattn.cli.common.parse_entry`); ``all`` expands to
 every registered method plus the variants in ``VARIANTS`` (learned σ and gated RFA), minus those
 that cannot run the task (listed with the spec's reason).
 """
 
 from __future__ import annotations
 
-import ast
 import csv
 import json
 import os
@@ -22,6 +22,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from effattn.bench.results import atomic_write
+from effattn.cli.common import parse_entry
 from effattn.registry import methods, spec
 from effattn.tasks.data import FRACTION_METRICS, METRIC_NAMES, TASK_METRICS
 from effattn.tasks.train import RESULTS, TrainConfig, applicability, label_of, write_json
@@ -57,35 +59,11 @@ def scaled_options(method: str, seq_len: int, head_dim: int) -> dict[str, Any]:
     return {k: max(2, v) for k, v in scaled.items() if k in known}
 
 
-def parse_value(text: str) -> Any:
-    """``true``/``false``/``none`` (any case), Python literals, else the string itself."""
-    lowered = text.strip().lower()
-    if lowered in ("true", "false", "none"):
-        return {"true": True, "false": False, "none": None}[lowered]
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-
-
-def parse_options(items: list[str] | str, what: str = "option") -> dict[str, Any]:
-    """``["k=v", ...]`` or ``"k=v,k=v"`` -> dict, with values parsed by :func:`parse_value`."""
-    if isinstance(items, str):
-        items = [part for part in items.split(",") if part]
-    options = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"{what} must look like key=value, got {item!r}")
-        options[key.strip()] = parse_value(value)
-    return options
-
-
-def parse_entry(entry: str) -> tuple[str, dict[str, Any]]:
-    """``"rfa:gated=true"`` -> ("rfa", {"gated": True}); the name must be registered."""
-    name, _, opts = entry.partition(":")
-    spec(name)
-    return name, parse_options(opts, f"options of {name!r}")
+def run_options(method: str, options: dict[str, Any], base: TrainConfig) -> dict[str, Any]:
+    """The options ``method`` trains with: :func:`scaled_options` for ``base``'s length and head
+    size, under the entry's own ``options``."""
+    cfg = base.resolved()
+    return {**scaled_options(method, cfg.seq_len, cfg.d_model // cfg.heads), **options}
 
 
 def resolve(task: str, entries: list[str]) -> tuple[list[tuple[str, dict]], dict[str, str]]:
@@ -158,9 +136,7 @@ def compare(
     run, skipped = resolve(task, entries)
     rows, failed = [], {}
     for method, options in run:
-        opts = {**scaled_options(method, base.seq_len, base.d_model // base.heads),
-                **options}
-        cfg = replace(base, method=method, options=opts).resolved()
+        cfg = replace(base, method=method, options=run_options(method, options, base)).resolved()
         label = label_of(method, options)
         run_dir = out / label.replace(":", "_").replace("=", "-").replace(",", "_")
         results = _cached(run_dir / RESULTS, cfg)
@@ -181,7 +157,7 @@ def compare(
                "rows": rows, "skipped": skipped, "failed": failed}
     write_json(out / "compare.json", summary)
     _write_csv(out / "compare.csv", rows)
-    (out / "compare.md").write_text(table(summary) + "\n")
+    atomic_write(out / "compare.md", table(summary) + "\n")
     plot(summary, out / "compare.png")
     return summary
 

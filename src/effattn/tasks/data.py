@@ -15,6 +15,7 @@ by the seed and disjoint streams of it.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -207,12 +208,26 @@ def _charlm(seq_len: int, seed: int, *, valid_windows: int = 128,
                 train_batch, sets, info)
 
 
+def _builder(name: str) -> Callable[..., Task]:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(TASKS)}")
+    return {"listops": _listops, "charlm": _charlm, "reverse": _reverse}.get(name, _synthetic)
+
+
+def task_options(name: str) -> dict[str, Any]:
+    """The options of task ``name`` (keyword arguments of :func:`make_task`) and their defaults."""
+    return {p.name: p.default for p in inspect.signature(_builder(name)).parameters.values()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
 def make_task(name: str, seq_len: int, seed: int, data_dir: Path | None = None,
               **options: Any) -> Task:
     """The task ``name`` at sequence length ``seq_len`` (data cached under ``data_dir`` when the
-    generator is slow: ListOps)."""
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(TASKS)}")
+    generator is slow: ListOps). ``options``: see :func:`task_options`."""
+    unknown = sorted(set(options) - set(task_options(name)))
+    if unknown:
+        raise ValueError(f"task {name!r} has no option {', '.join(map(repr, unknown))}; its "
+                         f"options: {', '.join(task_options(name))}")
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 4:
         raise ValueError(f"seq_len must be an int >= 4, got {seq_len!r}")
     if name == "listops":

@@ -3,17 +3,29 @@
 from __future__ import annotations
 
 import argparse
-import ast
-import os
-import platform
 import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
 import effattn
+from effattn.cli.common import (
+    UsageError,
+    check_method,
+    device,
+    float_list,
+    int_list,
+    key_value,
+    machine,
+    nonnegative_int,
+    options_per_method,
+    parse_value,
+    positive_float,
+    positive_int,
+    prepare_out,
+    user_input,
+)
 
 # The default sweep: a representative subset that finishes in a few minutes on 2 CPU cores.
 DEFAULT_METHODS = ("softmax", "performer", "linear", "nystrom", "local", "reformer")
@@ -23,47 +35,6 @@ LENGTH_SETS = {
     "long": (1024, 2048, 4096, 8192),
     "full": (128, 256, 512, 1024, 2048, 4096, 8192, 16384),
 }
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return value
-
-
-def _float_list(text: str) -> list[float]:
-    return [_positive_float(t) for t in text.split(",") if t.strip()]
-
-
-def _int_list(text: str) -> list[int]:
-    values = sorted({_positive_int(t.strip()) for t in text.split(",") if t.strip()})
-    if not values:
-        raise argparse.ArgumentTypeError("expected a comma list of positive integers")
-    return values
 
 
 def _lengths(text: str) -> list[int]:
@@ -114,58 +85,26 @@ def _passes(text: str) -> list[str]:
     return [p for p in PASSES if p in names]
 
 
-def _device(text: str) -> str:
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"bad device {text!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"device {text!r}: CUDA is not available")
-    if device.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"device must be cpu or cuda[:i], got {text!r}")
-    return str(device)
-
-
-def _key_value(text: str) -> tuple[str, Any]:
-    key, sep, raw = text.partition("=")
-    if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
-    try:
-        value = ast.literal_eval(raw)
-    except (ValueError, SyntaxError):
-        value = raw
-    return key.strip(), value
-
-
-def _machine() -> dict[str, Any]:
-    return {"platform": platform.platform(), "processor": platform.processor(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
-
-
 def _run_bench(args: argparse.Namespace) -> int:
     from effattn.bench import plots
     from effattn.bench.results import ResultStore, crossover, record_key, table, write_json
     from effattn.bench.speed import Config, Settings, measure_peak, run_isolated, sweep
 
-    options = dict(args.option)
-    for key in options:
-        if not any(key in effattn.spec(m).options for m in args.methods):
-            print(f"effattn bench: error: option {key!r} is not an option of any of "
-                  f"{', '.join(args.methods)}", file=sys.stderr)
-            return 2
+    with user_input():
+        options = options_per_method(args.option, args.methods)
+        # A bad value is an error now, not a "refused" cell in every configuration.
+        for method in args.methods:
+            check_method(method, options[method], head_dim=args.head_dim, heads=args.heads,
+                         max_len=max(args.lengths))
+    out = prepare_out(args.out)
+    with user_input():
+        store = ResultStore(out)
     configs = [
         Config(method=m, length=n, pass_name=p, batch=args.batch, heads=args.heads,
                head_dim=args.head_dim, dtype=args.dtype, causal=args.causal, device=args.device,
-               options=tuple(sorted((k, v) for k, v in options.items()
-                                    if k in effattn.spec(m).options)))
+               options=tuple(sorted(options[m].items())))
         for n in args.lengths for m in args.methods for p in args.passes
     ]
-    try:
-        store = ResultStore(args.out)
-    except ValueError as err:
-        print(f"effattn bench: error: {err}", file=sys.stderr)
-        return 1
     settings = Settings(warmup=args.warmup, repeats=args.repeats, max_seconds=args.max_seconds,
                         max_memory_mib=args.max_memory)
     stats = sweep(configs, store, settings, timeout=args.timeout)
@@ -184,11 +123,11 @@ def _run_bench(args: argparse.Namespace) -> int:
             for m, n in per_method.items():
                 print(f"  {m}: " + (f"N >= {n}" if n else "not within the measured lengths"))
     summary: dict[str, Any] = {
-        "settings": {k: v for k, v in vars(args).items() if k not in ("func", "option")}
-        | {"options": options, "out": str(args.out)},
-        "machine": _machine(), "crossover": cross,
+        "settings": {k: v for k, v in vars(args).items()
+                     if k not in ("func", "on_interrupt", "option")}
+        | {"options": {m: o for m, o in options.items() if o}, "out": str(out)},
+        "machine": machine(), "crossover": cross,
     }
-    out = Path(args.out)
     plots.plot_vs_length(records, out / "time.png", value="median_ms", ylabel="time per call (ms)",
                          title="time", passes=args.passes)
     plots.plot_vs_length(records, out / "memory.png", value="peak_mib",
@@ -237,16 +176,12 @@ def _approx_methods(text: str) -> list[str]:
     return _method_list(text, tuple(allowed), allowed)
 
 
-def _budget(text: str) -> tuple[str, list[Any]]:
+def _budget(text: str) -> tuple[str, list[str]]:
+    """``method=v1,v2,...`` -> (method, texts); the values are typed once the method is known."""
     method, sep, raw = text.partition("=")
-    if not sep or not method.strip() or not raw.strip():
+    values = [t.strip() for t in raw.split(",") if t.strip()]
+    if not sep or not method.strip() or not values:
         raise argparse.ArgumentTypeError(f"expected method=v1,v2,..., got {text!r}")
-    values = []
-    for item in raw.split(","):
-        try:
-            values.append(ast.literal_eval(item.strip()))
-        except (ValueError, SyntaxError):
-            raise argparse.ArgumentTypeError(f"bad budget value {item!r} in {text!r}") from None
     return method.strip(), values
 
 
@@ -255,18 +190,24 @@ def _run_approx(args: argparse.Namespace) -> int:
     from effattn.bench.results import write_csv, write_json
 
     grids = {m: list(approx.BUDGETS[m][1]) for m in args.methods}
-    for method, values in args.budget:
-        if method not in grids:
-            print(f"effattn approx: error: --budget {method}=...: {method!r} is not among the "
-                  f"methods studied ({', '.join(grids) or 'none'})", file=sys.stderr)
-            return 2
-        grids[method] = values
     for method in list(grids):
         option = approx.BUDGETS[method][0]
         if option not in effattn.spec(method).options:
             print(f"note: {method} has no option {option!r}; left out", file=sys.stderr)
             del grids[method]
-    out = Path(args.out)
+    for method, texts in args.budget:
+        if method not in grids:
+            raise UsageError(f"--budget {method}=...: {method!r} is not among the methods "
+                             f"studied ({', '.join(grids) or 'none'})")
+        option = approx.BUDGETS[method][0]
+        default = effattn.spec(method).options[option]
+        with user_input():
+            grids[method] = [parse_value(option, t, default) for t in texts]
+            # A budget given by hand is checked now rather than recorded as refused.
+            for value in grids[method]:
+                check_method(method, {option: value}, head_dim=args.head_dim,
+                             heads=args.heads, max_len=args.length)
+    out = prepare_out(args.out)
     total = sum(len(v) for v in grids.values()) * (len(args.qk_std) + 1)
     with tqdm(total=total, desc="effattn approx", unit="point", file=sys.stderr) as bar:
         records = approx.output_error_study(
@@ -315,39 +256,41 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="comma list of lengths N = M and/or sets: "
                    + "; ".join(f"{k} = {','.join(map(str, v))}" for k, v in LENGTH_SETS.items())
                    + " (default: quick)")
-    b.add_argument("--batch", type=_positive_int, default=1, help="B (default 1)")
-    b.add_argument("--heads", type=_positive_int, default=8, help="H (default 8)")
-    b.add_argument("--head-dim", type=_positive_int, default=64, help="D = Dv (default 64)")
+    b.add_argument("--batch", type=positive_int, default=1, help="B (default 1)")
+    b.add_argument("--heads", type=positive_int, default=8, help="H (default 8)")
+    b.add_argument("--head-dim", type=positive_int, default=64, help="D = Dv (default 64)")
     b.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"),
                    default="float32")
     b.add_argument("--causal", action="store_true",
                    help="causal attention (methods that cannot are recorded as refused)")
-    b.add_argument("--device", type=_device, default="cpu", help="cpu or cuda[:i]")
+    b.add_argument("--device", type=device, default="cpu", help="cpu or cuda[:i]")
     b.add_argument("--passes", type=_passes, default="fwd,fwdbwd",
                    help="comma list of fwd (inference_mode) and fwdbwd (forward + "
                    "backward of out.sum()); default both")
-    b.add_argument("--repeats", type=_positive_int, default=5,
+    b.add_argument("--repeats", type=positive_int, default=5,
                    help="timed samples per configuration (default 5)")
-    b.add_argument("--warmup", type=_nonnegative_int, default=1,
+    b.add_argument("--warmup", type=nonnegative_int, default=1,
                    help="untimed calls after the first (memory) call (default 1)")
-    b.add_argument("--max-seconds", type=_positive_float, default=5.0,
+    b.add_argument("--max-seconds", type=positive_float, default=5.0,
                    help="a configuration whose first call takes longer is recorded as too slow "
                    "and larger lengths of that method are skipped (default 5)")
-    b.add_argument("--timeout", type=_positive_float, default=300.0,
+    b.add_argument("--timeout", type=positive_float, default=300.0,
                    help="seconds before a configuration's worker is killed (default 300)")
-    b.add_argument("--max-memory", type=_positive_float, default=None, metavar="MIB",
+    b.add_argument("--max-memory", type=positive_float, default=None, metavar="MIB",
                    help="memory a configuration may allocate beyond its inputs; more is "
                    "recorded as oom (default: no cap)")
-    b.add_argument("--option", type=_key_value, action="append", default=[],
+    b.add_argument("--option", type=key_value, action="append", default=[],
                    metavar="KEY=VALUE",
-                   help="method option, e.g. num_features=256 (repeatable; passed to the "
-                   "methods that accept it)")
+                   help="method option, e.g. num_features=256 or orthogonal=false (repeatable; "
+                   "passed to the methods that have it, typed by its default)")
     b.add_argument("--out", type=Path, default=Path("effattn-bench"),
                    help="output folder (default ./effattn-bench); reused to resume")
     b.add_argument("--vs-flops", action="store_true",
                    help="also measure the fp32/bf16 matmul peak and show effective GFLOP/s "
                    "against it")
-    b.set_defaults(func=_run_bench)
+    b.set_defaults(func=_run_bench, on_interrupt=(
+        "Every configuration measured so far is saved in {out}; run the same command again to "
+        "resume."))
 
     a = sub.add_parser(
         "approx", help="error of each method against exact attention, and kernel-estimator MSE",
@@ -361,24 +304,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--budget", type=_budget, action="append", default=[],
                    metavar="METHOD=V1,V2,...",
                    help="override a method's budget grid, e.g. performer=16,64,256")
-    a.add_argument("--length", type=_positive_int, default=512, help="N = M (default 512)")
-    a.add_argument("--heads", type=_positive_int, default=4, help="H (default 4)")
-    a.add_argument("--head-dim", type=_positive_int, default=64, help="D (default 64)")
-    a.add_argument("--seeds", type=_positive_int, default=5, help="seeds per point (default 5)")
-    a.add_argument("--qk-std", type=_float_list, default=[0.25, 0.5, 1.0],
+    a.add_argument("--length", type=positive_int, default=512, help="N = M (default 512)")
+    a.add_argument("--heads", type=positive_int, default=4, help="H (default 4)")
+    a.add_argument("--head-dim", type=positive_int, default=64, help="D (default 64)")
+    a.add_argument("--seeds", type=positive_int, default=5, help="seeds per point (default 5)")
+    a.add_argument("--qk-std", type=float_list, default=[0.25, 0.5, 1.0],
                    help="comma list of q/k standard deviations for the Gaussian data sets; the "
                    "logits then have std qk_std^2 (default 0.25,0.5,1)")
-    a.add_argument("--peak-logit", type=_positive_float, default=8.0,
+    a.add_argument("--peak-logit", type=positive_float, default=8.0,
                    help="logit of the planted pairs of the peaked data set (default 8)")
-    a.add_argument("--kernel-dim", type=_positive_int, default=16,
+    a.add_argument("--kernel-dim", type=positive_int, default=16,
                    help="d of the kernel-MSE study (default 16)")
-    a.add_argument("--kernel-norm", type=_positive_float, default=1.0,
+    a.add_argument("--kernel-norm", type=positive_float, default=1.0,
                    help="|x| = |y| in the kernel-MSE study (default 1)")
-    a.add_argument("--kernel-features", type=_int_list, default="4,8,16,32,64,128,256,512,1024",
+    a.add_argument("--kernel-features", type=int_list, default="4,8,16,32,64,128,256,512,1024",
                    help="random projections m of the kernel-MSE study")
-    a.add_argument("--kernel-draws", type=_positive_int, default=200,
+    a.add_argument("--kernel-draws", type=positive_int, default=200,
                    help="projection draws per point of the kernel-MSE study, at least; more "
                    "below m = 64 (default 200)")
     a.add_argument("--out", type=Path, default=Path("effattn-approx"),
                    help="output folder (default ./effattn-approx)")
-    a.set_defaults(func=_run_approx)
+    a.set_defaults(func=_run_approx, on_interrupt=(
+        "approx writes its files when the whole study is done, so nothing was saved; run the "
+        "same command again to start over."))

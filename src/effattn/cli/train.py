@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import sys
+from dataclasses import replace
 from pathlib import Path
 
-import torch
-
-from effattn.tasks.compare import compare, parse_options, table
-from effattn.tasks.data import FRACTION_METRICS, TASKS
+from effattn.cli.common import (
+    check_method,
+    device_or_auto,
+    method_defaults,
+    parse_options,
+    prepare_out,
+    user_input,
+)
+from effattn.tasks.compare import compare, resolve, run_options, table
+from effattn.tasks.data import FRACTION_METRICS, TASKS, task_options
 from effattn.tasks.train import MODEL_DEFAULTS, TASK_DEFAULTS, TrainConfig, label_of, train
-
-
-def _device(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
 
 
 def _budget_args(p: argparse.ArgumentParser) -> None:
@@ -33,53 +33,62 @@ def _budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    p.add_argument("--task-option", action="append", metavar="KEY=VALUE",
+    p.add_argument("--device", type=device_or_auto, default="auto",
+                   help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
                    help="task option, repeatable (e.g. --task-option train_size=20000 for "
                    "listops, --task-option test_windows=1024 for charlm)")
 
 
 def _config(args: argparse.Namespace, method: str, options: dict) -> TrainConfig:
-    return TrainConfig(task=args.task, method=method, options=options,
-                       task_options=parse_options(args.task_option or [], "task option"),
-                       steps=args.steps,
-                       batch_size=args.batch_size, lr=args.lr, d_model=args.d_model,
-                       layers=args.layers, heads=args.heads, seq_len=args.seq_len,
-                       seed=args.seed, dropout=args.dropout,
+    """The run's configuration, checked (task defaults filled in): ``ValueError`` otherwise."""
+    extra = parse_options(args.task_option, task_options(args.task), f"task {args.task!r}")
+    return TrainConfig(task=args.task, method=method, options=options, task_options=extra,
+                       steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                       d_model=args.d_model, layers=args.layers, heads=args.heads,
+                       seq_len=args.seq_len, seed=args.seed, dropout=args.dropout,
                        checkpoint_every=args.checkpoint_every,
-                       eval_every=getattr(args, "eval_every", 0), device=_device(args.device))
+                       eval_every=getattr(args, "eval_every", 0), device=args.device).resolved()
+
+
+def _check(cfg: TrainConfig) -> None:
+    """Build the method once with the run's options, before any data is generated."""
+    check_method(cfg.method, cfg.options, head_dim=cfg.d_model // cfg.heads, heads=cfg.heads,
+                 max_len=cfg.seq_len)
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    try:
-        options = parse_options(args.option or [])
+    with user_input():
+        options = parse_options(args.option, method_defaults(args.method),
+                                f"options of {args.method!r}")
         cfg = _config(args, args.method, options)
-        out = Path(args.out or f"runs/{args.task}-{label_of(args.method, options)}")
-        results = train(cfg, out, resume=True if args.resume else None,
+        _check(cfg)
+    args.out = prepare_out(Path(args.out or f"runs/{args.task}-{label_of(args.method, options)}"))
+    if args.data_dir is not None:
+        prepare_out(Path(args.data_dir), "--data-dir")
+    with user_input():
+        results = train(cfg, args.out, resume=True if args.resume else None,
                         data_dir=args.data_dir, progress=None)
-    except (KeyError, TypeError, ValueError) as err:
-        print(f"effattn train: {err.args[0] if err.args else err}", file=sys.stderr)
-        return 2
     metric = results["metric"]
     percent = metric in FRACTION_METRICS
     value = results["score"] * (100 if percent else 1)
     print(f"{args.task} {results['label']}: test {metric.replace('_', ' ')} "
           f"{value:.2f}{'%' if percent else ''}, "
           f"{results['steps_per_s']:.2f} steps/s, peak {results['peak_memory_mb']:.0f} MB "
-          f"({results['peak_memory_kind']}); results in {out / 'results.json'}")
+          f"({results['peak_memory_kind']}); results in {args.out / 'results.json'}")
     return 0
 
 
 def _run_compare(args: argparse.Namespace) -> int:
-    try:
+    with user_input():
         base = _config(args, "softmax", {})
-        out = Path(args.out or f"runs/compare-{args.task}")
-        summary = compare(args.task, args.methods, out, base)
-    except (KeyError, TypeError, ValueError) as err:
-        print(f"effattn compare: {err.args[0] if err.args else err}", file=sys.stderr)
-        return 2
+        run, _ = resolve(args.task, args.methods)
+        for method, options in run:
+            _check(replace(base, method=method, options=run_options(method, options, base)))
+    args.out = prepare_out(Path(args.out or f"runs/compare-{args.task}"))
+    summary = compare(args.task, args.methods, args.out, base)
     print(table(summary))
-    print(f"\nwritten: {out / 'compare.json'}, compare.csv, compare.md, compare.png")
+    print(f"\nwritten: {args.out / 'compare.json'}, compare.csv, compare.md, compare.png")
     return 1 if summary["failed"] else 0
 
 
@@ -88,8 +97,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Train a tiny Transformer with one attention method; "
                        "checkpoints atomically and resumes from its output directory.")
     p.add_argument("--method", default="softmax", help="registered method (effattn methods)")
-    p.add_argument("--option", action="append", metavar="KEY=VALUE",
-                   help="method option, repeatable (e.g. --option num_features=64)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="method option, repeatable (e.g. --option num_features=64 or "
+                   "--option orthogonal=false), typed by its default")
     _budget_args(p)
     p.add_argument("--eval-every", type=int, default=0,
                    help="evaluate on the validation set every N steps (0: only at the end)")
@@ -97,7 +107,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dir", help="cache of generated data sets (default <out>/data)")
     p.add_argument("--resume", action="store_true",
                    help="require a checkpoint in --out (resuming is automatic when one exists)")
-    p.set_defaults(func=_run_train)
+    p.set_defaults(func=_run_train, on_interrupt=(
+        "The last checkpoint (every --checkpoint-every steps) is in {out}; run the same command "
+        "again to resume from it."))
 
     c = sub.add_parser("compare", help="train every applicable method with the same budget",
                        description="Train each method on one task with the same budget and "
@@ -106,4 +118,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="'all' and/or names, with options as name:key=value,key=value")
     _budget_args(c)
     c.add_argument("--out", help="output directory (default runs/compare-<task>)")
-    c.set_defaults(func=_run_compare)
+    c.set_defaults(func=_run_compare, on_interrupt=(
+        "Finished runs and the checkpoint of the interrupted one are in {out}; run the same "
+        "command again to resume."))

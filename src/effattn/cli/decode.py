@@ -4,13 +4,24 @@ output length and batch size, for every decoding-capable method against softmax 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import effattn
-from effattn.cli_bench import _device, _int_list, _machine, _positive_float, _positive_int
+from effattn.cli.common import (
+    UsageError,
+    check_method,
+    device,
+    int_list,
+    machine,
+    options_per_method,
+    parse_entry,
+    positive_float,
+    positive_int,
+    prepare_out,
+    user_input,
+)
 
 if TYPE_CHECKING:
     from effattn.bench.decode import DecodeConfig
@@ -37,11 +48,10 @@ def parse_methods(items: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
     Entries are ``name`` or ``name:key=value,key=value`` (as in ``effattn compare``), separated by
     spaces or commas; a comma piece with ``=`` and no ``:`` is one more option of the entry before
     it (``rfa:gated=True,num_features=64,softmax`` is two entries). ``default`` and ``all`` expand
-    to :func:`decoding_entries`. Raises ``ValueError`` (or ``KeyError`` for an unknown name) with
-    a message for the user.
+    to :func:`decoding_entries`. Option values are typed by the method's defaults
+    (:func:`~effattn.cli.common.parse_entry`). Raises ``ValueError`` (or ``KeyError`` for an
+    unknown name) with a message for the user.
     """
-    from effattn.tasks.compare import parse_entry
-
     texts: list[str] = []
     for piece in (p.strip() for item in items for p in item.split(",")):
         if not piece:
@@ -66,10 +76,6 @@ def parse_methods(items: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
             raise ValueError(f"{name} cannot decode token by token: "
                              f"{method_spec.refusals.get('decoding', 'no decoding state')}; "
                              f"methods that can: {valid}")
-        unknown = sorted(set(options) - set(method_spec.options))
-        if unknown:
-            raise ValueError(f"{name} has no option {', '.join(map(repr, unknown))}; its options: "
-                             f"{', '.join(method_spec.options) or 'none'}")
         entries.append((name, options))
     unique: dict[str, tuple[str, dict[str, Any]]] = {}
     for name, options in entries:
@@ -77,24 +83,23 @@ def parse_methods(items: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
     return list(unique.values())
 
 
-def make_configs(entries: Sequence[tuple[str, dict[str, Any]]], extra: dict[str, Any],
+def make_configs(entries: Sequence[tuple[str, dict[str, Any]]], extra: Sequence[str],
                  batches: Sequence[int], **settings: Any) -> list[DecodeConfig]:
-    """One run per entry and batch size. ``extra`` (``--option``) goes to the methods that have
-    each option, under the entry's own options; ``settings`` are the other
+    """One run per entry and batch size. ``extra`` (``--option KEY=VALUE`` items) goes to the
+    methods that have each option, under the entry's own options; ``settings`` are the other
     :class:`~effattn.bench.decode.DecodeConfig` fields. ``ValueError`` for an option no entry
-    has."""
+    has, or for options a method cannot be built with (checked now, before any run)."""
     from effattn.bench.decode import DecodeConfig
 
-    for key in extra:
-        if not any(key in effattn.spec(m).options for m, _ in entries):
-            raise ValueError(f"option {key!r} is not an option of any of "
-                             f"{', '.join(m for m, _ in entries)}")
+    per_method = options_per_method(extra, list(dict.fromkeys(m for m, _ in entries)))
     configs = []
     for name, options in entries:
-        known = effattn.spec(name).options
-        merged = {k: v for k, v in extra.items() if k in known} | options
-        configs += [DecodeConfig(method=name, options=tuple(sorted(merged.items())), batch=b,
-                                 **settings) for b in batches]
+        merged = per_method[name] | options
+        runs = [DecodeConfig(method=name, options=tuple(sorted(merged.items())), batch=b,
+                             **settings) for b in batches]
+        check_method(name, merged, head_dim=runs[0].d_model // runs[0].heads,
+                     heads=runs[0].heads)
+        configs += runs
     return configs
 
 
@@ -102,13 +107,22 @@ def _fmt(x: float | None, fmt: str, unit: str = "") -> str:
     return "n/a" if x is None else f"{x:{fmt}}{unit}"
 
 
-def _met(flag: bool | None) -> str:
+def _verdict(flag: bool | None, defined: bool, where: str) -> str:
+    if not defined:
+        return f"defined {where}, not measured"
     return {True: "met", False: "NOT met", None: "not measured"}[flag]
 
 
 def goal_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """The goals of the summary rows, one line per (batch, method) besides softmax."""
-    from effattn.bench.decode import FLAT_GOAL, STATE_GOAL_PCT
+    """The goals of the summary rows, one line per (batch, method) besides softmax; a goal is
+    judged only where it is defined (see :func:`effattn.bench.decode.summarize`)."""
+    from effattn.bench.decode import (
+        FLAT_GOAL,
+        FLAT_GOAL_SPAN,
+        GOAL_LENGTH,
+        STATE_GOAL_PCT,
+        flat_goal_applies,
+    )
 
     lines = []
     for r in rows:
@@ -116,11 +130,15 @@ def goal_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
             continue
         lengths = r["flatness_lengths"]
         span = f" ({lengths[0]} -> {lengths[1]})" if lengths else ""
+        flat = _verdict(r["flat_goal_met"], lengths is None or flat_goal_applies(lengths),
+                        f"from {FLAT_GOAL_SPAN[0]} to {FLAT_GOAL_SPAN[1]} tokens")
+        state = _verdict(r["state_goal_met"], r["state_length"] == GOAL_LENGTH,
+                         f"at {GOAL_LENGTH} tokens")
         lines.append(
             f"  B={r['batch']} {r['method']}: flatness {_fmt(r['flatness'], '.2f', 'x')}{span} "
-            f"[<= {FLAT_GOAL:g}x: {_met(r['flat_goal_met'])}]; state at {r['state_length']} "
+            f"[<= {FLAT_GOAL:g}x: {flat}]; state at {r['state_length']} "
             f"{_fmt(r['state_pct_of_softmax'], '.2f', '%')} of the KV cache "
-            f"[< {STATE_GOAL_PCT:g}%: {_met(r['state_goal_met'])}]; speed-up at "
+            f"[< {STATE_GOAL_PCT:g}%: {state}]; speed-up at "
             f"{r['state_length']} {_fmt(r['speedup_at_goal_length'], '.2f', 'x')}")
     return lines
 
@@ -128,27 +146,17 @@ def goal_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
 def _run_decode(args: argparse.Namespace) -> int:
     from effattn.bench import decode, plots
     from effattn.bench.results import record_key, table, write_json
-    from effattn.tasks.compare import parse_options
-
-    def fail(message: str) -> int:
-        print(f"effattn decode: error: {message}", file=sys.stderr)
-        return 2
 
     if args.d_model % args.heads:
-        return fail(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
-    try:
-        extra = parse_options(args.option, "--option")
+        raise UsageError(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
+    with user_input():
         configs = make_configs(
-            parse_methods(args.methods), extra, args.batch, lengths=tuple(args.lengths),
+            parse_methods(args.methods), args.option, args.batch, lengths=tuple(args.lengths),
             d_model=args.d_model, heads=args.heads, layers=args.layers, vocab=args.vocab,
             prompt_len=args.prompt_len, device=args.device)
-    except (KeyError, ValueError) as err:
-        return fail(err.args[0] if err.args else str(err))
-    try:
-        store = decode.open_store(args.out)
-    except ValueError as err:
-        print(f"effattn decode: error: {err}", file=sys.stderr)
-        return 1
+    out = prepare_out(args.out)
+    with user_input():
+        store = decode.open_store(out)
     stats = decode.run_all(configs, store, max_seconds=args.max_seconds, timeout=args.timeout)
     keys = {record_key(c.fields(n), decode.KEY_FIELDS) for c in configs for n in c.lengths}
     records = decode.with_speedup(
@@ -170,14 +178,14 @@ def _run_decode(args: argparse.Namespace) -> int:
     print("\ngoals (flatness = per-token time at the largest length / at the smallest):")
     print("\n".join(goal_lines(rows)) or "  (no method besides softmax)")
     print(f"for comparison: {decode.RFA_CLAIMS}")
-    out = Path(args.out)
     summary = {
-        "settings": {k: v for k, v in vars(args).items() if k not in ("func", "option", "out",
-                                                                      "methods")}
-        | {"methods": list(dict.fromkeys(c.label for c in configs)), "options": extra,
+        "settings": {k: v for k, v in vars(args).items()
+                     if k not in ("func", "on_interrupt", "option", "out", "methods")}
+        | {"methods": list(dict.fromkeys(c.label for c in configs)), "options": args.option,
            "out": str(out)},
-        "machine": _machine(),
-        "goals": {"flatness_max": decode.FLAT_GOAL, "state_pct_below": decode.STATE_GOAL_PCT,
+        "machine": machine(),
+        "goals": {"flatness_max": decode.FLAT_GOAL, "flatness_span": decode.FLAT_GOAL_SPAN,
+                  "state_pct_below": decode.STATE_GOAL_PCT, "state_length": decode.GOAL_LENGTH,
                   "length": length},
         "rfa_claims": decode.RFA_CLAIMS,
         "rows": rows,
@@ -216,27 +224,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="method entries, name or name:key=value,key=value (space or comma "
                    "separated); 'default' or 'all': every method that can decode plus "
                    "rfa:gated=True")
-    p.add_argument("--lengths", type=_int_list, default=DEFAULT_LENGTHS,
+    p.add_argument("--lengths", type=int_list, default=DEFAULT_LENGTHS,
                    help=f"comma list of output lengths to report (default {DEFAULT_LENGTHS}); "
                    "one decode runs to the largest")
-    p.add_argument("--batch", type=_int_list, default="1,16",
+    p.add_argument("--batch", type=int_list, default="1,16",
                    help="comma list of batch sizes (default 1,16)")
-    p.add_argument("--d-model", type=_positive_int, default=256, help="model width (default 256)")
-    p.add_argument("--heads", type=_positive_int, default=4, help="attention heads (default 4)")
-    p.add_argument("--layers", type=_positive_int, default=2, help="decoder layers (default 2)")
-    p.add_argument("--vocab", type=_positive_int, default=256, help="vocabulary (default 256)")
-    p.add_argument("--prompt-len", type=_positive_int, default=16,
+    p.add_argument("--d-model", type=positive_int, default=256, help="model width (default 256)")
+    p.add_argument("--heads", type=positive_int, default=4, help="attention heads (default 4)")
+    p.add_argument("--layers", type=positive_int, default=2, help="decoder layers (default 2)")
+    p.add_argument("--vocab", type=positive_int, default=256, help="vocabulary (default 256)")
+    p.add_argument("--prompt-len", type=positive_int, default=16,
                    help="random prompt tokens, prefilled in parallel (default 16)")
-    p.add_argument("--device", type=_device, default="cpu", help="cpu or cuda[:i]")
-    p.add_argument("--max-seconds", type=_positive_float, default=600.0,
+    p.add_argument("--device", type=device, default="cpu", help="cpu or cuda[:i]")
+    p.add_argument("--max-seconds", type=positive_float, default=600.0,
                    help="a decode that runs longer stops; the lengths not reached are recorded "
                    "as too slow (default 600)")
-    p.add_argument("--timeout", type=_positive_float, default=1200.0,
+    p.add_argument("--timeout", type=positive_float, default=1200.0,
                    help="seconds before a run's worker is killed and all its lengths are "
                    "recorded as timeout (default 1200)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="method option, repeatable, given to the methods that have it (a "
-                   "method entry's own options win)")
+                   help="method option, repeatable, given to the methods that have it and typed "
+                   "by its default (a method entry's own options win)")
     p.add_argument("--out", type=Path, default=Path("effattn-decode"),
                    help="output folder (default ./effattn-decode); reused to resume")
-    p.set_defaults(func=_run_decode)
+    p.set_defaults(func=_run_decode, on_interrupt=(
+        "Every run finished so far is saved in {out}; run the same command again to resume."))

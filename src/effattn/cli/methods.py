@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
+from effattn.cli.common import user_input
 from effattn.registry import methods, spec
 
 
@@ -23,11 +23,8 @@ def capability_table() -> str:
 
 def _run(args: argparse.Namespace) -> int:
     if args.name:
-        try:
+        with user_input():
             s = spec(args.name)
-        except KeyError as err:
-            print(f"effattn methods: {err.args[0]}", file=sys.stderr)
-            return 2
         print(f"{s.name}: {s.summary}\n  paper: {s.paper}\n  complexity: {s.complexity}")
         for cap in ("causal", "padding_mask", "cross", "decoding"):
             ok = getattr(s, cap)
@@ -42,4 +39,4 @@ def _run(args: argparse.Namespace) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("methods", help="list registered methods and their capabilities")
     p.add_argument("name", nargs="?", help="show one method in detail")
-    p.set_defaults(func=_run)
+    p.set_defaults(func=_run, on_interrupt="")
