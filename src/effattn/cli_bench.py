@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import os
-import platform
 import sys
 from pathlib import Path
 from typing import Any
@@ -137,16 +135,11 @@ def _key_value(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def _machine() -> dict[str, Any]:
-    return {"platform": platform.platform(), "processor": platform.processor(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
-
-
 def _run_bench(args: argparse.Namespace) -> int:
     from effattn.bench import plots
-    from effattn.bench.results import ResultStore, crossover, record_key, table, write_json
-    from effattn.bench.speed import Config, Settings, measure_peak, run_isolated, sweep
+    from effattn.bench.machine import describe
+    from effattn.bench.results import ResultStore, crossover, notes, record_key, table, write_json
+    from effattn.bench.speed import Config, Settings, sweep
 
     options = dict(args.option)
     for key in options:
@@ -174,6 +167,9 @@ def _run_bench(args: argparse.Namespace) -> int:
     print(f"{stats.measured} configurations measured, {stats.resumed} already in {store.json_path}"
           f" (B={args.batch}, H={args.heads}, D={args.head_dim}, {args.dtype}, "
           f"{'causal' if args.causal else 'non-causal'}, {args.device})")
+    print(describe(stats.machine))
+    peaks = stats.machine.get("matmul_peak_gflops") or {}
+    peak = peaks.get(args.dtype)
     for p in args.passes:
         print(f"\nmedian time per call (ms), {p}:\n{table(records, p, 'median_ms')}")
         print(f"\npeak memory over inputs (MiB), {p}:\n{table(records, p, 'peak_mib')}")
@@ -186,7 +182,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     summary: dict[str, Any] = {
         "settings": {k: v for k, v in vars(args).items() if k not in ("func", "option")}
         | {"options": options, "out": str(args.out)},
-        "machine": _machine(), "crossover": cross,
+        "machine": stats.machine, "crossover": cross,
     }
     out = Path(args.out)
     plots.plot_vs_length(records, out / "time.png", value="median_ms", ylabel="time per call (ms)",
@@ -196,22 +192,17 @@ def _run_bench(args: argparse.Namespace) -> int:
                          passes=args.passes)
     written = ["results.json", "results.csv", "time.png", "memory.png"]
     if args.vs_flops:
-        peaks = {}
-        for dtype in dict.fromkeys(("float32", "bfloat16", args.dtype)):
-            res = run_isolated(measure_peak, (dtype, args.device), args.timeout)
-            peaks[dtype] = res.get("gflops")
         summary["matmul_peak_gflops"] = peaks
-        peak = peaks.get(args.dtype)
-        print("\nmeasured matmul peak (GFLOP/s): "
-              + ", ".join(f"{k} {v:.1f}" if v else f"{k} n/a" for k, v in peaks.items()))
         for p in args.passes:
             print(f"\neffective GFLOP/s (FLOP model / median time), {p}:\n"
-                  f"{table(records, p, 'gflops', '.1f')}")
+                  f"{table(records, p, 'gflops', '.1f', peak=peak)}")
         hlines = {f"{args.dtype} matmul peak {peak:.0f} GFLOP/s": peak} if peak else {}
         plots.plot_vs_length(records, out / "gflops.png", value="gflops",
                              ylabel="effective GFLOP/s", title="throughput",
                              passes=args.passes, hlines=hlines, guides=False, logy=False)
         written.append("gflops.png")
+    for line in notes(records, peak):
+        print(f"\n{line}")
     write_json(out / "summary.json", summary)
     written.append("summary.json")
     print(f"\nwrote {', '.join(str(out / w) for w in written)}")

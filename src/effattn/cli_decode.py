@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import effattn
-from effattn.cli_bench import _device, _int_list, _machine, _positive_float, _positive_int
+from effattn.bench.machine import machine_info
+from effattn.cli_bench import _device, _int_list, _positive_float, _positive_int
 
 if TYPE_CHECKING:
     from effattn.bench.decode import DecodeConfig
@@ -176,7 +177,7 @@ def _run_decode(args: argparse.Namespace) -> int:
                                                                       "methods")}
         | {"methods": list(dict.fromkeys(c.label for c in configs)), "options": extra,
            "out": str(out)},
-        "machine": _machine(),
+        "machine": machine_info(),
         "goals": {"flatness_max": decode.FLAT_GOAL, "state_pct_below": decode.STATE_GOAL_PCT,
                   "length": length},
         "rfa_claims": decode.RFA_CLAIMS,
