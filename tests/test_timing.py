@@ -4,7 +4,7 @@ injected fake timings: nothing here is timed), the rate-above-peak flag and the 
 import pytest
 from conftest import assert_png
 
-from effattn.bench import machine, plots, results, speed
+from effattn.bench import machine, plots, results, speed, timing
 from effattn.bench.speed import Config, Settings, measure_guarded
 from effattn.bench.timing import MAX_SLOWDOWN, judge
 
@@ -94,6 +94,13 @@ def test_judge_rejects_bad_times(refs, quiet):
         judge(refs, quiet)
 
 
+def test_time_fn_probes_between_the_samples():
+    calls = []
+    timing.time_fn(lambda: calls.append("call"), repeats=3, warmup=1, min_block_s=0.0,
+                   between=lambda: calls.append("probe"))
+    assert calls == ["call", "probe", "call", "probe", "call", "probe", "call"]
+
+
 def _runs(*results):
     """A fake measurement returning ``results`` in turn (copies: the guard edits them)."""
     calls = []
@@ -141,6 +148,22 @@ def test_guard_leaves_results_without_references_alone():
     assert "reference_ms" not in result
     with pytest.raises(ValueError, match="retries"):
         measure_guarded(run, 1.0, retries=-1)
+
+
+def test_machine_probe_measures_peaks_again_while_disturbed(monkeypatch):
+    # A burst from the first round of peaks into the second: a third round is measured.
+    references = iter([10.0, 30.0, 10.0, 10.0])  # the reference's rate, 27 GFLOP/s, is lower
+    peaks = iter([30.0, 5.0, 50.0, 9.0, 80.0, 6.0])  # float32, bfloat16 per round
+    monkeypatch.setattr(speed, "reference_gemm", lambda device: lambda: next(references))
+    monkeypatch.setattr(speed, "matmul_peak", lambda dtype, device: next(peaks))
+    info = speed.probe_machine(("float32", "bfloat16"), "cpu")["machine"]
+    assert info["matmul_peak_gflops"] == {"float32": 80.0, "bfloat16": 9.0}
+    assert info["reference_ms"] == 10.0 and "cpu_model" in info
+
+    # The reference GEMM (2 * 512^3 FLOPs in 1 ms: 268 GFLOP/s) is an fp32 matmul too.
+    references, peaks = iter([1.0, 1.0]), iter([30.0, 5.0])
+    info = speed.probe_machine(("float32", "bfloat16"), "cpu")["machine"]
+    assert info["matmul_peak_gflops"] == {"float32": pytest.approx(268.435456), "bfloat16": 5.0}
 
 
 class FakeWorkers:

@@ -158,10 +158,11 @@ REFERENCE_SIZE = 512
 def reference_gemm(device: torch.device | str = "cpu") -> Callable[[], float]:
     """A probe of how fast the machine is right now: a function that times a fixed fp32
     ``REFERENCE_SIZE``^3 GEMM (into a preallocated output, so it allocates nothing) and returns
-    the median milliseconds per call of 5 samples (blocks of at least 2 ms: about 15 ms in all).
+    the median milliseconds per call of 3 samples (blocks of at least 2 ms: under 10 ms in all).
 
-    Timed before and after a measurement in the same process and compared with its quietest
-    time (:func:`effattn.bench.timing.judge`), it reveals other processes competing for the cores.
+    Timed around and between the samples of a measurement in the same process and compared with
+    its quietest time (:func:`effattn.bench.timing.judge`), it reveals other processes competing
+    for the cores: with one of two cores taken, this GEMM on two threads ran 12x slower.
     """
     a = torch.randn(REFERENCE_SIZE, REFERENCE_SIZE, device=device)
     b = torch.randn(REFERENCE_SIZE, REFERENCE_SIZE, device=device)
@@ -169,6 +170,6 @@ def reference_gemm(device: torch.device | str = "cpu") -> Callable[[], float]:
     sync = synchronizer(device)
 
     def probe() -> float:
-        return time_fn(lambda: torch.mm(a, b, out=out), repeats=5, sync=sync).median * 1e3
+        return time_fn(lambda: torch.mm(a, b, out=out), repeats=3, sync=sync).median * 1e3
 
     return probe

@@ -7,7 +7,7 @@ so the time covers the kernels and not only their launch.
 
 A busy machine (other processes competing for the cores) can make every call of a measurement
 several times slower with a small spread, which the samples alone cannot reveal. :func:`judge`
-decides from a fixed reference GEMM timed around the measurement (see
+decides from a fixed reference GEMM timed around and between the samples (see
 :func:`effattn.bench.flops.reference_gemm`) and from the spread of the samples whether the
 measurement was disturbed.
 """
@@ -67,11 +67,13 @@ def time_fn(
     sync: Callable[[], None] = lambda: None,
     min_block_s: float = 2e-3,
     estimate_s: float | None = None,
+    between: Callable[[], object] | None = None,
 ) -> Timing:
     """Time ``fn``: ``warmup`` untimed calls, then ``repeats`` samples.
 
     ``estimate_s`` (seconds of one call, if already known, e.g. from a first call) sizes the blocks;
-    otherwise the last warm-up call does.
+    otherwise the last warm-up call does. ``between``, when given, is called untimed before every
+    sample (a probe of the machine's speed interleaved with the samples).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -82,6 +84,8 @@ def time_fn(
     number = max(1, math.ceil(min_block_s / max(estimate_s, 1e-9)))
     samples = []
     for _ in range(repeats):
+        if between is not None:
+            between()
         sync()
         start = time.perf_counter()
         for _ in range(number):
