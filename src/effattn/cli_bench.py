@@ -160,7 +160,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         print(f"effattn bench: error: {err}", file=sys.stderr)
         return 1
     settings = Settings(warmup=args.warmup, repeats=args.repeats, max_seconds=args.max_seconds,
-                        max_memory_mib=args.max_memory)
+                        max_memory_mib=args.max_memory, retries=args.retries)
     stats = sweep(configs, store, settings, timeout=args.timeout)
     keys = {record_key(c.fields()) for c in configs}
     records = [r for r in store.records() if record_key(r) in keys]
@@ -321,6 +321,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="timed samples per configuration (default 5)")
     b.add_argument("--warmup", type=_nonnegative_int, default=1,
                    help="untimed calls after the first (memory) call (default 1)")
+    b.add_argument("--retries", type=_nonnegative_int, default=2,
+                   help="measurements of a configuration disturbed by other processes made "
+                   "again before it is recorded as disturbed (default 2)")
     b.add_argument("--max-seconds", type=_positive_float, default=5.0,
                    help="a configuration whose first call takes longer is recorded as too slow "
                    "and larger lengths of that method are skipped (default 5)")

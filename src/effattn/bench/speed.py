@@ -346,12 +346,13 @@ def measure_guarded(
     return best, quiet_ms
 
 
-def _probe(configs: Sequence[Config], timeout: float) -> dict[str, Any]:
+def _probe(configs: Sequence[Config], timeout: float, retries: int) -> dict[str, Any]:
     devices = {c.device for c in configs}
     if len(devices) > 1:
         raise ValueError(f"configs must share one device, got {sorted(devices)}")
     dtypes = tuple(dict.fromkeys(("float32", "bfloat16", *(c.dtype for c in configs))))
-    res = run_isolated(probe_machine, (dtypes, devices.pop() if devices else "cpu"), timeout)
+    device = devices.pop() if devices else "cpu"
+    res = run_isolated(probe_machine, (dtypes, device, retries), timeout)
     if res["status"] != "ok":
         # Measure without the judge rather than not at all; the summary says why.
         return machine_info() | {"probe_status": res["status"]}
@@ -376,7 +377,7 @@ def sweep(
     reference time seen during the sweep shows that the first probe was itself disturbed, the
     peaks are measured again at the end and the higher ones kept.
     """
-    stats = SweepStats(machine=_probe(configs, timeout))
+    stats = SweepStats(machine=_probe(configs, timeout, settings.retries))
     start_ms = quiet_ms = stats.machine.get("reference_ms")
     cpu = cpu_label(stats.machine)
     blocked: dict[tuple[str, str], str] = {}
@@ -410,7 +411,7 @@ def sweep(
                 blocked.setdefault((cfg.method, p), why)
     bar.close()
     if start_ms and quiet_ms and quiet_ms * MAX_SLOWDOWN < start_ms:
-        again = _probe(configs, timeout)
+        again = _probe(configs, timeout, settings.retries)
         peaks = stats.machine["matmul_peak_gflops"]
         for dtype, gflops in again.get("matmul_peak_gflops", {}).items():
             peaks[dtype] = max(peaks.get(dtype) or 0.0, gflops)
