@@ -1,4 +1,5 @@
-"""FLOP models of the forward pass, and the machine's measured matmul peak.
+"""FLOP models of the forward pass, the machine's measured matmul peak, and the reference GEMM
+that tells a disturbed measurement.
 
 Counts are matmul FLOPs (2 per multiply-add) of the useful work, for q (B, H, N, D),
 k (B, H, M, D), v (B, H, M, Dv); elementwise work (exp, softmax, normalisation) is not counted.
@@ -20,13 +21,13 @@ same size. Methods without a clear count (sparse patterns, hashing, FFT) return 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import torch
 
-from effattn.bench.timing import synchronizer, time_once
+from effattn.bench.timing import synchronizer, time_fn, time_once
 
 FWD_BWD_FACTOR = 3
 
@@ -116,21 +117,59 @@ def matmul_peak(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     *,
-    size: int = 2048,
-    repeats: int = 20,
-    budget_s: float = 1.5,
+    max_size: int = 2048,
+    min_call_s: float = 0.02,
+    repeats: int = 10,
+    budget_s: float = 0.5,
 ) -> float:
-    """Best GFLOP/s of ``size``^3 matmuls: one warm-up, then up to ``repeats`` timed calls,
-    stopping once ``budget_s`` seconds (warm-up included) are spent."""
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
+    """Best GFLOP/s, 2 n^3 / seconds, of (n, n) @ (n, n) matmuls in ``dtype``.
+
+    n doubles from 256 until one call takes at least ``min_call_s`` or n reaches ``max_size``, so
+    a dtype the CPU has no native instructions for (bf16 without AVX-512 BF16 or AMX runs at about
+    1 GFLOP/s: 17 s for one 2048^3 product) is measured on a small matrix; then up to ``repeats``
+    timed calls, stopping once ``budget_s`` seconds (the size search included) are spent. Each
+    size's first call is a warm-up and its second decides whether to grow.
+    """
+    size = min(256, max_size)
     sync = synchronizer(device)
-    spent = time_once(lambda: a @ b, sync)
-    best = math.inf
-    for _ in range(repeats):
-        t = time_once(lambda: a @ b, sync)
-        best = min(best, t)
+    spent = 0.0
+    while True:
+        call = partial(torch.mm, *(torch.randn(size, size, device=device).to(dtype)
+                                   for _ in range(2)))
+        spent += time_once(call, sync)
+        t = time_once(call, sync)
         spent += t
+        if t >= min_call_s or size >= max_size:
+            break
+        size = min(2 * size, max_size)
+    best = t
+    for _ in range(repeats):
         if spent > budget_s:
             break
+        t = time_once(call, sync)
+        best = min(best, t)
+        spent += t
     return 2.0 * size**3 / best / 1e9
+
+
+REFERENCE_SIZE = 512
+
+
+def reference_gemm(device: torch.device | str = "cpu") -> Callable[[], float]:
+    """A probe of how fast the machine is right now: a function that times a fixed fp32
+    ``REFERENCE_SIZE``^3 GEMM (into a preallocated output, so it allocates nothing) and returns
+    the median milliseconds per call of 3 samples (blocks of at least 2 ms: under 10 ms in all).
+
+    Timed around and between the samples of a measurement in the same process and compared with
+    its quietest time (:func:`effattn.bench.timing.judge`), it reveals other processes competing
+    for the cores: with one of two cores taken, this GEMM on two threads ran 12x slower.
+    """
+    a = torch.randn(REFERENCE_SIZE, REFERENCE_SIZE, device=device)
+    b = torch.randn(REFERENCE_SIZE, REFERENCE_SIZE, device=device)
+    out = torch.empty(REFERENCE_SIZE, REFERENCE_SIZE, device=device)
+    sync = synchronizer(device)
+
+    def probe() -> float:
+        return time_fn(lambda: torch.mm(a, b, out=out), repeats=3, sync=sync).median * 1e3
+
+    return probe

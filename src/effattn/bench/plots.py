@@ -12,6 +12,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 
+from effattn.bench.results import TIMED  # noqa: E402
+
 PASS_TITLES = {"fwd": "forward", "fwdbwd": "forward + backward"}
 
 
@@ -23,21 +25,27 @@ def _style(method: str, index: int) -> dict[str, Any]:
             "linestyle": ("-", "--", ":")[index // 10 % 3], "zorder": 5}
 
 
+ABOVE_PEAK_NOTE = "above measured peak: the peak probe or the FLOP model is off"
+DISTURBED_LABEL = "hollow: disturbed (busy machine)"
+
+
 def _series(records: Iterable[dict[str, Any]], value: str, **match: Any) -> dict:
-    """Per method, the sorted (length, value) points of the ok records whose fields equal
-    ``match``; softmax first."""
-    series: dict[str, list[tuple[int, float]]] = {}
+    """Per method, the sorted (length, value, disturbed) points of the ok records whose fields
+    equal ``match``; softmax first. Only a timed ``value`` can be disturbed."""
+    timed = value in TIMED
+    series: dict[str, list[tuple[int, float, bool]]] = {}
     for r in records:
         x = r.get(value)
         if (all(r.get(k) == v for k, v in match.items()) and r["status"] == "ok"
                 and x is not None and x > 0):
-            series.setdefault(r["method"], []).append((r["length"], x))
+            point = (r["length"], x, timed and bool(r.get("disturbed")))
+            series.setdefault(r["method"], []).append(point)
     return {m: sorted(p) for m, p in sorted(series.items(), key=lambda kv: kv[0] != "softmax")}
 
 
 def _guides(ax: Any, series: dict) -> None:
     # Faint slope-1 and slope-2 lines through the smallest point: linear vs quadratic growth.
-    points = [p for pts in series.values() for p in pts]
+    points = [p[:2] for pts in series.values() for p in pts]
     if len(points) < 2:
         return
     lengths = sorted({n for n, _ in points})
@@ -62,16 +70,27 @@ def _panel(
     guides: bool = True,
     logy: bool = True,
 ) -> None:
-    """One panel: a line per method of ``series`` against length (log2 x axis)."""
+    """One panel: a line per method of ``series`` against length (log2 x axis); disturbed points
+    get hollow markers, and points above every horizontal line (the measured peak) a warning."""
+    hollow_label = DISTURBED_LABEL
     for method, points in series.items():
         style = _style(method, names.index(method) if method in names else 0)
-        ax.plot([n for n, _ in points], [y for _, y in points], label=method, **style)
+        ax.plot([p[0] for p in points], [p[1] for p in points], label=method, **style)
+        disturbed = [p for p in points if p[2]]
+        if disturbed:
+            ax.plot([p[0] for p in disturbed], [p[1] for p in disturbed], linestyle="none",
+                    marker="o", markersize=9, markerfacecolor="white",
+                    markeredgecolor=style["color"], zorder=style["zorder"] + 1,
+                    label=hollow_label)
+            hollow_label = "_nolegend_"
     if guides:
         _guides(ax, series)
     for label, y in (hlines or {}).items():
         ax.axhline(y, color="red", linestyle="--", linewidth=1.2, label=label)
+    if hlines and any(p[1] > max(hlines.values()) for pts in series.values() for p in pts):
+        ax.text(0.01, 0.01, ABOVE_PEAK_NOTE, transform=ax.transAxes, color="red", fontsize=8)
     ax.set_xscale("log", base=2)
-    lengths = sorted({n for pts in series.values() for n, _ in pts})
+    lengths = sorted({p[0] for pts in series.values() for p in pts})
     if lengths:
         ax.set_xticks(lengths, [str(n) for n in lengths])
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())

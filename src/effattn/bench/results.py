@@ -3,9 +3,12 @@
 A record is a flat dict: the configuration's fields (method, length, pass, batch, heads,
 head_dim, dtype, causal, device, options), a ``status`` ("ok", or "refused: ...",
 "too slow: ...", "timeout: ...", "oom: ...", "skipped: ...", "error: ...") and the measurements
-(median_ms, iqr_ms, peak_mib, flops, gflops, ...). :class:`ResultStore` rewrites the JSON list and
-the CSV atomically after every record, so an interrupted sweep loses at most the configuration
-it was measuring, and a rerun with the same output folder skips what is already there.
+(median_ms, iqr_ms, peak_mib, flops, gflops, ...), whether the machine was ``disturbed`` during
+the measurement (with the reference GEMM's ``slowdown`` and the ``attempts`` made; absent from
+records of older versions) and the ``cpu`` that measured it. :class:`ResultStore` rewrites the
+JSON list and the CSV atomically after every record, so an interrupted sweep loses at most the
+configuration it was measuring, and a rerun with the same output folder skips what is already
+there (except disturbed measurements, which it repeats).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from effattn.bench.timing import MAX_SLOWDOWN, MAX_SPREAD
+
 KEY_FIELDS = ("method", "length", "pass", "batch", "heads", "head_dim", "dtype", "causal",
               "device", "options")
 # mkstemp creates files readable by their owner only; results are meant to be shared, so they get
@@ -27,7 +32,13 @@ KEY_FIELDS = ("method", "length", "pass", "batch", "heads", "head_dim", "dtype",
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 CSV_FIELDS = (*KEY_FIELDS, "status", "median_ms", "iqr_ms", "peak_mib", "gflops", "flops",
-              "samples", "calls_per_sample", "timestamp")
+              "samples", "calls_per_sample", "disturbed", "slowdown", "attempts", "cpu",
+              "timestamp")
+# Table marks: a measurement disturbed by other processes, a rate above the measured peak.
+DISTURBED = "*"
+# The values a disturbance falsifies (peak memory does not depend on the machine's load).
+TIMED = ("median_ms", "iqr_ms", "gflops")
+ABOVE_PEAK = "!"
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -161,27 +172,62 @@ def crossover(records: Iterable[dict[str, Any]], pass_name: str = "fwd",
     return out
 
 
-def _cell(record: dict[str, Any] | None, value: str, fmt: str) -> str:
+def above_peak(record: dict[str, Any], peak: float | None) -> bool:
+    """Whether ``record``'s effective GFLOP/s exceeds ``peak``, the measured matmul peak: a rate
+    no method can reach, so the peak probe or the FLOP model is off."""
+    gflops = record.get("gflops")
+    return peak is not None and gflops is not None and gflops > peak
+
+
+def _cell(record: dict[str, Any] | None, value: str, fmt: str, peak: float | None) -> str:
     if record is None:
         return "-"
-    if record["status"] != "ok":
-        return record["status"].split(":")[0]
+    mark = DISTURBED if record.get("disturbed") else ""
+    if record["status"] != "ok":  # "too slow" may be the load's doing
+        return record["status"].split(":")[0] + mark
+    if value not in TIMED:
+        mark = ""
     x = record.get(value)
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a" + mark
+    return format(x, fmt) + mark + (ABOVE_PEAK if peak is not None and x > peak else "")
 
 
 def table(records: Iterable[dict[str, Any]], pass_name: str | None, value: str = "median_ms",
-          fmt: str = ".3g") -> str:
+          fmt: str = ".3g", *, peak: float | None = None) -> str:
     """A method x length text table of ``value`` for one pass, or for every record when
-    ``pass_name`` is None (records without a pass); the status word where not ok."""
+    ``pass_name`` is None (records without a pass); the status word where not ok.
+
+    A disturbed record's cell ends in ``*`` (timed values and statuses); with ``peak`` (for
+    ``value="gflops"``, the measured matmul peak) a value above it ends in ``!``. :func:`notes`
+    explains the marks.
+    """
     rows = _by_method_length(records, pass_name)
     lengths = sorted({n for r in rows.values() for n in r})
     names = sorted(rows, key=lambda m: (m != "softmax", m))
     cells = [["method", *map(str, lengths)]]
-    cells += [[m, *(_cell(rows[m].get(n), value, fmt) for n in lengths)] for m in names]
+    cells += [[m, *(_cell(rows[m].get(n), value, fmt, peak) for n in lengths)] for m in names]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w)
                        for i, (c, w) in enumerate(zip(row, widths, strict=True)))
              for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def notes(records: Sequence[dict[str, Any]], peak: float | None = None) -> list[str]:
+    """Warning lines for the marks :func:`table` put on ``records``."""
+    lines = []
+    disturbed = [r for r in records if r.get("disturbed")]
+    if disturbed:
+        lines.append(
+            f"{DISTURBED} disturbed ({len(disturbed)} of {len(records)}): other processes "
+            f"competed for the machine in every attempt (the reference GEMM ran more than "
+            f"{MAX_SLOWDOWN:g}x slower than at its quietest, or the samples' IQR exceeded "
+            f"{MAX_SPREAD:.0%} of their median), so these numbers are likely too slow. "
+            "Rerun the same command with the same --out on a quiet machine to measure them "
+            "again.")
+    if any(above_peak(r, peak) for r in records):
+        lines.append(f"{ABOVE_PEAK} above measured peak ({peak:.0f} GFLOP/s): the peak probe or "
+                     "the FLOP model is off")
+    return lines

@@ -13,7 +13,16 @@ only ends that worker). The worker:
 3. makes q, k, v (B, H, N, D) with Dv = D; for "fwdbwd" they require grad;
 4. times one call under :class:`~effattn.bench.memory.PeakMemory` (peak over the memory that
    already held the inputs); if that call exceeded ``max_seconds`` it stops ("too slow");
-5. otherwise warms up and times ``repeats`` samples (:func:`~effattn.bench.timing.time_fn`).
+5. otherwise warms up and times ``repeats`` samples (:func:`~effattn.bench.timing.time_fn`);
+6. times a fixed reference GEMM (:func:`~effattn.bench.flops.reference_gemm`) after the first
+   call, before every sample and after the last.
+
+Before the configurations, :func:`probe_machine` measures, in a worker too, the machine's matmul
+peaks and the reference GEMM's time on a quiet machine. The sweep judges every measurement
+against it (:func:`~effattn.bench.timing.judge`): a reference GEMM more than 1.3x slower, or
+samples spread too widely, mean that other processes competed for the cores, and the
+configuration is measured again (``Settings.retries`` times at most) and otherwise recorded as
+``disturbed``.
 
 "fwd" runs under ``torch.inference_mode``; "fwdbwd" runs the forward and ``out.sum().backward()``
 with gradients reset to None before each call (as ``zero_grad(set_to_none=True)`` does).
@@ -27,7 +36,7 @@ import signal
 import sys
 import traceback
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
@@ -36,10 +45,17 @@ from torch import Tensor
 from tqdm import tqdm
 
 import effattn
-from effattn.bench.flops import forward_flops, matmul_peak, pass_flops
+from effattn.bench.flops import (
+    REFERENCE_SIZE,
+    forward_flops,
+    matmul_peak,
+    pass_flops,
+    reference_gemm,
+)
+from effattn.bench.machine import cpu_label, machine_info
 from effattn.bench.memory import MiB, PeakMemory, cap_memory, is_oom
 from effattn.bench.results import ResultStore
-from effattn.bench.timing import synchronizer, time_fn, time_once
+from effattn.bench.timing import MAX_SLOWDOWN, judge, synchronizer, time_fn, time_once
 
 DTYPES = {
     "float32": torch.float32,
@@ -97,6 +113,7 @@ class Settings:
     repeats: int = 5
     max_seconds: float = 5.0
     max_memory_mib: float | None = None
+    retries: int = 2
 
 
 def _one_line(err: BaseException, limit: int = 300) -> str:
@@ -169,6 +186,7 @@ def measure(cfg: Config, settings: Settings) -> dict[str, Any]:
     result: dict[str, Any] = {"flops": pass_flops(fwd, cfg.pass_name)}
     _warm_up(cfg, module, device)
     call = _caller(cfg, module, *_inputs(cfg, cfg.length, device))
+    reference = reference_gemm(device)  # its matrices exist before the memory baseline
     if settings.max_memory_mib is not None:
         cap_memory(device, settings.max_memory_mib)
     sync = synchronizer(device)
@@ -176,14 +194,19 @@ def measure(cfg: Config, settings: Settings) -> dict[str, Any]:
         with PeakMemory(device) as mem:
             first = time_once(call, sync)
         result["peak_mib"] = mem.peak_bytes / MiB
+        references = result["reference_ms"] = [reference()]
         if first > settings.max_seconds:
             result["status"] = (
                 f"too slow: one call took {first:.3g} s > --max-seconds {settings.max_seconds:g}"
             )
             return result
+        # Between the samples too: a burst of load can slow all of them evenly (a small spread)
+        # and be over before a probe after them.
         timing = time_fn(
-            call, repeats=settings.repeats, warmup=settings.warmup, sync=sync, estimate_s=first
+            call, repeats=settings.repeats, warmup=settings.warmup, sync=sync, estimate_s=first,
+            between=lambda: references.append(reference()),
         )
+        references.append(reference())
     except Exception as err:  # every failure becomes a status; the sweep goes on
         result["status"] = classify_error(err)
         return result
@@ -194,9 +217,29 @@ def measure(cfg: Config, settings: Settings) -> dict[str, Any]:
     return result
 
 
-def measure_peak(dtype: str, device: str) -> dict[str, Any]:
-    """Matmul peak GFLOP/s of ``dtype`` (run in a worker like the configurations)."""
-    return {"status": "ok", "gflops": matmul_peak(DTYPES[dtype], device)}
+def probe_machine(dtypes: Sequence[str], device: str, retries: int = 2) -> dict[str, Any]:
+    """The machine (:func:`~effattn.bench.machine.machine_info`) with the matmul peak GFLOP/s of
+    each of ``dtypes`` on ``device`` and the reference GEMM's quietest time; run in a worker like
+    the configurations.
+
+    The peaks are measured again (``retries`` times at most, keeping the highest) while the
+    reference GEMM timed around them says the machine was disturbed. The reference GEMM is an
+    fp32 matmul too, so its rate bounds the fp32 peak from below.
+    """
+    reference = reference_gemm(device)
+    references = [reference()]
+    peaks: dict[str, float] = {}
+    for _ in range(retries + 1):
+        for dtype in dtypes:
+            peaks[dtype] = max(peaks.get(dtype, 0.0), matmul_peak(DTYPES[dtype], device))
+        references.append(reference())
+        if not judge(references[-2:], min(references)).disturbed:
+            break
+    quiet_ms = min(references)
+    if "float32" in peaks:
+        peaks["float32"] = max(peaks["float32"], 2.0 * REFERENCE_SIZE**3 / (quiet_ms * 1e-3) / 1e9)
+    return {"status": "ok",
+            "machine": machine_info() | {"matmul_peak_gflops": peaks, "reference_ms": quiet_ms}}
 
 
 def _worker(conn: Any, target: Callable[..., dict[str, Any]], args: tuple) -> None:
@@ -267,6 +310,55 @@ def precheck(cfg: Config) -> str | None:
 class SweepStats:
     measured: int = 0
     resumed: int = 0
+    retried: int = 0
+    disturbed: int = 0
+    machine: dict[str, Any] = field(default_factory=dict)
+
+
+def measure_guarded(
+    run: Callable[[], dict[str, Any]], quiet_ms: float | None, retries: int
+) -> tuple[dict[str, Any], float | None]:
+    """Call ``run`` (one measurement, e.g. in a fresh worker) until it is not disturbed, at most
+    ``1 + retries`` times; return its result and the updated quietest reference time.
+
+    A result that carries ``reference_ms`` (timings and "too slow") is judged against
+    ``quiet_ms`` (:func:`~effattn.bench.timing.judge`) and gets ``disturbed``, ``slowdown`` and
+    ``attempts`` (the number made); if every attempt was disturbed, the least slowed one is
+    returned. Without a quiet time (the machine probe failed) or references (refused, oom, ...)
+    the first result is returned as it is.
+    """
+    if retries < 0:
+        raise ValueError(f"retries must be >= 0, got {retries}")
+    best: dict[str, Any] | None = None
+    for attempt in range(1, retries + 2):
+        result = run()
+        reference = result.pop("reference_ms", None)
+        if quiet_ms is None or not reference:
+            return result, quiet_ms
+        verdict = judge(reference, quiet_ms, median_ms=result.get("median_ms"),
+                        iqr_ms=result.get("iqr_ms"))
+        quiet_ms = min(quiet_ms, *reference)
+        result.update(disturbed=verdict.disturbed, slowdown=verdict.slowdown, attempts=attempt)
+        if not verdict.disturbed:
+            return result, quiet_ms
+        if best is None or verdict.slowdown < best["slowdown"]:
+            best = result
+    assert best is not None
+    best["attempts"] = retries + 1
+    return best, quiet_ms
+
+
+def _probe(configs: Sequence[Config], timeout: float, retries: int) -> dict[str, Any]:
+    devices = {c.device for c in configs}
+    if len(devices) > 1:
+        raise ValueError(f"configs must share one device, got {sorted(devices)}")
+    dtypes = tuple(dict.fromkeys(("float32", "bfloat16", *(c.dtype for c in configs))))
+    device = devices.pop() if devices else "cpu"
+    res = run_isolated(probe_machine, (dtypes, device, retries), timeout)
+    if res["status"] != "ok":
+        # Measure without the judge rather than not at all; the summary says why.
+        return machine_info() | {"probe_status": res["status"]}
+    return res["machine"]
 
 
 def sweep(
@@ -277,13 +369,19 @@ def sweep(
     timeout: float,
     progress: bool = True,
 ) -> SweepStats:
-    """Measure every configuration not already in ``store``, saving after each one.
+    """Measure every configuration not already in ``store`` (or recorded there as disturbed),
+    saving after each one.
 
     ``configs`` should be ordered by length (then method, then "fwd" before "fwdbwd"): once a
     method is too slow, out of memory or timed out at length L, its larger lengths are recorded
-    as skipped (a failed "fwd" also skips "fwdbwd" at L).
+    as skipped (a failed "fwd" also skips "fwdbwd" at L). They share one device, on which the
+    machine is probed first (:func:`probe_machine`; ``SweepStats.machine``). When the quietest
+    reference time seen during the sweep shows that the first probe was itself disturbed, the
+    peaks are measured again at the end and the higher ones kept.
     """
-    stats = SweepStats()
+    stats = SweepStats(machine=_probe(configs, timeout, settings.retries))
+    start_ms = quiet_ms = stats.machine.get("reference_ms")
+    cpu = cpu_label(stats.machine)
     blocked: dict[tuple[str, str], str] = {}
     bar = tqdm(configs, desc="effattn bench", unit="config", disable=not progress,
                file=sys.stderr, dynamic_ncols=True)
@@ -291,7 +389,7 @@ def sweep(
         bar.set_postfix_str(f"{cfg.method} N={cfg.length} {cfg.pass_name}", refresh=False)
         fields = cfg.fields()
         record = store.get(fields)
-        if record is not None:
+        if record is not None and not record.get("disturbed"):
             stats.resumed += 1
         else:
             reason = blocked.get((cfg.method, cfg.pass_name))
@@ -299,9 +397,13 @@ def sweep(
             if result is None and (refusal := precheck(cfg)):
                 result = {"status": refusal}
             if result is None:
-                result = run_isolated(measure, (cfg, settings), timeout)
+                result, quiet_ms = measure_guarded(
+                    lambda cfg=cfg: run_isolated(measure, (cfg, settings), timeout), quiet_ms,
+                    settings.retries)
                 stats.measured += 1
-            record = make_record(fields, result)
+                stats.retried += result.get("attempts", 1) - 1
+                stats.disturbed += bool(result.get("disturbed"))
+            record = make_record(fields, result | {"cpu": cpu})
             store.add(record)
         status = record["status"]
         if status.startswith(BLOCKING):
@@ -310,13 +412,21 @@ def sweep(
             for p in passes:
                 blocked.setdefault((cfg.method, p), why)
     bar.close()
+    if start_ms and quiet_ms and quiet_ms * MAX_SLOWDOWN < start_ms:
+        again = _probe(configs, timeout, settings.retries)
+        peaks = stats.machine["matmul_peak_gflops"]
+        for dtype, gflops in again.get("matmul_peak_gflops", {}).items():
+            peaks[dtype] = max(peaks.get(dtype) or 0.0, gflops)
+        stats.machine["reference_ms"] = quiet_ms
     return stats
 
 
 def make_record(fields: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
-    """A result record: the configuration's fields, the measurements and a timestamp."""
+    """A result record: the configuration's fields, the measurements, the disturbance verdict,
+    the CPU and a timestamp."""
     record = {**fields, "status": result["status"]}
-    for key in ("median_ms", "iqr_ms", "peak_mib", "flops", "samples", "calls_per_sample"):
+    for key in ("median_ms", "iqr_ms", "peak_mib", "flops", "samples", "calls_per_sample",
+                "disturbed", "slowdown", "attempts", "cpu"):
         record[key] = result.get(key)
     flops, median = result.get("flops"), result.get("median_ms")
     record["gflops"] = flops / (median * 1e-3) / 1e9 if flops and median else None

@@ -4,6 +4,12 @@ Each sample times a block of ``number`` back-to-back calls (``number`` grows unt
 least ``min_block_s``), so very short calls are not dominated by timer overhead; a sample is the
 block time divided by ``number``. On CUDA the device is synchronised before and after each block,
 so the time covers the kernels and not only their launch.
+
+A busy machine (other processes competing for the cores) can make every call of a measurement
+several times slower with a small spread, which the samples alone cannot reveal. :func:`judge`
+decides from a fixed reference GEMM timed around and between the samples (see
+:func:`effattn.bench.flops.reference_gemm`) and from the spread of the samples whether the
+measurement was disturbed.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -61,11 +67,13 @@ def time_fn(
     sync: Callable[[], None] = lambda: None,
     min_block_s: float = 2e-3,
     estimate_s: float | None = None,
+    between: Callable[[], object] | None = None,
 ) -> Timing:
     """Time ``fn``: ``warmup`` untimed calls, then ``repeats`` samples.
 
     ``estimate_s`` (seconds of one call, if already known, e.g. from a first call) sizes the blocks;
-    otherwise the last warm-up call does.
+    otherwise the last warm-up call does. ``between``, when given, is called untimed before every
+    sample (a probe of the machine's speed interleaved with the samples).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -76,6 +84,8 @@ def time_fn(
     number = max(1, math.ceil(min_block_s / max(estimate_s, 1e-9)))
     samples = []
     for _ in range(repeats):
+        if between is not None:
+            between()
         sync()
         start = time.perf_counter()
         for _ in range(number):
@@ -83,3 +93,51 @@ def time_fn(
         sync()
         samples.append((time.perf_counter() - start) / number)
     return Timing(tuple(samples), number)
+
+
+# A reference GEMM more than this many times slower than the quietest seen in the sweep, or
+# samples whose IQR exceeds this fraction of their median, mark a measurement as disturbed. On a
+# quiet machine the reference varies by a few percent and the IQR stays below about 10%.
+MAX_SLOWDOWN = 1.3
+MAX_SPREAD = 0.25
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a measurement was disturbed, and by how much.
+
+    ``slowdown``: the slowest reference time of the measurement over the quietest reference time
+    known (the sweep's, or the measurement's own when faster); ``spread``: IQR / median of the
+    samples (None without samples).
+    """
+
+    disturbed: bool
+    slowdown: float
+    spread: float | None
+
+
+def judge(
+    reference_ms: Sequence[float],
+    quiet_ms: float,
+    *,
+    median_ms: float | None = None,
+    iqr_ms: float | None = None,
+    max_slowdown: float = MAX_SLOWDOWN,
+    max_spread: float = MAX_SPREAD,
+) -> Verdict:
+    """Judge a measurement from the times of the reference GEMM taken around it
+    (``reference_ms``, at least one) against ``quiet_ms``, the fastest the machine has run the
+    same GEMM, and from the spread of its samples (``median_ms``, ``iqr_ms``, when it has them).
+
+    Disturbed when max(reference) / min(quiet, *reference) > ``max_slowdown``, or when
+    iqr / median > ``max_spread``.
+    """
+    if not reference_ms:
+        raise ValueError("reference_ms must hold at least one time")
+    if not quiet_ms > 0 or not all(t > 0 for t in reference_ms):
+        raise ValueError(f"reference times must be positive, got quiet_ms={quiet_ms}, "
+                         f"reference_ms={list(reference_ms)}")
+    slowdown = max(reference_ms) / min(quiet_ms, *reference_ms)
+    spread = iqr_ms / median_ms if median_ms and iqr_ms is not None else None
+    disturbed = slowdown > max_slowdown or (spread is not None and spread > max_spread)
+    return Verdict(disturbed, slowdown, spread)

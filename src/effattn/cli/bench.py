@@ -17,7 +17,6 @@ from effattn.cli.common import (
     float_list,
     int_list,
     key_value,
-    machine,
     nonnegative_int,
     options_per_method,
     parse_value,
@@ -87,8 +86,9 @@ def _passes(text: str) -> list[str]:
 
 def _run_bench(args: argparse.Namespace) -> int:
     from effattn.bench import plots
-    from effattn.bench.results import ResultStore, crossover, record_key, table, write_json
-    from effattn.bench.speed import Config, Settings, measure_peak, run_isolated, sweep
+    from effattn.bench.machine import describe
+    from effattn.bench.results import ResultStore, crossover, notes, record_key, table, write_json
+    from effattn.bench.speed import Config, Settings, sweep
 
     with user_input():
         options = options_per_method(args.option, args.methods)
@@ -106,13 +106,16 @@ def _run_bench(args: argparse.Namespace) -> int:
         for n in args.lengths for m in args.methods for p in args.passes
     ]
     settings = Settings(warmup=args.warmup, repeats=args.repeats, max_seconds=args.max_seconds,
-                        max_memory_mib=args.max_memory)
+                        max_memory_mib=args.max_memory, retries=args.retries)
     stats = sweep(configs, store, settings, timeout=args.timeout)
     keys = {record_key(c.fields()) for c in configs}
     records = [r for r in store.records() if record_key(r) in keys]
     print(f"{stats.measured} configurations measured, {stats.resumed} already in {store.json_path}"
           f" (B={args.batch}, H={args.heads}, D={args.head_dim}, {args.dtype}, "
           f"{'causal' if args.causal else 'non-causal'}, {args.device})")
+    print(describe(stats.machine))
+    peaks = stats.machine.get("matmul_peak_gflops") or {}
+    peak = peaks.get(args.dtype)
     for p in args.passes:
         print(f"\nmedian time per call (ms), {p}:\n{table(records, p, 'median_ms')}")
         print(f"\npeak memory over inputs (MiB), {p}:\n{table(records, p, 'peak_mib')}")
@@ -126,7 +129,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         "settings": {k: v for k, v in vars(args).items()
                      if k not in ("func", "on_interrupt", "option")}
         | {"options": {m: o for m, o in options.items() if o}, "out": str(out)},
-        "machine": machine(), "crossover": cross,
+        "machine": stats.machine, "crossover": cross,
     }
     plots.plot_vs_length(records, out / "time.png", value="median_ms", ylabel="time per call (ms)",
                          title="time", passes=args.passes)
@@ -135,22 +138,17 @@ def _run_bench(args: argparse.Namespace) -> int:
                          passes=args.passes)
     written = ["results.json", "results.csv", "time.png", "memory.png"]
     if args.vs_flops:
-        peaks = {}
-        for dtype in dict.fromkeys(("float32", "bfloat16", args.dtype)):
-            res = run_isolated(measure_peak, (dtype, args.device), args.timeout)
-            peaks[dtype] = res.get("gflops")
         summary["matmul_peak_gflops"] = peaks
-        peak = peaks.get(args.dtype)
-        print("\nmeasured matmul peak (GFLOP/s): "
-              + ", ".join(f"{k} {v:.1f}" if v else f"{k} n/a" for k, v in peaks.items()))
         for p in args.passes:
             print(f"\neffective GFLOP/s (FLOP model / median time), {p}:\n"
-                  f"{table(records, p, 'gflops', '.1f')}")
+                  f"{table(records, p, 'gflops', '.1f', peak=peak)}")
         hlines = {f"{args.dtype} matmul peak {peak:.0f} GFLOP/s": peak} if peak else {}
         plots.plot_vs_length(records, out / "gflops.png", value="gflops",
                              ylabel="effective GFLOP/s", title="throughput",
                              passes=args.passes, hlines=hlines, guides=False, logy=False)
         written.append("gflops.png")
+    for line in notes(records, peak):
+        print(f"\n{line}")
     write_json(out / "summary.json", summary)
     written.append("summary.json")
     print(f"\nwrote {', '.join(str(out / w) for w in written)}")
@@ -271,6 +269,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="timed samples per configuration (default 5)")
     b.add_argument("--warmup", type=nonnegative_int, default=1,
                    help="untimed calls after the first (memory) call (default 1)")
+    b.add_argument("--retries", type=nonnegative_int, default=2,
+                   help="measurements of a configuration disturbed by other processes made "
+                   "again before it is recorded as disturbed (default 2)")
     b.add_argument("--max-seconds", type=positive_float, default=5.0,
                    help="a configuration whose first call takes longer is recorded as too slow "
                    "and larger lengths of that method are skipped (default 5)")

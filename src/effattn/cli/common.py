@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import os
-import platform
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -106,13 +104,6 @@ def key_value(text: str) -> str:
     if not sep or not key.strip():
         raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
     return text
-
-
-def machine() -> dict[str, Any]:
-    """The machine a benchmark ran on, for its summary.json."""
-    return {"platform": platform.platform(), "processor": platform.processor(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
 
 
 # Option values. A value's type is its default's type, so that `orthogonal=false` is False (not

@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import effattn
+from effattn.bench.machine import machine_info
 from effattn.cli.common import (
     UsageError,
     check_method,
     device,
     int_list,
-    machine,
     options_per_method,
     parse_entry,
     positive_float,
@@ -183,7 +183,7 @@ def _run_decode(args: argparse.Namespace) -> int:
                      if k not in ("func", "on_interrupt", "option", "out", "methods")}
         | {"methods": list(dict.fromkeys(c.label for c in configs)), "options": args.option,
            "out": str(out)},
-        "machine": machine(),
+        "machine": machine_info(),
         "goals": {"flatness_max": decode.FLAT_GOAL, "flatness_span": decode.FLAT_GOAL_SPAN,
                   "state_pct_below": decode.STATE_GOAL_PCT, "state_length": decode.GOAL_LENGTH,
                   "length": length},
