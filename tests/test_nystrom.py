@@ -29,12 +29,12 @@ def _heavy_padding(b, m, kept):
         (63, 63, 8, None),
         (63, 63, 8, "padding"),
         (63, 63, 40, "heavy"),  # fewer unpadded keys (25) than landmarks: empty ones drop out
-        (63, 63, 64, "padding"),  # exact pinv
+        (63, 63, 64, "padding"),  # exact limit (S V)
         (257, 257, 64, "padding"),
         (17, 40, 8, "padding"),
         (40, 17, 8, None),
         (40, 17, 30, "padding"),  # more landmarks than keys, fewer than queries
-        (17, 40, 64, None),  # exact pinv, cross
+        (17, 40, 64, None),  # exact limit (S V), cross
     ],
 )
 def test_matches_reference_outputs_and_grads(n, m, landmarks, mask_kind):
@@ -121,7 +121,9 @@ def test_padded_positions_do_not_change_outputs(conv_kernel):
     out2 = attn(q2, k2, v2, key_padding_mask=mask)
     keep = ~pad.expand_as(out)
     torch.testing.assert_close(out2[keep], out[keep])
-    assert not torch.allclose(attn(q2, k2, v2)[keep], out[keep])
+    # Unmasked, the padded tokens count (milder ones: 50x tokens are past Nyström's breakdown).
+    q3, k3, v3 = (torch.where(pad, 2 * torch.randn_like(t), t) for t in (q, k, v))
+    assert not torch.allclose(attn(q3, k3, v3)[keep], out[keep])
 
 
 @pytest.mark.parametrize("conv_kernel", [None, 5])
@@ -147,7 +149,7 @@ def _pad(t, extra, left):
 
 def test_sequences_in_a_batch_are_independent():
     q, k, v = qkv(n=63, scale=2.0)
-    k[1] *= 5  # a very different second sequence: a batch-wide pinv norm would change row 0
+    k[1] *= 2.5  # a very different second sequence: a batch-wide pinv norm would change row 0
     out = nystrom_attention(q, k, v, num_landmarks=8)
     torch.testing.assert_close(out[:1], nystrom_attention(q[:1], k[:1], v[:1], num_landmarks=8))
 
@@ -205,3 +207,62 @@ def test_bf16_inputs_keep_dtype():
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), attn(q.float(), k.float(), v.float()),
                                atol=3e-2, rtol=3e-2)
+
+
+def _peaked(n, dtype):
+    """q, k ~ N(0, 50^2), D = 16: logits of std 2500, where every softmax is one-hot."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, n, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    return (50 * q).to(dtype), (50 * k).to(dtype), v.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [143, 286])
+@pytest.mark.parametrize("masked", [False, True])
+def test_peaked_logits_are_refused_not_zeroed(dtype, n, masked):
+    # Landmark keys far below every landmark query's maximum: the landmark kernel is singular,
+    # and the 6-step estimate used to output all-zero rows for the queries on those landmarks.
+    q, k, v = _peaked(n, dtype)
+    mask = padding(2, n) if masked else None
+    attn = effattn.build("nystrom", head_dim=16, heads=2)
+    with pytest.raises(ValueError, match=r"weights of query \d+ .* sum to .*num_landmarks=64"):
+        attn(q, k, v, key_padding_mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [57, 143])
+def test_exact_limit_holds_on_peaked_logits(dtype, n):
+    """Single-token landmarks give S V directly: no pseudo-inverse of the singular S."""
+    q, k, v = _peaked(n, dtype)
+    exact = R.softmax_attention(q, k, v)
+    out = effattn.build("nystrom", head_dim=16, heads=2, num_landmarks=n)(q, k, v)
+    assert (out.abs().amax(-1) > 0).all()
+    torch.testing.assert_close(out, exact)
+    if n <= 64:
+        # The issue's case: these tokens padded to 143 are exact too, by their own length.
+        q2, k2, v2 = (torch.cat([t, torch.zeros_like(t[:, :, :1]).expand(-1, -1, 143 - n, -1)],
+                                2) for t in (q, k, v))
+        mask = (torch.arange(143) >= n).expand(2, -1)
+        out = effattn.build("nystrom", head_dim=16, heads=2)(q2, k2, v2, key_padding_mask=mask)
+        torch.testing.assert_close(out[:, :, :n], exact)
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_padded_rows_equal_unpadded_rows_whatever_their_length(cross):
+    """Exact or iterative is chosen per sequence by its unpadded length, never the padded one:
+    in one batch, rows of 5, 16 (<= 16 landmarks: exact), 17, 60 and 97 (iterative) tokens."""
+    lengths, total, landmarks = [5, 16, 17, 60, 97], 97, 16
+    q, k, v = qkv(b=5, n=12 if cross else total, m=total, dv=5, scale=1.5)
+    mask = torch.arange(total)[None, :] >= torch.tensor(lengths)[:, None]
+    mask[2] = mask[2].flip(0)  # one row padded on the left
+    out = nystrom_attention(q, k, v, key_padding_mask=mask, num_landmarks=landmarks, scale=0.3)
+    for row, length in enumerate(lengths):
+        kept = ~mask[row]
+        assert kept.sum() == length
+        q1 = q[row : row + 1] if cross else q[row : row + 1, :, kept]
+        alone = nystrom_attention(q1, k[row : row + 1, :, kept], v[row : row + 1, :, kept],
+                                  num_landmarks=landmarks, scale=0.3)
+        got = out[row : row + 1] if cross else out[row : row + 1, :, kept]
+        torch.testing.assert_close(got, alone, rtol=1e-12, atol=1e-12)
+    ref = R.nystrom_attention(q, k, v, key_padding_mask=mask, num_landmarks=landmarks, scale=0.3)
+    torch.testing.assert_close(out, ref)

@@ -128,6 +128,44 @@ def test_number_of_buckets_rule():
         F.draw_rotations(1, 1, 4, 3)
 
 
+def test_chunk_size_rule():
+    assert F.chunk_size(1000, 1000, 64, shared_qk=False) == 128
+    assert F.chunk_size(1000, 1000, 64, shared_qk=True) == 64
+    # Capped at the items sorted: N (shared QK) or N + M.
+    assert F.chunk_size(143, 143, 4096, shared_qk=False) == 286
+    assert F.chunk_size(143, 143, 4096, shared_qk=True) == 143
+    assert F.chunk_size(5, 77, 64, shared_qk=False) == 82  # 2 buckets, one chunk
+    assert F.chunk_size(1, 1, 1, shared_qk=False) == 2
+
+
+@pytest.mark.parametrize(
+    "n, m, shared, bucket_size",
+    [(143, 143, False, 4096), (143, 143, True, 4096), (17, 40, False, 4096), (5, 77, False, 64)],
+)
+@pytest.mark.parametrize("causal", [False, True])
+def test_bucket_size_past_the_sequence_is_capped(n, m, shared, bucket_size, causal):
+    """The layout uses the capped chunk (never 2·bucket_size slots for a short sequence) and the
+    result is the reference's, which chunks by the uncapped rule."""
+    if causal and n != m:
+        pytest.skip("causal needs N == M")
+    q, k, v = _inputs(n, m, shared)
+    mask = padding(2, m)
+    rotations = F.draw_rotations(
+        3, 2, 21, F.num_buckets(n, m, bucket_size), generator=torch.Generator().manual_seed(0)
+    ).double()
+    layout = F._layout(q, k, rotations, mask, bucket_size, causal, shared)
+    items = n if shared else n + m
+    assert layout.chunk == F.chunk_size(n, m, bucket_size, shared) == items
+    assert layout.q_at.shape[-1] == items  # one chunk, no empty slots
+    kw = dict(bucket_size=bucket_size, causal=causal, key_padding_mask=mask, shared_qk=shared)
+    out = F.reformer_attention(q, k, v, rotations, **kw)
+    torch.testing.assert_close(out, R.reformer_attention(q, k, v, rotations, **kw),
+                               rtol=1e-10, atol=1e-10)
+    if bucket_size >= max(n, m) and not shared:
+        exact = R.softmax_attention(q, k, v, causal=causal, key_padding_mask=mask)
+        torch.testing.assert_close(out, exact, rtol=1e-10, atol=1e-10)
+
+
 def test_angular_hash_depends_on_direction_only():
     x = torch.randn(2, 3, 50, 8, dtype=torch.float64)
     rotations = F.draw_rotations(3, 2, 8, 6, generator=torch.Generator().manual_seed(1))

@@ -287,8 +287,10 @@ def nystrom_attention(
 ) -> Tensor:
     """Nyström attention one sequence at a time, with explicit softmax kernels and pinv steps.
 
-    Query landmarks skip padded positions when N == M; the pinv is exact (torch.linalg.pinv)
-    when num_landmarks >= max(N, M), else the iteration of the paper with per-matrix norms.
+    Query landmarks skip padded positions when N == M. A sequence with at most num_landmarks
+    unpadded queries and unpadded keys has single-token landmarks, s1 = s2 = s3 = S and
+    S pinv(S) S V = S V: it outputs s1 times the landmark keys' values. Any other sequence uses
+    the iteration of the paper with per-matrix norms. No breakdown check (see the fast path).
     """
     b, n_heads, n, d = q.shape
     m = k.shape[2]
@@ -301,14 +303,14 @@ def nystrom_attention(
         k_land, valid_k = _segment_means(k[i], keep_k[i], min(num_landmarks, m))
         no_key = float("-inf")
         s1 = (scale * q[i] @ k_land.transpose(-2, -1)).masked_fill(~valid_k, no_key)
-        s2 = (scale * q_land @ k_land.transpose(-2, -1)).masked_fill(~valid_k, no_key)
-        s3 = (scale * q_land @ k[i].transpose(-2, -1)).masked_fill(~keep_k[i], no_key)
         s1 = torch.softmax(s1, -1).nan_to_num(0.0)
-        s2 = torch.softmax(s2, -1).nan_to_num(0.0) * valid_q[:, None]
-        s3 = torch.softmax(s3, -1).nan_to_num(0.0) * valid_q[:, None]
-        if num_landmarks >= max(n, m):
-            z = torch.linalg.pinv(s2)
+        if keep_q.sum() <= num_landmarks and keep_k[i].sum() <= num_landmarks:
+            out = s1 @ _segment_means(v[i], keep_k[i], min(num_landmarks, m))[0]
         else:
+            s2 = (scale * q_land @ k_land.transpose(-2, -1)).masked_fill(~valid_k, no_key)
+            s3 = (scale * q_land @ k[i].transpose(-2, -1)).masked_fill(~keep_k[i], no_key)
+            s2 = torch.softmax(s2, -1).nan_to_num(0.0) * valid_q[:, None]
+            s3 = torch.softmax(s3, -1).nan_to_num(0.0) * valid_q[:, None]
             max_row = s2.sum(2).max(1).values
             max_col = s2.sum(1).max(1).values
             z = s2.transpose(-2, -1) / (max_row * max_col)[:, None, None]
@@ -316,7 +318,7 @@ def nystrom_attention(
             for _ in range(pinv_iterations):
                 kz = s2 @ z
                 z = z @ (13 * eye - kz @ (15 * eye - kz @ (7 * eye - kz))) / 4
-        out = s1 @ z @ s3 @ v[i]
+            out = s1 @ z @ s3 @ v[i]
         if conv_weight is not None:
             r = conv_weight.shape[1] // 2
             offset = torch.arange(m)[None, :] - torch.arange(n)[:, None] + r

@@ -10,9 +10,14 @@ is the 6-step iteration of the paper. q: (B, H, N, D), k: (B, H, M, D), v: (B, H
 
 Lengths that m does not divide get uneven segments: with n tokens, segment i holds the tokens of
 rank r with floor(i n / m) <= r < floor((i + 1) n / m). A sequence shorter than m has one landmark
-per token (m_q = min(m, N), m_k = min(m, M)); when every landmark is a single token
-(m >= N and m >= M) the three kernels are the same matrix S and the exact pseudo-inverse is used,
-so that S pinv(S) S V = S V is exact softmax attention.
+per token (m_q = min(m, N), m_k = min(m, M)).
+
+Exact limit, decided per sequence by its unpadded lengths (never by the padded N, M): when its
+unpadded queries and its unpadded keys each number at most m, every landmark is a single token
+and the three kernels are one matrix S (up to the zero rows and columns of empty landmarks), so
+S pinv(S) S V = S V: that sequence's output is computed as S V, softmax(Q K̃^T) times the
+landmark keys' own values, which is exact softmax attention, with no pseudo-inverse (whose
+rounding S pinv(S) S V would only add, badly when S is ill-conditioned).
 
 Padding: key landmarks average unpadded keys only, segments being cut over the unpadded keys;
 padded keys are masked out of softmax(Q̃ K^T), and landmarks holding no unpadded token drop out
@@ -21,6 +26,16 @@ zero rows and columns is zero there). With N == M the mask is taken to mark padd
 query landmarks average unpadded queries only as well: the outputs at unpadded positions are
 then those of the unpadded sequence alone. This only chooses which queries are averaged, never
 which keys are seen. A row with no unpadded key outputs zeros.
+
+Breakdown on peaked logits: the estimate needs a well-conditioned landmark kernel. When a landmark
+key lies far (tens of logits) below the maximum of every landmark query, its column of
+softmax(Q̃ K̃^T) is ~0 (exactly 0 once it underflows): the kernel is numerically singular, the
+exact pinv has entries ~1/σ_min (the estimate diverges), and the iteration, whose Z is
+S^T g(S S^T), has a ~0 row for that landmark, so a query whose weight sits on it outputs ~0.
+Such rows are refused, not returned: the row sums of the approximate attention matrix
+softmax(Q K̃^T) Z softmax(Q̃ K^T) (1 for softmax attention, and for the estimate whenever Z
+inverts the kernel) come for free as one more column of values, and an unpadded query whose row
+sum is off 1 by more than ``MASS_TOLERANCE`` raises a ValueError.
 """
 
 from __future__ import annotations
@@ -33,6 +48,12 @@ from torch import Tensor, nn
 
 from effattn.base import AttentionMethod, check_positive_int, compute_dtype
 from effattn.registry import MethodSpec, register
+
+# Largest |row sum - 1| of the approximate attention matrix accepted for an unpadded query. On
+# q, k ~ N(0, s^2) and on the planted-peak data of bench/approx.py the sums stay within 0.8-1.35
+# while the estimate is still an approximation; past this, the query has lost (or doubled) at
+# least half of its attention and the estimate is dominated by the singular landmark kernel.
+MASS_TOLERANCE = 0.5
 
 
 def segment_averaging(keep: Tensor, m: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -77,6 +98,24 @@ def depthwise_conv(v: Tensor, weight: Tensor) -> Tensor:
     return F.conv2d(v, weight.view(heads, 1, kernel, 1), padding=(kernel // 2, 0), groups=heads)
 
 
+def check_row_sums(mass: Tensor, query_ok: Tensor, num_landmarks: int) -> None:
+    """Raise a ValueError when a query's approximate attention weights do not sum to about 1.
+
+    mass (B, H, N): row sums of softmax(Q K̃^T) Z softmax(Q̃ K^T); query_ok (B, N): the queries
+    whose output counts (unpadded, in a sequence with an unpadded key). See the module doc.
+    """
+    bad = ~((mass - 1).abs() <= MASS_TOLERANCE) & query_ok[:, None, :]
+    if bool(bad.any()):
+        b, h, i = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"nystrom cannot approximate these q, k: the Nyström weights of query {i} (batch "
+            f"{b}, head {h}) sum to {mass[b, h, i].item():.3g}, not about 1; the landmark kernel "
+            f"softmax(Q̃ K̃^T) is numerically singular (logits too peaked for "
+            f"num_landmarks={num_landmarks}). Scale q, k down, or use num_landmarks >= the "
+            "sequence length (exact softmax attention)"
+        )
+
+
 def nystrom_attention(
     q: Tensor,
     k: Tensor,
@@ -111,25 +150,37 @@ def nystrom_attention(
     avg_k, valid_k = segment_averaging(keep_k, min(num_landmarks, m), k.dtype)
     q_land = torch.einsum("bml,bhld->bhmd", avg_q, q)
     k_land = torch.einsum("bml,bhld->bhmd", avg_k, k)
+    # Without a mask every segment holds a token: no landmark needs masking.
+    landmark_mask = None if key_padding_mask is None else valid_k[:, None, None, :]
 
-    # kernel_2 = softmax(Q̃ K̃^T), with empty landmarks as zero columns and zero rows.
-    logits = (scale * q_land @ k_land.transpose(-2, -1)).masked_fill(
-        ~valid_k[:, None, None, :], float("-inf")
-    )
-    kernel_2 = torch.softmax(logits, -1) * valid_q[:, None, :, None].to(q.dtype)
-    if num_landmarks >= max(n, m):
-        pinv = torch.linalg.pinv(kernel_2)
+    all_exact = num_landmarks >= max(n, m)
+    if all_exact:
+        mixed = torch.einsum("bml,bhld->bhmd", avg_k, v)
     else:
+        # kernel_2 = softmax(Q̃ K̃^T), with empty landmarks as zero columns and zero rows.
+        logits = (scale * q_land @ k_land.transpose(-2, -1)).masked_fill(
+            ~valid_k[:, None, None, :], float("-inf")
+        )
+        kernel_2 = torch.softmax(logits, -1) * valid_q[:, None, :, None].to(q.dtype)
         pinv = iterative_pinv(kernel_2, pinv_iterations)
-    # kernel_3 V and kernel_1 (pinv kernel_3 V) are attentions over M keys and over m_k
-    # landmarks, done by the fused kernel (O(N) memory). Rows of empty query landmarks in
-    # kernel_3 V need no zeroing: the matching columns of the pinv are zero.
-    key_mask = None if key_padding_mask is None else keep_k[:, None, None, :]
-    values = F.scaled_dot_product_attention(q_land, k, v, attn_mask=key_mask, scale=scale)
-    landmark_mask = None if bool(valid_k.all()) else valid_k[:, None, None, :]
-    out = F.scaled_dot_product_attention(
-        q, k_land, pinv @ values, attn_mask=landmark_mask, scale=scale
-    )
+        # kernel_3 V and kernel_1 (pinv kernel_3 V) are attentions over M keys and over m_k
+        # landmarks, done by the fused kernel (O(N) memory). Rows of empty query landmarks in
+        # kernel_3 V need no zeroing: the matching columns of the pinv are zero. The last
+        # column, pinv kernel_3 1 = pinv 1, turns into the row sums of the approximation.
+        key_mask = None if key_padding_mask is None else keep_k[:, None, None, :]
+        values = F.scaled_dot_product_attention(q_land, k, v, attn_mask=key_mask, scale=scale)
+        mixed = torch.cat([pinv @ values, pinv.sum(-1, keepdim=True)], -1)
+        if key_padding_mask is not None:
+            # Unpadded lengths within the landmarks: that sequence is exact (see the module doc);
+            # chosen per sequence with a select, not a host-side branch.
+            exact = (keep_q.sum(-1) <= num_landmarks) & (keep_k.sum(-1) <= num_landmarks)
+            v_land = torch.einsum("bml,bhld->bhmd", avg_k, v)
+            v_land = torch.cat([v_land, torch.ones_like(v_land[..., :1])], -1)
+            mixed = torch.where(exact[:, None, None, None], v_land, mixed)
+    out = F.scaled_dot_product_attention(q, k_land, mixed, attn_mask=landmark_mask, scale=scale)
+    if not all_exact:
+        out, mass = out[..., :-1], out[..., -1]
+        check_row_sums(mass.detach(), keep_q & ~empty[:, None], num_landmarks)
     if conv_weight is not None:
         out = out + depthwise_conv(v.masked_fill(~keep_k[:, None, :, None], 0.0), conv_weight)
     if key_padding_mask is not None:

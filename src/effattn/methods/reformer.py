@@ -12,10 +12,14 @@ their values can never move a real item.
 Sorting and chunks. Items are sorted by (bucket, position) and the sorted sequence is cut into
 chunks of C slots (the last one filled up with empty slots):
 - shared_qk=True (the paper's shared-QK attention, self-attention only): token t is both the
-  query q_t and the key k_t/|k_t| (k must equal q); C = bucket_size.
+  query q_t and the key k_t/|k_t| (k must equal q); C = min(bucket_size, N).
 - shared_qk=False: queries and keys are hashed with the same rotations and sorted *together*
-  (N + M items; at equal bucket and position the key comes first); C = 2·bucket_size, so a chunk
-  holds about bucket_size of each. Sorting them apart and pairing query chunk c with key chunk c
+  (N + M items; at equal bucket and position the key comes first); C = min(2·bucket_size, N + M),
+  so a chunk holds about bucket_size of each.
+C is capped at the number of items (:func:`chunk_size`): a chunk that holds every item already
+gives every query all its candidates under both rules below, so a larger one would change
+nothing but the cost (2C slots per chunk: a bucket_size of 4096 at N = 143 meant 8192 x 16384
+score blocks). Sorting them apart and pairing query chunk c with key chunk c
   (a common shortcut) misaligns the two whenever their bucket populations differ, which the
   paper names as the reason for shared QK; the joint sort keeps every query next to the keys of
   its own bucket, and it also makes cross-attention (N != M) well defined.
@@ -67,6 +71,14 @@ def num_buckets(n: int, m: int, bucket_size: int) -> int:
     if length <= bucket_size:
         return 1
     return 2 * math.ceil(length / (2 * bucket_size))
+
+
+def chunk_size(n: int, m: int, bucket_size: int, shared_qk: bool) -> int:
+    """Slots per chunk C for N queries and M keys: min(bucket_size, N) with shared QK (N items),
+    else min(2·bucket_size, N + M) (N + M items); see the module doc."""
+    if shared_qk:
+        return min(bucket_size, n)
+    return min(2 * bucket_size, n + m)
 
 
 def draw_rotations(
@@ -151,9 +163,10 @@ def _layout(
     if shared_qk:
         bucket = lsh_buckets(q, rotations).masked_fill(padded, n_buckets)
         tokens = torch.arange(n, device=dev)
-        q_at, k_at, slot = _sort(bucket * n + tokens, tokens, tokens, bucket_size)
-        key = _relation_key(bucket, slot, bucket_size, causal)
-        return _Layout(bucket_size, q_at, k_at, slot, key, key)
+        chunk = chunk_size(n, m, bucket_size, shared_qk)
+        q_at, k_at, slot = _sort(bucket * n + tokens, tokens, tokens, chunk)
+        key = _relation_key(bucket, slot, chunk, causal)
+        return _Layout(chunk, q_at, k_at, slot, key, key)
     length = max(n, m)
     q_bucket = lsh_buckets(q, rotations)
     k_bucket = lsh_buckets(k, rotations).masked_fill(padded, n_buckets)
@@ -164,7 +177,7 @@ def _layout(
     none_m = torch.full((m,), -1, dtype=torch.long, device=dev)
     item_q = torch.cat([none_m, torch.arange(n, device=dev)])
     item_k = torch.cat([torch.arange(m, device=dev), none_n])
-    chunk = 2 * bucket_size
+    chunk = chunk_size(n, m, bucket_size, shared_qk)
     q_at, k_at, slot = _sort(torch.cat([k_codes, q_codes], -1), item_q, item_k, chunk)
     q_slot, k_slot = slot[..., m:], slot[..., :m]
     return _Layout(
