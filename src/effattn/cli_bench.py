@@ -219,9 +219,9 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def _approx_methods(text: str) -> list[str]:
-    from effattn.bench.approx import BUDGETS
+    from effattn.bench.approx import budgets
 
-    allowed = [m for m in effattn.methods() if m in BUDGETS]
+    allowed = list(budgets())
     if text not in ("default", "all"):
         names = [t.strip() for t in text.split(",") if t.strip()]
         registered = effattn.methods()
@@ -229,7 +229,7 @@ def _approx_methods(text: str) -> list[str]:
         if unknown:
             raise argparse.ArgumentTypeError(
                 f"unknown method(s) {', '.join(unknown)}; valid: {', '.join(allowed)}")
-        no_budget = [n for n in names if n not in BUDGETS]
+        no_budget = [n for n in names if n not in allowed]
         if no_budget:
             raise argparse.ArgumentTypeError(
                 f"{', '.join(no_budget)} has no budget option to sweep; methods with one: "
@@ -254,18 +254,14 @@ def _run_approx(args: argparse.Namespace) -> int:
     from effattn.bench import approx, plots
     from effattn.bench.results import write_csv, write_json
 
-    grids = {m: list(approx.BUDGETS[m][1]) for m in args.methods}
+    budgets = approx.budgets()
+    grids = {m: list(budgets[m].grid) for m in args.methods}
     for method, values in args.budget:
         if method not in grids:
             print(f"effattn approx: error: --budget {method}=...: {method!r} is not among the "
                   f"methods studied ({', '.join(grids) or 'none'})", file=sys.stderr)
             return 2
         grids[method] = values
-    for method in list(grids):
-        option = approx.BUDGETS[method][0]
-        if option not in effattn.spec(method).options:
-            print(f"note: {method} has no option {option!r}; left out", file=sys.stderr)
-            del grids[method]
     out = Path(args.out)
     total = sum(len(v) for v in grids.values()) * (len(args.qk_std) + 1)
     with tqdm(total=total, desc="effattn approx", unit="point", file=sys.stderr) as bar:

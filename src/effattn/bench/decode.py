@@ -42,9 +42,6 @@ from effattn.bench.memory import MiB, PeakMemory
 from effattn.bench.results import ResultStore
 from effattn.bench.speed import SweepStats, classify_error, format_options, run_isolated
 from effattn.bench.timing import synchronizer
-from effattn.kernelized.core import RecurrentState
-from effattn.methods.local import WindowCache
-from effattn.methods.softmax import KVCache
 from effattn.nn.models import DecoderLM, DecoderState
 
 # Steps whose median is the per-token time "near position L".
@@ -94,27 +91,16 @@ class DecodeConfig:
                 "vocab": self.vocab, "prompt_len": self.prompt_len, "device": self.device}
 
 
-def _tensor_bytes(*tensors: Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def state_bytes(state: Any) -> tuple[int, int]:
     """(in use, allocated) bytes of one attention layer's decoding state.
 
-    KV cache (softmax): its buffers grow by doubling; in use are the rows of the positions seen.
-    Window cache (local): a ring of ``window`` rows, in use as soon as written. Recurrent state
-    (kernelized): fixed size, all of it in use.
+    Every method's decoding state says both (``nbytes_in_use()``, ``nbytes()``): a KV cache grows
+    by doubling beyond the positions seen, a window cache fills its ring, a recurrent state is
+    fixed-size and all in use.
     """
-    if isinstance(state, KVCache):
-        allocated = _tensor_bytes(state.k, state.v)
-        return allocated // state.k.shape[2] * state.length, allocated
-    if isinstance(state, WindowCache):
-        allocated = _tensor_bytes(state.k, state.v)
-        window = state.k.shape[2]
-        return allocated // window * min(state.length, window), allocated
-    if isinstance(state, RecurrentState):
-        return state.nbytes(), state.nbytes()
-    raise TypeError(f"no byte count for a decoding state of type {type(state).__name__}")
+    if not (hasattr(state, "nbytes") and hasattr(state, "nbytes_in_use")):
+        raise TypeError(f"no byte count for a decoding state of type {type(state).__name__}")
+    return state.nbytes_in_use(), state.nbytes()
 
 
 def decoder_state_bytes(state: DecoderState) -> tuple[int, int]:
