@@ -43,6 +43,7 @@ from effattn.bench.results import ResultStore
 from effattn.bench.speed import SweepStats, classify_error, format_options, run_isolated
 from effattn.bench.timing import synchronizer
 from effattn.nn.models import DecoderLM, DecoderState
+from effattn.registry import DEFAULT_METHOD
 
 # Steps whose median is the per-token time "near position L".
 TAIL_STEPS = 32
@@ -254,7 +255,7 @@ def _ok(record: dict[str, Any] | None, value: str) -> bool:
 
 
 def speedups(records: Iterable[dict[str, Any]], method: str, batch: int,
-             baseline: str = "softmax") -> dict[str, dict[int, float]]:
+             baseline: str = DEFAULT_METHOD) -> dict[str, dict[int, float]]:
     """Speed-ups of ``method`` over ``baseline`` at every length both reached, at one batch.
 
     ``tokens_per_s``: ratio of the tokens/s over the whole output of L tokens (time to generate
@@ -285,7 +286,7 @@ def flatness(records: Iterable[dict[str, Any]], method: str,
 
 
 def state_percent(records: Iterable[dict[str, Any]], method: str, batch: int, length: int,
-                  baseline: str = "softmax") -> float | None:
+                  baseline: str = DEFAULT_METHOD) -> float | None:
     """The decoding state of ``method`` after ``length`` tokens as % of the baseline's (its KV
     cache, bytes in use) at the same length and batch; None where either is missing."""
     index = _index(records)
@@ -296,7 +297,7 @@ def state_percent(records: Iterable[dict[str, Any]], method: str, batch: int, le
 
 
 def summarize(records: Sequence[dict[str, Any]], length: int,
-              baseline: str = "softmax") -> list[dict[str, Any]]:
+              baseline: str = DEFAULT_METHOD) -> list[dict[str, Any]]:
     """One row per (method, batch): flatness, state as % of the baseline at ``length``, the
     speed-ups at every length, and whether each goal is met (None: not measured)."""
     rows = []
@@ -319,7 +320,7 @@ def summarize(records: Sequence[dict[str, Any]], length: int,
 
 
 def with_speedup(records: Sequence[dict[str, Any]],
-                 baseline: str = "softmax") -> list[dict[str, Any]]:
+                 baseline: str = DEFAULT_METHOD) -> list[dict[str, Any]]:
     """Copies of ``records`` with ``speedup``: tokens/s over the baseline's at the same batch
     and length (None where either did not finish)."""
     index = _index(records)

@@ -12,11 +12,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 
+from effattn.registry import DEFAULT_METHOD  # noqa: E402
+
 PASS_TITLES = {"fwd": "forward", "fwdbwd": "forward + backward"}
 
 
 def _style(method: str, index: int) -> dict[str, Any]:
-    if method == "softmax":  # the quadratic baseline every other line is read against
+    if method == DEFAULT_METHOD:  # the quadratic baseline every other line is read against
         return {"color": "black", "linewidth": 3.0, "marker": "o", "zorder": 10}
     # Ten distinct colours, then the same colours dashed, then dotted.
     return {"color": plt.get_cmap("tab10")(index % 10), "linewidth": 1.6, "marker": ".",
@@ -32,7 +34,7 @@ def _series(records: Iterable[dict[str, Any]], value: str, **match: Any) -> dict
         if (all(r.get(k) == v for k, v in match.items()) and r["status"] == "ok"
                 and x is not None and x > 0):
             series.setdefault(r["method"], []).append((r["length"], x))
-    return {m: sorted(p) for m, p in sorted(series.items(), key=lambda kv: kv[0] != "softmax")}
+    return {m: sorted(p) for m, p in sorted(series.items(), key=lambda kv: kv[0] != DEFAULT_METHOD)}
 
 
 def _guides(ax: Any, series: dict) -> None:
@@ -87,7 +89,7 @@ def _panel(
 
 def _other_methods(records: Sequence[dict[str, Any]]) -> list[str]:
     # A fixed order, so that a method keeps its colour in every panel and figure.
-    return sorted({r["method"] for r in records} - {"softmax"})
+    return sorted({r["method"] for r in records} - {DEFAULT_METHOD})
 
 
 def plot_vs_length(

@@ -20,6 +20,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from effattn.registry import DEFAULT_METHOD
+
 KEY_FIELDS = ("method", "length", "pass", "batch", "heads", "head_dim", "dtype", "causal",
               "device", "options")
 # mkstemp creates files readable by their owner only; results are meant to be shared, so they get
@@ -131,7 +133,7 @@ def _failed(record: dict[str, Any] | None) -> bool:
 
 
 def crossover(records: Iterable[dict[str, Any]], pass_name: str = "fwd",
-              baseline: str = "softmax") -> dict[str, int | None]:
+              baseline: str = DEFAULT_METHOD) -> dict[str, int | None]:
     """Per method, the smallest measured length from which on it is faster than ``baseline``.
 
     At each length both were tried at, the method wins when it finished and the baseline was
@@ -176,7 +178,7 @@ def table(records: Iterable[dict[str, Any]], pass_name: str | None, value: str =
     ``pass_name`` is None (records without a pass); the status word where not ok."""
     rows = _by_method_length(records, pass_name)
     lengths = sorted({n for r in rows.values() for n in r})
-    names = sorted(rows, key=lambda m: (m != "softmax", m))
+    names = sorted(rows, key=lambda m: (m != DEFAULT_METHOD, m))
     cells = [["method", *map(str, lengths)]]
     cells += [[m, *(_cell(rows[m].get(n), value, fmt) for n in lengths)] for m in names]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
