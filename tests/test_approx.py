@@ -11,10 +11,11 @@ import effattn
 from effattn import reference
 from effattn.bench import approx
 from effattn.cli import main
+from effattn.registry import Budget
 
 
 def _budgeted(limit=2):
-    return [m for m in effattn.methods() if m in approx.BUDGETS][:limit]
+    return list(approx.budgets())[:limit]
 
 
 def test_cli_writes_json_csv_png_on_a_tiny_grid(tmp_path, capsys):
@@ -24,7 +25,8 @@ def test_cli_writes_json_csv_png_on_a_tiny_grid(tmp_path, capsys):
             "--out", str(tmp_path)]
     if methods:
         args += ["--methods", ",".join(methods)]
-        args += [f"--budget={m}=" + ",".join(map(str, approx.BUDGETS[m][1][:2])) for m in methods]
+        grids = approx.budgets()
+        args += [f"--budget={m}=" + ",".join(map(str, grids[m].grid[:2])) for m in methods]
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "MSE of the softmax-kernel estimate" in printed
@@ -68,7 +70,7 @@ def test_budget_for_a_method_not_studied_exits_2(tmp_path, capsys):
 def test_study_measures_error_against_the_exact_target(monkeypatch):
     # softmax, "budgeted" by its scale, is its own target: the error is rounding only; a budget
     # the method rejects is recorded as refused.
-    monkeypatch.setitem(approx.BUDGETS, "softmax", ("scale", ()))
+    monkeypatch.setattr(approx, "budgets", lambda: {"softmax": Budget("scale", ())})
     records = approx.output_error_study({"softmax": [0.25, -1.0]}, length=33, heads=2,
                                         head_dim=8, seeds=3, qk_stds=(1.0,), peak_logit=6.0)
     assert [(r["budget"], r["dataset"]) for r in records] == [

@@ -262,3 +262,15 @@ def test_store_rewrites_atomically_and_rejects_a_corrupt_file(tmp_path):
 def test_matmul_peak_is_plausible():
     peak = flops.matmul_peak(torch.float32, max_size=256, repeats=2)
     assert math.isfinite(peak) and peak > 0.05
+
+
+def test_causal_flop_model_counts_the_chunkwise_gemms():
+    # N = 100 in chunks of 32: 4 chunks, the last padded to 128 tokens; F = 64 projections.
+    kw = dict(batch=1, heads=2, n=100, m=100, head_dim=16, value_dim=16)
+    opts = {"num_features": 64, "chunk_size": 32}
+    causal = flops.forward_flops("performer", opts, causal=True, **kw)
+    features = 200 * 64 * 16
+    intra = 128 * 32 * (64 + 17)
+    state = 2 * 128 * 64 * 17 + 4 * 4 * 64 * 17
+    assert causal == 2 * 2 * (features + intra + state)
+    assert causal > flops.forward_flops("performer", opts, causal=False, **kw)

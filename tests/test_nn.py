@@ -271,7 +271,7 @@ def test_models_refuse_with_the_spec_reason():
             EncoderDecoder(10, 10, 16, 2, 1, method, max_len=16)
         EncoderDecoder(10, 10, 16, 2, 1, method, cross_method="softmax", max_len=16)
     with pytest.raises(ValueError, match="causal self-attention only"):
-        EncoderClassifier(10, 2, method="softmax", gated=True)
+        EncoderClassifier(10, 2, method="rfa", gated=True)
     with pytest.raises(ValueError, match="one token"):
         DecoderLM(10, 16, 2, 1).step(torch.zeros(2, 2, dtype=torch.long))
 

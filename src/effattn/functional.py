@@ -7,14 +7,14 @@ from typing import Any
 from torch import Tensor
 
 from effattn.base import check_qkv
-from effattn.registry import build
+from effattn.registry import DEFAULT_METHOD, build
 
 
 def attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    method: str = "softmax",
+    method: str = DEFAULT_METHOD,
     causal: bool = False,
     key_padding_mask: Tensor | None = None,
     *,

@@ -1,22 +1,106 @@
 """The method registry: one name -> one :class:`MethodSpec` and one module class.
 
 Every mechanism lives in ``effattn/methods/<name>.py`` and calls :func:`register` at the bottom of
-its file. ``effattn.methods`` imports every module of that package, so adding a file is all it
-takes to add a method.
+its file with everything the rest of the package asks about it: capabilities and options, the FLOP
+model, the budget the approximation study sweeps, variants worth comparing, and the hints a layer
+needs (a parameter-free mixer, a call-time gate). The layers, tools and command line consult only
+this registry; no other module names a method. ``effattn.methods`` imports every module of that
+package, so adding a file is all it takes to add a method.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from effattn.base import AttentionMethod
 
 # Constructor arguments every method takes, besides its own options.
 COMMON_OPTIONS = ("scale",)
+# The exact method: the contract's default (shared/design.md) and the baseline every tool
+# compares against. The one place outside its own module that names a method.
+DEFAULT_METHOD = "softmax"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The shape of one attention call, as a FLOP model counts it.
+
+    q (batch, heads, n, head_dim), k (batch, heads, m, head_dim), v (batch, heads, m, value_dim).
+    ``feature_dim`` is the F of kernelized methods when a built module knows it (paired feature
+    maps double the projections), else None.
+    """
+
+    batch: int
+    heads: int
+    n: int
+    m: int
+    head_dim: int
+    value_dim: int
+    causal: bool = False
+    feature_dim: int | None = None
+
+
+# FLOP model: (options with defaults merged in, problem) -> matmul FLOPs of one forward call.
+FlopModel = Callable[[Mapping[str, Any], Problem], float]
+# The output a method approximates in the error study: (q, k, v, scale, options) -> (B, H, N, Dv).
+TargetFn = Callable[["Tensor", "Tensor", "Tensor", float, Mapping[str, Any]], "Tensor"]
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The option that buys accuracy, and the grid ``effattn approx`` sweeps by default.
+
+    ``target`` is the output the method approximates (None: exact softmax attention); ``note``
+    qualifies the method's errors in the study's records.
+    """
+
+    option: str
+    grid: tuple[Any, ...]
+    target: TargetFn | None = None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class LayerHints:
+    """What a layer around the mechanism must do differently.
+
+    ``parameter_free``: the mechanism mixes the sequence itself (no queries, keys or values), so
+    the layer has no projections and hands it the whole embedding as one head.
+    ``gate_option``: the option that, when true, makes the mechanism take a per-head gate
+    ``gate=`` (B, H, N) in (0, 1) at call time; such a gate exists for causal self-attention only,
+    so encoders and cross-attention build the mechanism without it.
+    """
+
+    parameter_free: bool = False
+    gate_option: str | None = None
+
+    def gated(self, options: Mapping[str, Any]) -> bool:
+        """Whether ``options`` (defaults merged in) ask for the call-time gate."""
+        return self.gate_option is not None and bool(options.get(self.gate_option, False))
+
+    def ungated(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """``options`` without the gate: the mechanism for encoders and cross-attention."""
+        return {k: v for k, v in options.items() if k != self.gate_option}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A setting of a method's options that the tools run beside its defaults.
+
+    ``decoding``: its decoding step costs differ from the default's (``effattn decode`` runs it).
+    """
+
+    options: Mapping[str, Any]
+    decoding: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
 
 
 @dataclass(frozen=True)
@@ -38,15 +122,29 @@ class MethodSpec:
     decoding: bool
     options: Mapping[str, Any] = field(default_factory=dict)
     refusals: Mapping[str, str] = field(default_factory=dict)
+    flops: FlopModel | None = None
+    budget: Budget | None = None
+    variants: tuple[Variant, ...] = ()
+    layer: LayerHints = LayerHints()
+    bench_default: bool = False
+    published: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
-        object.__setattr__(self, "refusals", MappingProxyType(dict(self.refusals)))
+        for name in ("options", "refusals", "published"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
         for capability in ("causal", "padding_mask", "cross", "decoding"):
             if not getattr(self, capability) and capability not in self.refusals:
                 raise ValueError(
                     f"MethodSpec {self.name!r}: {capability}=False needs a reason in refusals"
                 )
+        named = [o for v in self.variants for o in v.options]
+        if self.budget is not None:
+            named.append(self.budget.option)
+        if self.layer.gate_option is not None:
+            named.append(self.layer.gate_option)
+        unknown = sorted(set(named) - set(self.options) - set(COMMON_OPTIONS))
+        if unknown:
+            raise ValueError(f"MethodSpec {self.name!r} names unknown option(s) {unknown}")
 
 
 _REGISTRY: dict[str, tuple[MethodSpec, type[AttentionMethod]]] = {}

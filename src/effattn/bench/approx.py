@@ -4,8 +4,10 @@ Output error: for each method and each value of its budget option (features, lan
 hashes, ...), the relative Frobenius error ``‖out − exact‖_F / ‖exact‖_F`` of the whole output
 (B, H, N, Dv), in float64 (so only the approximation, not rounding, is measured), mean and std
 over seeds. The seed fixes both the data and the method's random draws. The exact target is
-``softmax(scale q k^T) v`` (the naive dense reference), except for ``rfa``, whose target is
-``softmax(q̂ k̂^T / sigma^2) v`` with q̂, k̂ the unit-length q, k (see shared/design.md). Data sets:
+``softmax(scale q k^T) v`` (the naive dense reference), unless the method's
+:class:`~effattn.registry.Budget` names its own target (rfa: ``softmax(q̂ k̂^T / sigma^2) v`` with
+q̂, k̂ the unit-length q, k; see shared/design.md). The budget option and its default grid come
+from each method's spec. Data sets:
 
 - ``gaussian qk_std=s``: q, k ~ N(0, s^2), v ~ N(0, 1); the logits have std about s^2.
 - ``peaked logit=L``: q, k ~ N(0, 1) plus a few planted pairs: P = 4 keys get a large component
@@ -41,21 +43,8 @@ from torch import Tensor
 import effattn
 from effattn import reference
 from effattn.kernelized.random import gaussian_projection, make_generator
+from effattn.registry import Budget
 
-# Method -> (budget option, default grid), for every method whose error a budget controls.
-BUDGETS: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "performer": ("num_features", (16, 32, 64, 128, 256, 512, 1024)),
-    "favor": ("num_features", (16, 32, 64, 128, 256, 512, 1024)),
-    "rfa": ("num_features", (16, 32, 64, 128, 256, 512, 1024)),
-    "nystrom": ("num_landmarks", (8, 16, 32, 64, 128, 256, 512)),
-    "linformer": ("proj_len", (16, 32, 64, 128, 256)),
-    "local": ("window", (16, 32, 64, 128, 256)),
-    "longformer": ("window", (16, 32, 64, 128, 256)),
-    "bigbird": ("block_size", (8, 16, 32, 64)),
-    "reformer": ("n_hashes", (1, 2, 4, 8)),
-    "random": ("ratio", (0.05, 0.1, 0.2, 0.4, 0.8)),
-}
-NOTES = {"linformer": "untrained random projections: not an approximation of softmax"}
 PEAKS = 4
 APPROX_FIELDS = ("method", "option", "budget", "dataset", "status", "mean", "std", "min", "max",
                  "seeds", "length", "heads", "head_dim", "note")
@@ -92,15 +81,21 @@ def make_inputs(
     return q, k, v
 
 
+def budgets() -> dict[str, Budget]:
+    """Method -> its budget, for every registered method whose error a budget controls."""
+    return {m: b for m in effattn.methods() if (b := effattn.spec(m).budget) is not None}
+
+
 def exact_output(method: str, options: Mapping[str, Any], q: Tensor, k: Tensor, v: Tensor,
                  scale: float) -> Tensor:
-    """The output ``method`` approximates (rfa: softmax of unit-length q, k over sigma^2)."""
-    if method == "rfa":
-        sigma = float(options["sigma"])
-        qn = q / q.norm(dim=-1, keepdim=True)
-        kn = k / k.norm(dim=-1, keepdim=True)
-        return reference.softmax_attention(qn, kn, v, scale=1.0 / sigma**2)
-    return reference.softmax_attention(q, k, v, scale=scale)
+    """The output ``method`` approximates: its budget's target, else exact softmax attention.
+
+    ``options`` override the method's defaults.
+    """
+    budget = budgets().get(method)
+    if budget is None or budget.target is None:
+        return reference.softmax_attention(q, k, v, scale=scale)
+    return budget.target(q, k, v, scale, {**effattn.spec(method).options, **options})
 
 
 def relative_error(out: Tensor, target: Tensor) -> float:
@@ -143,11 +138,13 @@ def output_error_study(
     sets = datasets(qk_stds, peak_logit)
     inputs = {(name, s): make_inputs(heads=heads, n=length, d=head_dim, seed=s, **kw)
               for name, kw in sets for s in range(seeds)}
+    known = budgets()
     for method, grid in grids.items():
-        option = BUDGETS[method][0]
-        options = dict(effattn.spec(method).options)
+        if method not in known:
+            raise ValueError(f"{method} has no budget option to sweep")
+        method_budget = known[method]
+        option = method_budget.option
         for budget in grid:
-            options[option] = budget
             for name, _ in sets:
                 errors, status = [], "ok"
                 for s in range(seeds):
@@ -160,14 +157,17 @@ def output_error_study(
                     except (ValueError, TypeError) as err:
                         status = "refused: " + " ".join(str(err).split())
                         break
-                    key = (name, s, module.scale, method == "rfa" and options["sigma"])
+                    # Methods with the exact softmax target share it; the others get their own.
+                    key = (name, s, module.scale,
+                           None if method_budget.target is None else method)
                     if key not in targets:
-                        targets[key] = exact_output(method, options, q, k, v, module.scale)
+                        targets[key] = exact_output(method, {option: budget}, q, k, v,
+                                                    module.scale)
                     errors.append(relative_error(out, targets[key]))
                 record = {"method": method, "option": option, "budget": budget, "dataset": name,
                           "status": status, "mean": None, "std": None, "min": None, "max": None,
                           "seeds": len(errors), "length": length, "heads": heads,
-                          "head_dim": head_dim, "note": NOTES.get(method, "")}
+                          "head_dim": head_dim, "note": method_budget.note}
                 if status == "ok":
                     record.update(_summary(errors))
                 records.append(record)
@@ -290,8 +290,10 @@ def approx_table(records: Sequence[dict[str, Any]]) -> str:
     sets = list(dict.fromkeys(r["dataset"] for r in records))
     rows = [["method", "budget", *sets]]
     keyed = {(r["method"], r["budget"], r["dataset"]): r for r in records}
+    notes = {r["method"]: r["note"] for r in records if r.get("note")}
+    options = {r["method"]: r["option"] for r in records}
     for method, budget in dict.fromkeys((r["method"], r["budget"]) for r in records):
-        option = BUDGETS[method][0]
+        option = options[method]
         cells = []
         for s in sets:
             r = keyed.get((method, budget, s))
@@ -301,10 +303,9 @@ def approx_table(records: Sequence[dict[str, Any]]) -> str:
                 cells.append(r["status"].split(":")[0])
             else:
                 cells.append(f"{r['mean']:.3g} ± {r['std']:.2g}")
-        rows.append([method + (" *" if method in NOTES else ""), f"{option}={budget}", *cells])
+        rows.append([method + (" *" if method in notes else ""), f"{option}={budget}", *cells])
     return _text_table(rows) + (
-        "\n* " + "; ".join(f"{m}: {n}" for m, n in NOTES.items())
-        if any(r["method"] in NOTES for r in records) else "")
+        "\n* " + "; ".join(f"{m}: {n}" for m, n in notes.items()) if notes else "")
 
 
 def kernel_table(records: Sequence[dict[str, Any]]) -> str:

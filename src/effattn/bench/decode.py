@@ -42,10 +42,8 @@ from effattn.bench.memory import MiB, PeakMemory
 from effattn.bench.results import ResultStore
 from effattn.bench.speed import SweepStats, classify_error, format_options, run_isolated
 from effattn.bench.timing import synchronizer
-from effattn.kernelized.core import RecurrentState
-from effattn.methods.local import WindowCache
-from effattn.methods.softmax import KVCache
 from effattn.nn.models import DecoderLM, DecoderState
+from effattn.registry import DEFAULT_METHOD
 
 # Steps whose median is the per-token time "near position L".
 TAIL_STEPS = 32
@@ -95,27 +93,16 @@ class DecodeConfig:
                 "vocab": self.vocab, "prompt_len": self.prompt_len, "device": self.device}
 
 
-def _tensor_bytes(*tensors: Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def state_bytes(state: Any) -> tuple[int, int]:
     """(in use, allocated) bytes of one attention layer's decoding state.
 
-    KV cache (softmax): its buffers grow by doubling; in use are the rows of the positions seen.
-    Window cache (local): a ring of ``window`` rows, in use as soon as written. Recurrent state
-    (kernelized): fixed size, all of it in use.
+    Every method's decoding state says both (``nbytes_in_use()``, ``nbytes()``): a KV cache grows
+    by doubling beyond the positions seen, a window cache fills its ring, a recurrent state is
+    fixed-size and all in use.
     """
-    if isinstance(state, KVCache):
-        allocated = _tensor_bytes(state.k, state.v)
-        return allocated // state.k.shape[2] * state.length, allocated
-    if isinstance(state, WindowCache):
-        allocated = _tensor_bytes(state.k, state.v)
-        window = state.k.shape[2]
-        return allocated // window * min(state.length, window), allocated
-    if isinstance(state, RecurrentState):
-        return state.nbytes(), state.nbytes()
-    raise TypeError(f"no byte count for a decoding state of type {type(state).__name__}")
+    if not (hasattr(state, "nbytes") and hasattr(state, "nbytes_in_use")):
+        raise TypeError(f"no byte count for a decoding state of type {type(state).__name__}")
+    return state.nbytes_in_use(), state.nbytes()
 
 
 def decoder_state_bytes(state: DecoderState) -> tuple[int, int]:
@@ -269,7 +256,7 @@ def _ok(record: dict[str, Any] | None, value: str) -> bool:
 
 
 def speedups(records: Iterable[dict[str, Any]], method: str, batch: int,
-             baseline: str = "softmax") -> dict[str, dict[int, float]]:
+             baseline: str = DEFAULT_METHOD) -> dict[str, dict[int, float]]:
     """Speed-ups of ``method`` over ``baseline`` at every length both reached, at one batch.
 
     ``tokens_per_s``: ratio of the tokens/s over the whole output of L tokens (time to generate
@@ -300,7 +287,7 @@ def flatness(records: Iterable[dict[str, Any]], method: str,
 
 
 def state_percent(records: Iterable[dict[str, Any]], method: str, batch: int, length: int,
-                  baseline: str = "softmax") -> float | None:
+                  baseline: str = DEFAULT_METHOD) -> float | None:
     """The decoding state of ``method`` after ``length`` tokens as % of the baseline's (its KV
     cache, bytes in use) at the same length and batch; None where either is missing."""
     index = _index(records)
@@ -317,7 +304,7 @@ def flat_goal_applies(lengths: Sequence[int] | None) -> bool:
 
 
 def summarize(records: Sequence[dict[str, Any]], length: int,
-              baseline: str = "softmax") -> list[dict[str, Any]]:
+              baseline: str = DEFAULT_METHOD) -> list[dict[str, Any]]:
     """One row per (method, batch): flatness, state as % of the baseline at ``length``, the
     speed-ups at every length, and whether each goal is met. A goal is judged only where it is
     defined: the state goal at ``GOAL_LENGTH`` tokens, the flatness goal over a span covering
@@ -344,7 +331,7 @@ def summarize(records: Sequence[dict[str, Any]], length: int,
 
 
 def with_speedup(records: Sequence[dict[str, Any]],
-                 baseline: str = "softmax") -> list[dict[str, Any]]:
+                 baseline: str = DEFAULT_METHOD) -> list[dict[str, Any]]:
     """Copies of ``records`` with ``speedup``: tokens/s over the baseline's at the same batch
     and length (None where either did not finish)."""
     index = _index(records)

@@ -1,22 +1,11 @@
-"""FLOP models of the forward pass, the machine's measured matmul peak, and the reference GEMM
-that tells a disturbed measurement.
+"""FLOPs of a measured call, the machine's measured matmul peak, and the reference GEMM that
+tells a disturbed measurement.
 
-Counts are matmul FLOPs (2 per multiply-add) of the useful work, for q (B, H, N, D),
-k (B, H, M, D), v (B, H, M, Dv); elementwise work (exp, softmax, normalisation) is not counted.
-Forward+backward is counted as 3x the forward: the backward of each matmul is two matmuls of the
-same size. Methods without a clear count (sparse patterns, hashing, FFT) return None ("n/a").
-
-- softmax:   2 B H (N M D + N M Dv); causal counts only the N (N + 1) / 2 visible pairs.
-- performer, favor, rfa (P random projections, feature dimension F: F = P, or 2P after a sin/cos
-  or hyperbolic doubling; F is read from the module's ``feature_dim`` when it exposes one):
-  2 B H (N + M) P D for the features, 2 B H M F (Dv + 1) for phi(K)^T [V, 1] and
-  2 B H N F (Dv + 1) for phi(Q) times that. Causal runs count the same (the useful work; the
-  chunk-local masked products of a chunkwise kernel are extra).
-- linear:    as above with F = D and no projection (the feature map is elementwise).
-- linformer (k = proj_len): 2 B H (k M (D + Dv) + N k (D + Dv)).
-- nystrom (m = num_landmarks, t = pinv_iterations): 2 B H (N m D + m^2 D + m M D) for the three
-  kernels, 8 B H m^3 t for the iterative pseudo-inverse, 2 B H (m M Dv + m^2 Dv + N m Dv) for the
-  products in the cheapest order, plus 2 B H N Dv c for a depthwise convolution of size c.
+Counts are matmul FLOPs (2 per multiply-add) of the GEMMs a method runs, from the FLOP model each
+method registers with its spec (``MethodSpec.flops``; see its module for the formula); elementwise
+work (exp, softmax, normalisation) is not counted. Forward+backward is counted as 3x the forward:
+the backward of each matmul is two matmuls of the same size. Methods without a clear count (sparse
+patterns, hashing, FFT) have no model ("n/a").
 """
 
 from __future__ import annotations
@@ -28,51 +17,13 @@ from typing import Any
 import torch
 
 from effattn.bench.timing import synchronizer, time_fn, time_once
+from effattn.registry import Problem, spec
 
 FWD_BWD_FACTOR = 3
 
 
-def _softmax(o: Mapping[str, Any], b, h, n, m, d, dv, causal) -> float:
-    pairs = n * (n + 1) / 2 if causal else n * m
-    return 2.0 * b * h * pairs * (d + dv)
-
-
-def _kernelized(o: Mapping[str, Any], b, h, n, m, d, dv, causal) -> float:
-    projections = o["num_features"]
-    features = o.get("feature_dim") or projections
-    return 2.0 * b * h * ((n + m) * projections * d + (m + n) * features * (dv + 1))
-
-
-def _linear(o: Mapping[str, Any], b, h, n, m, d, dv, causal) -> float:
-    return 2.0 * b * h * (m + n) * d * (dv + 1)
-
-
-def _linformer(o: Mapping[str, Any], b, h, n, m, d, dv, causal) -> float:
-    k = min(o["proj_len"], m)
-    return 2.0 * b * h * (k * m * (d + dv) + n * k * (d + dv))
-
-
-def _nystrom(o: Mapping[str, Any], b, h, n, m, d, dv, causal) -> float:
-    lm = min(o["num_landmarks"], n, m)
-    kernels = n * lm * d + lm * lm * d + lm * m * d
-    products = lm * m * dv + lm * lm * dv + n * lm * dv
-    conv = n * dv * (o.get("conv_kernel") or 0)
-    return 2.0 * b * h * (kernels + products + conv + 4 * lm**3 * o.get("pinv_iterations", 6))
-
-
-_MODELS: dict[str, Callable[..., float]] = {
-    "softmax": _softmax,
-    "performer": _kernelized,
-    "favor": _kernelized,
-    "rfa": _kernelized,
-    "linear": _linear,
-    "linformer": _linformer,
-    "nystrom": _nystrom,
-}
-
-
 def has_model(method: str) -> bool:
-    return method in _MODELS
+    return spec(method).flops is not None
 
 
 def forward_flops(
@@ -90,20 +41,16 @@ def forward_flops(
 ) -> float | None:
     """FLOPs of one forward call, or None when ``method`` has no model.
 
-    ``options`` are the method's build options (defaults merged in); a ``feature_dim`` attribute
-    of ``module`` overrides the feature dimension of kernelized methods.
+    ``options`` override the method's defaults; a ``feature_dim`` attribute of ``module``
+    overrides the feature dimension of kernelized methods.
     """
-    model = _MODELS.get(method)
-    if model is None:
+    method_spec = spec(method)
+    if method_spec.flops is None:
         return None
-    opts = dict(options)
     feature_dim = getattr(module, "feature_dim", None)
-    if isinstance(feature_dim, int):
-        opts["feature_dim"] = feature_dim
-    try:
-        return model(opts, batch, heads, n, m, head_dim, value_dim, causal)
-    except KeyError:
-        return None
+    problem = Problem(batch, heads, n, m, head_dim, value_dim, causal,
+                      feature_dim if isinstance(feature_dim, int) else None)
+    return method_spec.flops({**method_spec.options, **options}, problem)
 
 
 def pass_flops(forward: float | None, pass_name: str) -> float | None:

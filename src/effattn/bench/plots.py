@@ -13,12 +13,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 
 from effattn.bench.results import TIMED  # noqa: E402
+from effattn.registry import DEFAULT_METHOD  # noqa: E402
 
 PASS_TITLES = {"fwd": "forward", "fwdbwd": "forward + backward"}
 
 
 def _style(method: str, index: int) -> dict[str, Any]:
-    if method == "softmax":  # the quadratic baseline every other line is read against
+    if method == DEFAULT_METHOD:  # the quadratic baseline every other line is read against
         return {"color": "black", "linewidth": 3.0, "marker": "o", "zorder": 10}
     # Ten distinct colours, then the same colours dashed, then dotted.
     return {"color": plt.get_cmap("tab10")(index % 10), "linewidth": 1.6, "marker": ".",
@@ -40,7 +41,7 @@ def _series(records: Iterable[dict[str, Any]], value: str, **match: Any) -> dict
                 and x is not None and x > 0):
             point = (r["length"], x, timed and bool(r.get("disturbed")))
             series.setdefault(r["method"], []).append(point)
-    return {m: sorted(p) for m, p in sorted(series.items(), key=lambda kv: kv[0] != "softmax")}
+    return {m: sorted(p) for m, p in sorted(series.items(), key=lambda kv: kv[0] != DEFAULT_METHOD)}
 
 
 def _guides(ax: Any, series: dict) -> None:
@@ -106,7 +107,7 @@ def _panel(
 
 def _other_methods(records: Sequence[dict[str, Any]]) -> list[str]:
     # A fixed order, so that a method keeps its colour in every panel and figure.
-    return sorted({r["method"] for r in records} - {"softmax"})
+    return sorted({r["method"] for r in records} - {DEFAULT_METHOD})
 
 
 def plot_vs_length(

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from effattn.bench.timing import MAX_SLOWDOWN, MAX_SPREAD
+from effattn.registry import DEFAULT_METHOD
 
 KEY_FIELDS = ("method", "length", "pass", "batch", "heads", "head_dim", "dtype", "causal",
               "device", "options")
@@ -142,7 +143,7 @@ def _failed(record: dict[str, Any] | None) -> bool:
 
 
 def crossover(records: Iterable[dict[str, Any]], pass_name: str = "fwd",
-              baseline: str = "softmax") -> dict[str, int | None]:
+              baseline: str = DEFAULT_METHOD) -> dict[str, int | None]:
     """Per method, the smallest measured length from which on it is faster than ``baseline``.
 
     At each length both were tried at, the method wins when it finished and the baseline was
@@ -204,7 +205,7 @@ def table(records: Iterable[dict[str, Any]], pass_name: str | None, value: str =
     """
     rows = _by_method_length(records, pass_name)
     lengths = sorted({n for r in rows.values() for n in r})
-    names = sorted(rows, key=lambda m: (m != "softmax", m))
+    names = sorted(rows, key=lambda m: (m != DEFAULT_METHOD, m))
     cells = [["method", *map(str, lengths)]]
     cells += [[m, *(_cell(rows[m].get(n), value, fmt, peak) for n in lengths)] for m in names]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]

@@ -25,9 +25,9 @@ from effattn.cli.common import (
     prepare_out,
     user_input,
 )
+from effattn.registry import DEFAULT_METHOD
 
 # The default sweep: a representative subset that finishes in a few minutes on 2 CPU cores.
-DEFAULT_METHODS = ("softmax", "performer", "linear", "nystrom", "local", "reformer")
 LENGTH_SETS = {
     "quick": (256, 512, 1024, 2048, 4096),
     "short": (128, 256, 512),
@@ -71,8 +71,14 @@ def _method_list(text: str, default: tuple[str, ...], allowed: list[str]) -> lis
     return list(dict.fromkeys(names))
 
 
+def default_methods() -> tuple[str, ...]:
+    """The default sweep, a representative subset that finishes in a few minutes on 2 CPU cores:
+    the methods whose spec says ``bench_default``."""
+    return tuple(m for m in effattn.methods() if effattn.spec(m).bench_default)
+
+
 def _bench_methods(text: str) -> list[str]:
-    return _method_list(text, DEFAULT_METHODS, effattn.methods())
+    return _method_list(text, default_methods(), effattn.methods())
 
 
 def _passes(text: str) -> list[str]:
@@ -120,9 +126,10 @@ def _run_bench(args: argparse.Namespace) -> int:
         print(f"\nmedian time per call (ms), {p}:\n{table(records, p, 'median_ms')}")
         print(f"\npeak memory over inputs (MiB), {p}:\n{table(records, p, 'peak_mib')}")
     cross = {p: crossover(records, p) for p in args.passes}
-    if "softmax" in args.methods:
+    if DEFAULT_METHOD in args.methods:
         for p, per_method in cross.items():
-            print(f"\ncrossover vs softmax ({p}): smallest measured N from which on it is faster")
+            print(f"\ncrossover vs {DEFAULT_METHOD} ({p}): smallest measured N from which on "
+                  "it is faster")
             for m, n in per_method.items():
                 print(f"  {m}: " + (f"N >= {n}" if n else "not within the measured lengths"))
     summary: dict[str, Any] = {
@@ -156,9 +163,9 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def _approx_methods(text: str) -> list[str]:
-    from effattn.bench.approx import BUDGETS
+    from effattn.bench.approx import budgets
 
-    allowed = [m for m in effattn.methods() if m in BUDGETS]
+    allowed = list(budgets())
     if text not in ("default", "all"):
         names = [t.strip() for t in text.split(",") if t.strip()]
         registered = effattn.methods()
@@ -166,7 +173,7 @@ def _approx_methods(text: str) -> list[str]:
         if unknown:
             raise argparse.ArgumentTypeError(
                 f"unknown method(s) {', '.join(unknown)}; valid: {', '.join(allowed)}")
-        no_budget = [n for n in names if n not in BUDGETS]
+        no_budget = [n for n in names if n not in allowed]
         if no_budget:
             raise argparse.ArgumentTypeError(
                 f"{', '.join(no_budget)} has no budget option to sweep; methods with one: "
@@ -187,17 +194,13 @@ def _run_approx(args: argparse.Namespace) -> int:
     from effattn.bench import approx, plots
     from effattn.bench.results import write_csv, write_json
 
-    grids = {m: list(approx.BUDGETS[m][1]) for m in args.methods}
-    for method in list(grids):
-        option = approx.BUDGETS[method][0]
-        if option not in effattn.spec(method).options:
-            print(f"note: {method} has no option {option!r}; left out", file=sys.stderr)
-            del grids[method]
+    budgets = approx.budgets()
+    grids = {m: list(budgets[m].grid) for m in args.methods}
     for method, texts in args.budget:
         if method not in grids:
             raise UsageError(f"--budget {method}=...: {method!r} is not among the methods "
                              f"studied ({', '.join(grids) or 'none'})")
-        option = approx.BUDGETS[method][0]
+        option = budgets[method].option
         default = effattn.spec(method).options[option]
         with user_input():
             grids[method] = [parse_value(option, t, default) for t in texts]
@@ -249,7 +252,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         epilog=BENCH_EPILOG, formatter_class=fmt)
     b.add_argument("--methods", type=_bench_methods, default="default",
                    help="comma list of methods, 'all', or 'default' "
-                   f"({', '.join(DEFAULT_METHODS)}, those registered)")
+                   f"({', '.join(default_methods())})")
     b.add_argument("--lengths", type=_lengths, default="quick",
                    help="comma list of lengths N = M and/or sets: "
                    + "; ".join(f"{k} = {','.join(map(str, v))}" for k, v in LENGTH_SETS.items())

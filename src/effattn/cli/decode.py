@@ -22,6 +22,7 @@ from effattn.cli.common import (
     prepare_out,
     user_input,
 )
+from effattn.registry import DEFAULT_METHOD
 
 if TYPE_CHECKING:
     from effattn.bench.decode import DecodeConfig
@@ -29,17 +30,12 @@ if TYPE_CHECKING:
 DEFAULT_LENGTHS = "128,256,512,1024,2048,4096,8192"
 
 
-# Variants whose decoding step differs from their method's: the gate adds a decay to every step.
-# (A learned σ, the other variant `effattn compare` trains, decodes at exactly rfa's cost.)
-DECODE_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (("rfa", {"gated": True}),)
-
-
 def decoding_entries() -> list[tuple[str, dict[str, Any]]]:
-    """``default`` / ``all``: every registered method that can decode, plus gated RFA."""
+    """``default`` / ``all``: every registered method that can decode, plus the variants whose
+    decoding step differs from their method's (``Variant.decoding``: gated RFA's decay)."""
     names = [m for m in effattn.methods() if effattn.spec(m).decoding]
     return [(m, {}) for m in names] + [
-        (m, dict(o)) for m, o in DECODE_VARIANTS
-        if m in names and set(o) <= set(effattn.spec(m).options)]
+        (m, dict(v.options)) for m in names for v in effattn.spec(m).variants if v.decoding]
 
 
 def parse_methods(items: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
@@ -126,7 +122,7 @@ def goal_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
 
     lines = []
     for r in rows:
-        if r["method"] == "softmax":
+        if r["method"] == DEFAULT_METHOD:
             continue
         lengths = r["flatness_lengths"]
         span = f" ({lengths[0]} -> {lengths[1]})" if lengths else ""

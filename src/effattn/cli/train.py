@@ -14,6 +14,7 @@ from effattn.cli.common import (
     prepare_out,
     user_input,
 )
+from effattn.registry import DEFAULT_METHOD
 from effattn.tasks.compare import compare, resolve, run_options, table
 from effattn.tasks.data import FRACTION_METRICS, TASKS, task_options
 from effattn.tasks.train import MODEL_DEFAULTS, TASK_DEFAULTS, TrainConfig, label_of, train
@@ -81,7 +82,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
 def _run_compare(args: argparse.Namespace) -> int:
     with user_input():
-        base = _config(args, "softmax", {})
+        base = _config(args, DEFAULT_METHOD, {})
         run, _ = resolve(args.task, args.methods)
         for method, options in run:
             _check(replace(base, method=method, options=run_options(method, options, base)))
@@ -96,7 +97,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a model with one method on a generated task",
                        description="Train a tiny Transformer with one attention method; "
                        "checkpoints atomically and resumes from its output directory.")
-    p.add_argument("--method", default="softmax", help="registered method (effattn methods)")
+    p.add_argument("--method", default=DEFAULT_METHOD,
+                   help="registered method (effattn methods)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="method option, repeatable (e.g. --option num_features=64 or "
                    "--option orthogonal=false), typed by its default")

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from effattn.base import RandomizedAttention, check_positive_int, compute_dtype
-from effattn.registry import MethodSpec, register
+from effattn.registry import Budget, MethodSpec, register
 from effattn.sparse import block_gather_attention, dense_partial
 
 
@@ -168,6 +168,8 @@ register(
         cross=False,
         decoding=False,
         options={"block_size": 64, "num_random_blocks": 3, "num_global_blocks": 1},
+        budget=Budget("block_size", (8, 16, 32, 64)),
+        published={"lra_listops": 36.05},
         refusals={
             "causal": "global blocks attend to and are attended by every block, and random "
             "blocks point anywhere: the pattern is bidirectional by design",

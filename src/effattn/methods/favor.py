@@ -10,16 +10,19 @@ q, k: (B, H, N|M, D), v: (B, H, M, Dv) -> (B, H, N, Dv).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from effattn.base import check_bool, check_positive_int
+from effattn.kernelized import core
 from effattn.kernelized import features as fm
 from effattn.kernelized.core import kernelized_attention
 from effattn.kernelized.layer import KernelizedAttention
 from effattn.kernelized.random import gaussian_projection
-from effattn.registry import MethodSpec, register
+from effattn.registry import Budget, MethodSpec, Problem, register
 
 
 def favor_attention(
@@ -94,6 +97,11 @@ class FavorAttention(KernelizedAttention):
         )
 
 
+def _flops(options: Mapping[str, Any], problem: Problem) -> float:
+    return core.flops(problem, projections=options["num_features"],
+                      feature_dim=options["num_features"], chunk_size=options["chunk_size"])
+
+
 register(
     MethodSpec(
         name="favor",
@@ -111,6 +119,8 @@ register(
             "redraw_interval": 1000,
             "chunk_size": 64,
         },
+        flops=_flops,
+        budget=Budget("num_features", (16, 32, 64, 128, 256, 512, 1024)),
     ),
     FavorAttention,
 )

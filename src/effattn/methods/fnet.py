@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from effattn.base import AttentionMethod, compute_dtype
-from effattn.registry import MethodSpec, register
+from effattn.registry import LayerHints, MethodSpec, register
 
 
 def fnet_mixing(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -54,6 +54,7 @@ register(
             "needs N == M",
             "decoding": "the DFT over the sequence has no recurrent form",
         },
+        layer=LayerHints(parameter_free=True),
     ),
     FNet,
 )

@@ -7,12 +7,16 @@ q, k: (B, H, N|M, D), v: (B, H, M, Dv) -> (B, H, N, Dv).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from torch import Tensor
 
+from effattn.kernelized import core
 from effattn.kernelized import features as fm
 from effattn.kernelized.core import kernelized_attention
 from effattn.kernelized.layer import KernelizedAttention
-from effattn.registry import MethodSpec, register
+from effattn.registry import MethodSpec, Problem, register
 
 
 def linear_transformer_attention(
@@ -59,6 +63,12 @@ class LinearTransformerAttention(KernelizedAttention):
         return fm.elu_plus_one(x)
 
 
+def _flops(options: Mapping[str, Any], problem: Problem) -> float:
+    # The feature map is elementwise: no projection, F = D.
+    return core.flops(problem, projections=0, feature_dim=problem.head_dim,
+                      chunk_size=options["chunk_size"])
+
+
 register(
     MethodSpec(
         name="linear",
@@ -71,6 +81,9 @@ register(
         cross=True,
         decoding=True,
         options={"chunk_size": 64},
+        flops=_flops,
+        bench_default=True,
+        published={"lra_listops": 16.13},
     ),
     LinearTransformerAttention,
 )

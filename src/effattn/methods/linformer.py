@@ -11,13 +11,15 @@ Padded keys and values are zeroed before the projection, so they add nothing to 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from effattn.base import AttentionMethod, compute_dtype
-from effattn.registry import MethodSpec, register
+from effattn.registry import Budget, MethodSpec, Problem, register
 
 SHARE_MODES = ("none", "kv", "headwise")
 
@@ -123,6 +125,12 @@ class Linformer(AttentionMethod):
         )
 
 
+def _flops(options: Mapping[str, Any], p: Problem) -> float:
+    """k and v projected to P rows, then N queries over them: 2·B·H·(P M + N P)·(D + Dv)."""
+    k = min(options["proj_len"], p.m)
+    return 2.0 * p.batch * p.heads * (k * p.m + p.n * k) * (p.head_dim + p.value_dim)
+
+
 register(
     MethodSpec(
         name="linformer",
@@ -134,6 +142,10 @@ register(
         cross=True,
         decoding=False,
         options={"proj_len": 256, "share": "none"},
+        flops=_flops,
+        budget=Budget("proj_len", (16, 32, 64, 128, 256),
+                      note="untrained random projections: not an approximation of softmax"),
+        published={"lra_listops": 35.70},
         refusals={
             "causal": "the projections E K and F V mix every position, future tokens included",
             "decoding": "each new token changes every projected key and value (no causal form)",

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from effattn.base import AttentionMethod, check_positive_int, compute_dtype
-from effattn.registry import MethodSpec, register
+from effattn.registry import Budget, MethodSpec, register
 from effattn.sparse import banded_attention
 
 
@@ -62,6 +62,11 @@ class WindowCache:
     def nbytes(self) -> int:
         """Bytes held by the buffer: fixed by the window, whatever the position."""
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    def nbytes_in_use(self) -> int:
+        """Bytes of the slots written so far (all of them once ``window`` tokens were seen)."""
+        window = self.k.shape[2]
+        return self.nbytes() // window * min(self.length, window)
 
 
 class LocalAttention(AttentionMethod):
@@ -120,6 +125,9 @@ register(
         cross=False,
         decoding=True,
         options={"window": 128, "dilation": 1},
+        budget=Budget("window", (16, 32, 64, 128, 256)),
+        bench_default=True,
+        published={"lra_listops": 15.82},
         refusals={
             "cross": "a window over positions needs aligned query and key positions (N == M)",
         },

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from effattn.base import AttentionMethod, check_positive_int, compute_dtype
-from effattn.registry import MethodSpec, register
+from effattn.registry import Budget, MethodSpec, register
 from effattn.sparse import banded_attention, dense_partial, merge_partials
 
 
@@ -110,6 +110,8 @@ register(
         cross=False,
         decoding=False,
         options={"window": 128, "global_tokens": (0,)},
+        budget=Budget("window", (16, 32, 64, 128, 256)),
+        published={"lra_listops": 35.63},
         refusals={
             "causal": "global tokens attend to and are attended by every position "
             "(bidirectional by design); use local for a causal window",

@@ -41,13 +41,15 @@ sum is off 1 by more than ``MASS_TOLERANCE`` raises a ValueError.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from effattn.base import AttentionMethod, check_positive_int, compute_dtype
-from effattn.registry import MethodSpec, register
+from effattn.registry import Budget, MethodSpec, Problem, register
 
 # Largest |row sum - 1| of the approximate attention matrix accepted for an unpadded query. On
 # q, k ~ N(0, s^2) and on the planted-peak data of bench/approx.py the sums stay within 0.8-1.35
@@ -247,6 +249,17 @@ class Nystromformer(AttentionMethod):
         )
 
 
+def _flops(options: Mapping[str, Any], p: Problem) -> float:
+    """Three kernels 2·(N m + m² + m M)·D, the iterative pseudo-inverse 8·m³ per iteration, the
+    products in the cheapest order 2·(m M + m² + N m)·Dv, a depthwise convolution 2·N·Dv·c."""
+    lm = min(options["num_landmarks"], p.n, p.m)
+    kernels = (p.n * lm + lm * lm + lm * p.m) * p.head_dim
+    products = (lm * p.m + lm * lm + p.n * lm) * p.value_dim
+    conv = p.n * p.value_dim * (options["conv_kernel"] or 0)
+    pinv = 4 * lm**3 * options["pinv_iterations"]
+    return 2.0 * p.batch * p.heads * (kernels + products + conv + pinv)
+
+
 register(
     MethodSpec(
         name="nystrom",
@@ -259,6 +272,9 @@ register(
         cross=True,
         decoding=False,
         options={"num_landmarks": 64, "pinv_iterations": 6, "conv_kernel": None},
+        flops=_flops,
+        budget=Budget("num_landmarks", (8, 16, 32, 64, 128, 256, 512)),
+        bench_default=True,
         refusals={
             "causal": "segment-mean landmarks average future tokens into every kernel, so masking "
             "the kernels would not make the output causal",

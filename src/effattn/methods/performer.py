@@ -13,15 +13,18 @@ q, k: (B, H, N|M, D), v: (B, H, M, Dv) -> (B, H, N, Dv). One projection (F, D) s
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 from torch import Tensor
 
 from effattn.base import check_bool, check_choice, check_positive_int
+from effattn.kernelized import core
 from effattn.kernelized import features as fm
 from effattn.kernelized.core import kernelized_attention
 from effattn.kernelized.layer import KernelizedAttention
 from effattn.kernelized.random import gaussian_projection
-from effattn.registry import MethodSpec, register
+from effattn.registry import Budget, MethodSpec, Problem, register
 
 FEATURE_MAPS = {
     "positive": fm.positive,
@@ -106,6 +109,13 @@ class PerformerAttention(KernelizedAttention):
                 f"feature_map={self.feature_map!r}, orthogonal={self.orthogonal}")
 
 
+def _flops(options: Mapping[str, Any], problem: Problem) -> float:
+    paired = options["feature_map"] in ("hyperbolic", "trig")
+    return core.flops(problem, projections=options["num_features"],
+                      feature_dim=options["num_features"] * (2 if paired else 1),
+                      chunk_size=options["chunk_size"])
+
+
 register(
     MethodSpec(
         name="performer",
@@ -123,6 +133,10 @@ register(
             "redraw_interval": 1000,
             "chunk_size": 64,
         },
+        flops=_flops,
+        budget=Budget("num_features", (16, 32, 64, 128, 256, 512, 1024)),
+        bench_default=True,
+        published={"lra_listops": 18.01},
     ),
     PerformerAttention,
 )

@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from effattn.base import RandomizedAttention, compute_dtype
-from effattn.registry import MethodSpec, register
+from effattn.registry import Budget, MethodSpec, register
 
 # Elements of one block's gathered keys (B, H, C, S, D): about 16 MB in float32.
 _BLOCK_ELEMENTS = 1 << 22
@@ -269,6 +269,7 @@ register(
         cross=True,
         decoding=False,
         options={"ratio": 0.1},
+        budget=Budget("ratio", (0.05, 0.1, 0.2, 0.4, 0.8)),
         refusals={
             "decoding": "the pattern is drawn for a whole sequence length at once; no "
             "fixed-size recurrent state (every query needs random access to all past keys)",

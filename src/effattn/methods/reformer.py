@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 
 from effattn.base import RandomizedAttention, check_bool, check_positive_int, compute_dtype
-from effattn.registry import MethodSpec, register
+from effattn.registry import Budget, MethodSpec, register
 
 # Scores per group of chunks (1 MiB in fp32).
 GROUP_ELEMENTS = 1 << 18
@@ -436,6 +436,9 @@ register(
         cross=True,
         decoding=False,
         options={"n_hashes": 4, "bucket_size": 64, "shared_qk": False},
+        budget=Budget("n_hashes", (1, 2, 4, 8)),
+        bench_default=True,
+        published={"lra_listops": 37.27},
         refusals={
             "decoding": "n_buckets is set from the whole sequence length and tokens are sorted "
             "over the whole sequence, so there is no fixed-size recurrent state",

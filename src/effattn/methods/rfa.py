@@ -17,17 +17,21 @@ q, k: (B, H, N|M, D), v: (B, H, M, Dv) -> (B, H, N, Dv); φ has 2F (sincos) or F
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from effattn.base import check_bool, check_choice, check_positive_int
+from effattn.kernelized import core
 from effattn.kernelized import features as fm
 from effattn.kernelized.core import kernelized_attention
 from effattn.kernelized.layer import KernelizedAttention
 from effattn.kernelized.random import gaussian_projection
-from effattn.registry import MethodSpec, register
+from effattn.reference import softmax_attention
+from effattn.registry import Budget, LayerHints, MethodSpec, Problem, Variant, register
 
 FEATURE_MAPS = {"sincos": fm.sincos, "arccos": fm.arccos}
 
@@ -127,6 +131,19 @@ class RandomFeatureAttention(KernelizedAttention):
                 f"feature_map={self.feature_map!r}, gated={self.gated}")
 
 
+def _flops(options: Mapping[str, Any], problem: Problem) -> float:
+    paired = options["feature_map"] == "sincos"
+    return core.flops(problem, projections=options["num_features"],
+                      feature_dim=options["num_features"] * (2 if paired else 1),
+                      chunk_size=options["chunk_size"])
+
+
+def _target(q: Tensor, k: Tensor, v: Tensor, scale: float, options: Mapping[str, Any]) -> Tensor:
+    """RFA's own kernel: softmax(q̂ k̂^T / σ²) v on unit-length q, k (``scale`` does not enter)."""
+    sigma = float(options["sigma"])
+    return softmax_attention(unit(q), unit(k), v, scale=1.0 / sigma**2)
+
+
 register(
     MethodSpec(
         name="rfa",
@@ -146,6 +163,12 @@ register(
             "redraw_interval": 1,
             "chunk_size": 64,
         },
+        flops=_flops,
+        budget=Budget("num_features", (16, 32, 64, 128, 256, 512, 1024), target=_target),
+        # The authors learn σ; the gate changes every decoding step (a learned σ does not).
+        variants=(Variant({"learn_sigma": True}), Variant({"gated": True}, decoding=True),
+                  Variant({"gated": True, "learn_sigma": True})),
+        layer=LayerHints(gate_option="gated"),
     ),
     RandomFeatureAttention,
 )

@@ -6,14 +6,16 @@ q: (B, H, N, D), k: (B, H, M, D), v: (B, H, M, Dv) -> (B, H, N, Dv).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from effattn.base import AttentionMethod
-from effattn.registry import MethodSpec, register
+from effattn.registry import MethodSpec, Problem, register
 
 
 def visible_rows(key_padding_mask: Tensor, n: int, causal: bool) -> Tensor:
@@ -81,6 +83,10 @@ class KVCache:
         """Bytes held by the cache (its full capacity, which is what it occupies)."""
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
+    def nbytes_in_use(self) -> int:
+        """Bytes of the positions seen; the buffers grow by doubling beyond them."""
+        return self.nbytes() // self.k.shape[2] * self.length
+
 
 def _grow(buf: Tensor, capacity: int) -> Tensor:
     out = buf.new_empty(*buf.shape[:2], capacity, buf.shape[3])
@@ -120,6 +126,12 @@ class SoftmaxAttention(AttentionMethod):
         return out, state
 
 
+def _flops(options: Mapping[str, Any], p: Problem) -> float:
+    """2·B·H·pairs·(D + Dv): q k^T and the weights times v; causal scores N (N + 1) / 2 pairs."""
+    pairs = p.n * (p.n + 1) / 2 if p.causal else p.n * p.m
+    return 2.0 * p.batch * p.heads * pairs * (p.head_dim + p.value_dim)
+
+
 register(
     MethodSpec(
         name="softmax",
@@ -130,6 +142,9 @@ register(
         padding_mask=True,
         cross=True,
         decoding=True,
+        flops=_flops,
+        bench_default=True,
+        published={"lra_listops": 36.37},
     ),
     SoftmaxAttention,
 )

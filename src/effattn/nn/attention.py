@@ -5,13 +5,13 @@ method (``effattn.methods()``). Inputs are (B, N, E) with ``batch_first=True`` (
 or (N, B, E) otherwise; the call returns ``(out, None)`` like torch's, since efficient methods never
 form the N x M attention weights.
 
-Two methods change the layer itself:
+Two kinds of mechanism change the layer itself, as their spec's ``layer`` hints say:
 
-- gated RFA (``method="rfa", gated=True``): a per-head gate g = sigmoid(x W_g + b_g), (B, H, N),
+- a gated one (gated RFA, ``gated=True``): a per-head gate g = sigmoid(x W_g + b_g), (B, H, N),
   computed from the query input and handed to the mechanism as ``gate=`` (Peng et al. 2021, eq. 7).
-- FNet (``method="fnet"``): token mixing by a 2-D Fourier transform, which has no queries, keys or
-  values. The layer has no projections at all and mixes the full embedding (one "head" of size E),
-  as in Lee-Thorp et al. 2021; ``num_heads`` is only checked.
+- a parameter-free mixer (FNet's 2-D Fourier transform), which has no queries, keys or values. The
+  layer has no projections at all and mixes the full embedding (one "head" of size E), as in
+  Lee-Thorp et al. 2021; ``num_heads`` is only checked.
 """
 
 from __future__ import annotations
@@ -22,11 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from effattn.base import check_bool
-from effattn.registry import build, spec
-
-# Mechanisms that mix tokens without queries/keys/values: no projections around them.
-PARAMETER_FREE_MIXERS = frozenset({"fnet"})
+from effattn.registry import DEFAULT_METHOD, build, spec
 
 
 @dataclass
@@ -73,7 +69,7 @@ class MultiheadAttention(nn.Module):
         self,
         embed_dim: int,
         num_heads: int,
-        method: str = "softmax",
+        method: str = DEFAULT_METHOD,
         *,
         batch_first: bool = True,
         bias: bool = True,
@@ -99,8 +95,8 @@ class MultiheadAttention(nn.Module):
         self.batch_first = batch_first
         self.kdim = embed_dim if kdim is None else kdim
         self.vdim = embed_dim if vdim is None else vdim
-        self.gated = check_bool("gated", {**method_spec.options, **options}.get("gated", False))
-        if method in PARAMETER_FREE_MIXERS:
+        self.gated = method_spec.layer.gated({**method_spec.options, **options})
+        if method_spec.layer.parameter_free:
             if (self.kdim, self.vdim) != (embed_dim, embed_dim):
                 raise ValueError(f"{method} mixes one sequence: kdim/vdim must equal embed_dim")
             self.attn = build(method, head_dim=embed_dim, heads=1, max_len=max_len, seed=seed,
@@ -128,7 +124,7 @@ class MultiheadAttention(nn.Module):
 
     @classmethod
     def from_torch(
-        cls, module: nn.MultiheadAttention, method: str = "softmax", **kwargs: Any
+        cls, module: nn.MultiheadAttention, method: str = DEFAULT_METHOD, **kwargs: Any
     ) -> MultiheadAttention:
         """A layer with ``module``'s projection weights and layout, using ``method`` inside."""
         if module.bias_k is not None or module.add_zero_attn or module.dropout:

@@ -12,13 +12,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from effattn.nn.attention import CrossState, MultiheadAttention
-from effattn.registry import spec
-
-
-def ungated(options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` without ``gated``: a gate exists only on causal self-attention, so encoders
-    and cross-attention of a gated model use the ungated mechanism."""
-    return {k: v for k, v in options.items() if k != "gated"}
+from effattn.registry import DEFAULT_METHOD, spec
 
 
 def layer_seed(seed: int | None, index: int) -> int | None:
@@ -61,7 +55,7 @@ class TransformerBlock(nn.Module):
         self,
         d_model: int,
         num_heads: int,
-        method: str = "softmax",
+        method: str = DEFAULT_METHOD,
         *,
         causal: bool = False,
         cross: bool = False,
@@ -82,7 +76,8 @@ class TransformerBlock(nn.Module):
         self.cross_attn = None
         if cross:
             cross_method = method if cross_method is None else cross_method
-            cross_options = ungated(options) if cross_method == method else {}
+            # A gate exists only on causal self-attention: cross-attention goes without it.
+            cross_options = spec(method).layer.ungated(options) if cross_method == method else {}
             self.norm_cross = nn.LayerNorm(d_model)
             self.cross_attn = MultiheadAttention(d_model, num_heads, cross_method,
                                                  max_len=max_len, seed=layer_seed(seed, 1),

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from effattn.nn.blocks import BlockState, TransformerBlock, check_capability, layer_seed, ungated
+from effattn.nn.blocks import BlockState, TransformerBlock, check_capability, layer_seed
 from effattn.nn.positional import SinusoidalPositionalEncoding
-from effattn.registry import spec
+from effattn.registry import DEFAULT_METHOD, spec
 
 
 def _check_tokens(tokens: Tensor, vocab_size: int, arg: str = "tokens") -> None:
@@ -58,10 +58,11 @@ class _Embed(nn.Module):
         return self.drop(self.pos(self.tokens(tokens) * self.scale, offset))
 
 
-def _no_gate(options: dict[str, Any], what: str) -> None:
-    if options.get("gated"):
-        raise ValueError(f"gated=True is defined for causal self-attention only; {what} is not "
-                         "causal (use DecoderLM or EncoderDecoder)")
+def _no_gate(method: str, options: dict[str, Any], what: str) -> None:
+    hints = spec(method).layer
+    if hints.gated(options):
+        raise ValueError(f"{hints.gate_option}=True is defined for causal self-attention only; "
+                         f"{what} is not causal (use DecoderLM or EncoderDecoder)")
 
 
 class EncoderClassifier(nn.Module):
@@ -81,7 +82,7 @@ class EncoderClassifier(nn.Module):
         d_model: int = 64,
         num_heads: int = 4,
         num_layers: int = 2,
-        method: str = "softmax",
+        method: str = DEFAULT_METHOD,
         *,
         ff_mult: int = 4,
         dropout: float = 0.0,
@@ -94,7 +95,7 @@ class EncoderClassifier(nn.Module):
         super().__init__()
         if pool not in ("mean", "cls"):
             raise ValueError(f"pool must be 'mean' or 'cls', got {pool!r}")
-        _no_gate(options, "EncoderClassifier")
+        _no_gate(method, options, "EncoderClassifier")
         self.pool = pool
         self.pad_id = pad_id
         self.masks_padding = spec(method).padding_mask
@@ -151,7 +152,7 @@ class DecoderLM(nn.Module):
         d_model: int = 64,
         num_heads: int = 4,
         num_layers: int = 2,
-        method: str = "softmax",
+        method: str = DEFAULT_METHOD,
         *,
         ff_mult: int = 4,
         dropout: float = 0.0,
@@ -225,7 +226,7 @@ class EncoderDecoder(nn.Module):
         d_model: int = 64,
         num_heads: int = 4,
         num_layers: int = 2,
-        method: str = "softmax",
+        method: str = DEFAULT_METHOD,
         *,
         dec_layers: int | None = None,
         cross_method: str | None = None,
@@ -250,7 +251,7 @@ class EncoderDecoder(nn.Module):
         self.tgt_embed = _Embed(tgt_vocab, d_model, dropout)
         self.encoder = nn.ModuleList(
             TransformerBlock(d_model, num_heads, method, seed=layer_seed(seed, i), **common,
-                             **ungated(options))
+                             **spec(method).layer.ungated(options))
             for i in range(num_layers)
         )
         self.decoder = nn.ModuleList(

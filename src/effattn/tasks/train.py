@@ -35,7 +35,7 @@ from torch import nn
 from tqdm import tqdm
 
 from effattn.nn import DecoderLM, EncoderClassifier, EncoderDecoder, generate
-from effattn.registry import spec
+from effattn.registry import DEFAULT_METHOD, spec
 from effattn.tasks.data import TASKS, Task, decoder_inputs, make_task, score
 from effattn.tasks.synthetic import IGNORE
 
@@ -69,7 +69,7 @@ class TrainConfig:
     """Everything that defines a run. ``None`` fields take the task's defaults."""
 
     task: str = "listops"
-    method: str = "softmax"
+    method: str = DEFAULT_METHOD
     options: dict[str, Any] = field(default_factory=dict)
     task_options: dict[str, Any] = field(default_factory=dict)
     steps: int | None = None
@@ -116,8 +116,8 @@ class TrainConfig:
 def applicability(task: str, method: str, options: dict[str, Any] | None = None) -> str | None:
     """Why ``method`` cannot run ``task`` (the spec's reason), or None when it can."""
     method_spec = spec(method)
-    if task == "listops" and (options or {}).get("gated"):
-        return "gated attention is causal only; ListOps uses a bidirectional encoder"
+    if "causal" not in TASK_NEEDS[task] and method_spec.layer.gated(options or {}):
+        return f"a gate is defined for causal self-attention only; {task} has no causal model"
     for need in TASK_NEEDS[task]:
         if not getattr(method_spec, need):
             return f"{_NEED_WORDS[need]}: {method_spec.refusals[need]}"

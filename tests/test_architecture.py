@@ -1,0 +1,42 @@
+"""The package's shape: every method is one definition, known to the rest only via the registry."""
+
+import ast
+import inspect
+from pathlib import Path
+
+import effattn
+from effattn.registry import DEFAULT_METHOD
+
+SRC = Path(effattn.__file__).parent
+
+
+def _owner_files() -> dict[str, Path]:
+    """Method name -> the file that registers it."""
+    return {name: Path(inspect.getfile(type(effattn.build(name, head_dim=8, heads=1, max_len=8))))
+            for name in effattn.methods()}
+
+
+def _named_methods(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
+    return [(node.lineno, node.value) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and node.value in names]
+
+
+def test_no_module_names_a_method_but_its_own():
+    owners = _owner_files()
+    names = set(owners)
+    offences = []
+    for path in sorted(SRC.rglob("*.py")):
+        for line, name in _named_methods(ast.parse(path.read_text()), names):
+            if path == owners[name]:
+                continue
+            # The contract's default method is named once, in the registry.
+            if path.name == "registry.py" and name == DEFAULT_METHOD:
+                continue
+            offences.append(f"{path.relative_to(SRC)}:{line} names {name!r}")
+    assert not offences, "\n".join(offences)
+
+
+def test_the_scan_sees_a_method_name():
+    tree = ast.parse("x = {'performer': 1}\ny = f'{a}' + 'performer'")
+    assert [n for _, n in _named_methods(tree, {"performer"})] == ["performer", "performer"]
