@@ -109,18 +109,10 @@ def test_positive_features_at_huge_norms_give_the_estimator(variant, causal, amp
     _assert_rel_close(module(q, k, v, causal=causal), ref, rtol)
 
 
-# Not fixed yet: in fp32 the product of row-normalised query and key features,
-# Σ_f exp(u_qf - max u_q + u_kf - max u_k), is exp(-100..-300) here (their peaks sit on different
-# features) and underflows; GEMMs with per-row scales cannot avoid it, a per-feature stabiliser
-# of the state would.
-_UNDERFLOWS = pytest.mark.xfail(strict=True, reason="fp32 row-normalised product underflows")
-
-
 @pytest.mark.parametrize("variant, dtype", [
-    pytest.param(variant, dtype, id=f"{_id(variant)}-{str(dtype)[6:]}",
-                 marks=_UNDERFLOWS if variant in POSITIVE and dtype == torch.float32 else ())
-    for variant in KERNELIZED for dtype in (torch.float64, torch.float32)
-])
+    (variant, dtype) for variant in KERNELIZED for dtype in (torch.float64, torch.float32)
+    if not (variant in POSITIVE and dtype == torch.float32)
+], ids=lambda x: _id(x) if isinstance(x, tuple) else str(x)[6:])
 @pytest.mark.parametrize("causal", [False, True])
 def test_no_all_zero_rows_for_huge_inputs(variant, causal, dtype):
     name, opts = variant
@@ -132,6 +124,59 @@ def test_no_all_zero_rows_for_huge_inputs(variant, causal, dtype):
     out = _build(name, opts, 16, dtype)(q, k, v, causal=causal, **kw)
     assert torch.isfinite(out).all()
     assert (out.abs().amax(-1) > 0).all()
+
+
+@pytest.mark.parametrize("variant", POSITIVE, ids=_id)
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp32_underflow_at_huge_norms_raises(variant, causal):
+    """Entries ~50 in fp32: Σ_f exp(u_qf - max u_q + u_kf - max u_k), the product of the
+    row-normalised query and key features, is exp(-100..-300) (their peaks sit on different
+    features) and underflows to 0; GEMMs with per-row scales cannot avoid it. The rows would be
+    silent zeros: the forward, prefill and a memory read refuse instead (fp64 computes them,
+    test_positive_features_at_huge_norms_give_the_estimator)."""
+    name, opts = variant
+    q, k, v = _huge_qkv(50.0, torch.float32)
+    module = _build(name, opts, 16, torch.float32)
+    match = r"performer: .* 0 in torch\.float32 .* underflows .*\|scale q·k\| <= .* up to"
+    with pytest.raises(ValueError, match=match):
+        module(q, k, v, causal=causal)
+    if causal:
+        with pytest.raises(ValueError, match=match):
+            module.prefill(q, k, v)
+    else:
+        with pytest.raises(ValueError, match="performer: .* underflows"):
+            module.attend_memory(q, module.memory(k, v))
+
+
+NONNEGATIVE = [
+    ("performer", {"feature_map": "positive"}),
+    ("performer", {"feature_map": "hyperbolic"}),
+    ("performer", {"feature_map": "relu"}),
+    ("rfa", {"feature_map": "arccos"}),
+    ("linear", {}),
+]
+
+
+@pytest.mark.parametrize("variant", NONNEGATIVE, ids=_id)
+@pytest.mark.parametrize("causal", [False, True])
+def test_padding_zeros_do_not_raise(variant, causal):
+    """Rows that see no key are a legitimate 0 (eps = 0 maps, fp32, normal inputs): batch 0
+    is all padding, batch 1 pads its first 9 keys (causal queries 0..8 see none)."""
+    name, opts = variant
+    q, k, v = (x.float() for x in qkv(b=2, h=3, n=30, d=16))
+    mask = torch.zeros(2, 30, dtype=torch.bool)
+    mask[0] = True
+    mask[1, :9] = True
+    module = _build(name, opts, 16, torch.float32)
+    out = module(q, k, v, causal=causal, key_padding_mask=mask)
+    seeing = torch.ones(2, 30, dtype=torch.bool)
+    seeing[0] = False
+    if causal:
+        seeing[1, :9] = False
+    assert (out[~seeing[:, None, :].expand(-1, 3, -1)] == 0).all()
+    assert (out.abs().amax(-1) > 0)[seeing[:, None, :].expand(-1, 3, -1)].all()
+    if not causal:
+        module.attend_memory(q, module.memory(k, v, mask))
 
 
 @pytest.mark.parametrize("variant", POSITIVE + [("favor", {})], ids=_id)

@@ -86,6 +86,34 @@ def _ratio(out: Tensor, eps: float, log_scale: Tensor) -> Tensor:
     return out[..., :-1] / torch.where(den == 0, 1.0, den)
 
 
+def _lost_rows(out: Tensor, eps: float, log_scale: Tensor) -> Tensor | None:
+    """True (0-d) if a query that sees a key got a denominator of exactly 0; None: not checked.
+
+    For non-negative features (``eps = 0``) the denominator Σ_j w_ij φ(q_i)·φ(k_j) of a query
+    that sees a key is a sum of terms that are positive in exact arithmetic, so 0 means they
+    underflowed (or, for arccos features, all happen to be 0): the output row would be a silent
+    0. A scale above LOG_FLOOR marks a query that sees a key (a scale stays at the floor until
+    its state holds an unpadded one). Reading the flag is a host sync: the callers gather one
+    per slice and read them once (:func:`_raise_if_lost`); skipped while compiling.
+    """
+    if eps != 0 or torch.compiler.is_compiling():
+        return None
+    return ((out[..., -1:] == 0) & (log_scale > LOG_FLOOR)).any()
+
+
+class DenominatorUnderflowError(ValueError):
+    """A query that sees keys got a zero denominator (see :func:`_lost_rows`)."""
+
+
+def _raise_if_lost(lost: list[Tensor | None], dtype: torch.dtype) -> None:
+    flags = [flag for flag in lost if flag is not None]
+    if flags and bool(torch.stack(flags).any()):
+        raise DenominatorUnderflowError(
+            f"the attention denominator Σ_j φ(q_i)·φ(k_j) is exactly 0 in {dtype} for a query "
+            "that sees keys: the random-feature estimate underflows for logits this large"
+        )
+
+
 def _check_shapes(phi_q: Tensor, phi_k: Tensor, v: Tensor, key_log_scale: Tensor | None) -> None:
     if phi_q.shape[-1] != phi_k.shape[-1]:
         raise ValueError(
@@ -168,9 +196,12 @@ def accumulate_keys(
     v1 = _with_ones(v)
     pad = None if key_padding_mask is None else key_padding_mask[:, None, :, None]
     if key_log_scale is None:
-        scale = torch.zeros_like(state.log_scale)
+        # Features at their true scale, 0, once the state holds an unpadded key; until then
+        # the scale stays at the floor, which marks a state without keys (see _lost_rows).
+        scale = state.log_scale.clamp_min(0.0)
         if pad is not None:
             v1 = v1.masked_fill(pad, 0.0)
+            scale = torch.where(pad.all(-2, keepdim=True), state.log_scale, scale)
     else:
         if pad is not None:
             key_log_scale = key_log_scale.masked_fill(pad, float("-inf"))
@@ -181,8 +212,19 @@ def accumulate_keys(
 
 
 def read_out(state: RecurrentState, phi_q: Tensor, eps: float = 1e-6) -> Tensor:
-    """Queries against a finished non-causal state: φ(Q) [S, z] -> (B, H, N, Dv)."""
-    return _ratio(phi_q @ state.kv, eps, state.log_scale)
+    """Queries against a finished non-causal state: φ(Q) [S, z] -> (B, H, N, Dv).
+
+    Raises :class:`DenominatorUnderflowError` (a ValueError) where a query's denominator
+    underflows to 0 (non-negative features, ``eps = 0``; see :func:`_lost_rows`).
+    """
+    out, lost = _read_out(state, phi_q, eps)
+    _raise_if_lost([lost], phi_q.dtype)
+    return out
+
+
+def _read_out(state: RecurrentState, phi_q: Tensor, eps: float) -> tuple[Tensor, Tensor | None]:
+    out = phi_q @ state.kv
+    return _ratio(out, eps, state.log_scale), _lost_rows(out, eps, state.log_scale)
 
 
 def causal_block(
@@ -205,7 +247,29 @@ def causal_block(
     scalars (stabiliser scale, 1 - g, padding, decay to the chunk end) multiply the rows of
     [V, 1] (width Dv + 1), per-query ones multiply output rows: the only work on L x F data is
     GEMMs. Returns the output (B, H, L, Dv) and the state after the block.
+
+    Ungated, raises :class:`DenominatorUnderflowError` (a ValueError) where the denominator of
+    a query that sees a key underflows to 0 (non-negative features, ``eps = 0``).
     """
+    out, state, lost = _causal_block(
+        phi_q, phi_k, v, state, key_log_scale, key_padding_mask, gate, chunk_size, eps
+    )
+    _raise_if_lost(lost, phi_q.dtype)
+    return out, state
+
+
+def _causal_block(
+    phi_q: Tensor,
+    phi_k: Tensor,
+    v: Tensor,
+    state: RecurrentState | None,
+    key_log_scale: Tensor | None,
+    key_padding_mask: Tensor | None,
+    gate: Tensor | None,
+    chunk_size: int,
+    eps: float,
+) -> tuple[Tensor, RecurrentState, list[Tensor | None]]:
+    """:func:`causal_block`, with the underflow flags of its groups instead of the check."""
     _check_shapes(phi_q, phi_k, v, key_log_scale)
     n = phi_q.shape[2]
     if phi_k.shape[2] != n:
@@ -217,13 +281,16 @@ def causal_block(
             f"gate must be (B, H, N) = {tuple(phi_q.shape[:3])}, got {tuple(gate.shape)}"
         )
     state = _state_for(state, phi_k, v)
-    outs = []
+    outs, lost = [], []
     pieces = _slices(SCAN_CHUNKS * chunk_size, (phi_q, 2), (phi_k, 2), (v, 2),
                      (key_log_scale, 2), (key_padding_mask, 1), (gate, 2))
     for q_g, k_g, v_g, ls_g, pad_g, gate_g in zip(*pieces, strict=True):
-        out, state = _causal_group(q_g, k_g, v_g, state, ls_g, pad_g, gate_g, chunk_size, eps)
+        out, state, lost_g = _causal_group(
+            q_g, k_g, v_g, state, ls_g, pad_g, gate_g, chunk_size, eps
+        )
         outs.append(out)
-    return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), state
+        lost.append(lost_g)
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), state, lost
 
 
 def _causal_group(
@@ -236,7 +303,7 @@ def _causal_group(
     gate: Tensor | None,
     chunk: int,
     eps: float,
-) -> tuple[Tensor, RecurrentState]:
+) -> tuple[Tensor, RecurrentState, Tensor | None]:
     b, h, n, f = phi_q.shape
     v1 = _with_ones(v)
     dv1 = v1.shape[-1]
@@ -249,8 +316,11 @@ def _causal_group(
         v1 = v1.masked_fill(pad[..., None], 0.0)
         if log_gate is not None:
             log_gate = log_gate.masked_fill(pad, 0.0)  # a padded token leaves the state alone
-        if key_log_scale is not None:
-            key_log_scale = key_log_scale.masked_fill(pad[..., None], float("-inf"))
+        if key_log_scale is None:
+            # Scale 0 from the first unpadded key on, the floor before it: queries that see no
+            # key keep the floor (see _lost_rows).
+            key_log_scale = v.new_zeros(*v.shape[:-1], 1)
+        key_log_scale = key_log_scale.masked_fill(pad[..., None], float("-inf"))
 
     tail = (-n) % chunk
     if tail:
@@ -311,7 +381,10 @@ def _causal_group(
     out = (q_c @ states).mul_(inter_weight).add_(intra.mul_(torch.exp(prefix - common)))
     final.position = state.position + n
     out_scale = common.reshape(b, h, nc * chunk, 1)[:, :, :n]
-    return _ratio(out.reshape(b, h, nc * chunk, dv1)[:, :, :n], eps, out_scale), final
+    out = out.reshape(b, h, nc * chunk, dv1)[:, :, :n]
+    # A gate can decay what a query sees to a legitimate 0: only ungated rows are checked.
+    lost = None if gate is not None else _lost_rows(out, eps, out_scale)
+    return _ratio(out, eps, out_scale), final, lost
 
 
 def _chunk_scan(
@@ -444,6 +517,8 @@ def kernelized_attention(
     returns (φ, key_log_scale); ``feature_dim`` is its width F, used to size the slices.
     Same result as :func:`linear_attention` on the full feature tensors (up to rounding), with
     peak memory O(S·F + F·Dv) instead of O(N·F) when no gradient is recorded.
+    Raises :class:`DenominatorUnderflowError` (a ValueError), after the last slice (one host
+    sync), where a query that sees a key gets a denominator of 0 (see :func:`_lost_rows`).
     """
     if gate is not None and not causal:
         raise ValueError("gate needs causal=True: gated attention is a causal recurrence")
@@ -491,7 +566,9 @@ def read_queries(
 ) -> Tensor:
     """Queries q (B, H, N, D) against a finished :func:`key_state`, in slices: (B, H, N, Dv)."""
     step = slice_tokens(q.shape[0] * q.shape[1], feature_dim, 1, slice_elements)
-    outs = [read_out(state, features(q_s, is_query=True)[0], eps) for q_s in q.split(step, 2)]
+    outs, lost = zip(*(_read_out(state, features(q_s, is_query=True)[0], eps)
+                       for q_s in q.split(step, 2)), strict=True)
+    _raise_if_lost(list(lost), q.dtype)
     return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
 
 
@@ -530,16 +607,17 @@ def kernelized_causal(
     if gate is not None and gate.shape != (b, h, n):
         raise ValueError(f"gate must be (B, H, N) = {(b, h, n)}, got {tuple(gate.shape)}")
     step = slice_tokens(b * h, feature_dim, chunk_size, slice_elements)
-    outs = []
+    outs, lost = [], []
     pieces = _slices(step, (q, 2), (k, 2), (v, 2), (key_padding_mask, 1), (gate, 2))
     for q_s, k_s, v_s, pad_s, gate_s in zip(*pieces, strict=True):
         phi_q, _ = features(q_s, is_query=True)
         phi_k, log_scale = features(k_s, is_query=False)
-        out, state = causal_block(
-            phi_q, phi_k, v_s, state, key_log_scale=log_scale, key_padding_mask=pad_s,
-            gate=gate_s, chunk_size=chunk_size, eps=eps,
+        out, state, lost_s = _causal_block(
+            phi_q, phi_k, v_s, state, log_scale, pad_s, gate_s, chunk_size, eps
         )
         outs.append(out)
+        lost += lost_s
+    _raise_if_lost(lost, q.dtype)
     return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), state
 
 

@@ -8,6 +8,7 @@ from torch import Tensor
 from effattn.base import RandomizedAttention, check_positive_int, compute_dtype
 from effattn.kernelized.core import (
     SLICE_ELEMENTS,
+    DenominatorUnderflowError,
     RecurrentState,
     kernelized_attention,
     kernelized_causal,
@@ -25,7 +26,9 @@ class KernelizedAttention(RandomizedAttention):
     saves it with the state_dict) and redrawn in training mode every ``redraw_interval`` forward
     calls (None: never); never in eval mode or in ``step``.
     ``chunk_size`` is the C of the causal chunkwise form. Inputs in fp16/bf16 are computed in
-    fp32; the output comes back in the input dtype.
+    fp32; the output comes back in the input dtype. Forward, prefill and memory reads raise a
+    ValueError where non-negative features underflow to a zero denominator for a query that
+    sees keys (eager only; ``step`` does not check: it would cost a host sync per token).
     """
 
     gated: bool = False
@@ -89,6 +92,17 @@ class KernelizedAttention(RandomizedAttention):
         if not torch.isfinite(gate).all() or gate.min() < 0 or gate.max() > 1:
             raise ValueError("gate values must lie in [0, 1]")
 
+    def _underflow(self, err: DenominatorUnderflowError, q: Tensor, k: Tensor | None) -> ValueError:
+        """The core's underflow error, with the method and, given k, a bound on the logits."""
+        bound = ""
+        if k is not None:
+            # Cauchy-Schwarz, per (batch, head): |scale q_i·k_j| <= scale |q_i| |k_j|.
+            top = (q.norm(dim=-1).amax(-1) * k.norm(dim=-1).amax(-1)).amax().item()
+            bound = f" (|scale q·k| <= scale |q| |k| up to {self.scale * top:.3g})"
+        return ValueError(
+            f"{self.spec.name}: {err}{bound}; compute in float64 or scale q, k down"
+        )
+
     def _attend(
         self,
         q: Tensor,
@@ -102,19 +116,22 @@ class KernelizedAttention(RandomizedAttention):
         self._check_gate(gate, causal, q.shape[:3])
         self._maybe_redraw()
         dt = compute_dtype(q.dtype)
-        return kernelized_attention(
-            q.to(dt),
-            k.to(dt),
-            v.to(dt),
-            self.features,
-            feature_dim=self.feature_dim,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
-            gate=None if gate is None else gate.to(dt),
-            chunk_size=self.chunk_size,
-            eps=self.eps,
-            slice_elements=self.slice_elements,
-        )
+        try:
+            return kernelized_attention(
+                q.to(dt),
+                k.to(dt),
+                v.to(dt),
+                self.features,
+                feature_dim=self.feature_dim,
+                causal=causal,
+                key_padding_mask=key_padding_mask,
+                gate=None if gate is None else gate.to(dt),
+                chunk_size=self.chunk_size,
+                eps=self.eps,
+                slice_elements=self.slice_elements,
+            )
+        except DenominatorUnderflowError as err:
+            raise self._underflow(err, q, k) from None
 
     def _memory(
         self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None
@@ -132,9 +149,12 @@ class KernelizedAttention(RandomizedAttention):
                 f"memory must be {self.spec.name}.memory() of a (B={q.shape[0]}, H={self.heads}) "
                 f"source: a state of shape ({', '.join(map(str, expected))}, Dv + 1), got {got}"
             )
-        return read_queries(q.to(compute_dtype(q.dtype)), memory, self.features,
-                            feature_dim=self.feature_dim, eps=self.eps,
-                            slice_elements=self.slice_elements)
+        try:
+            return read_queries(q.to(compute_dtype(q.dtype)), memory, self.features,
+                                feature_dim=self.feature_dim, eps=self.eps,
+                                slice_elements=self.slice_elements)
+        except DenominatorUnderflowError as err:
+            raise self._underflow(err, q, None) from None
 
     def _step(
         self,
@@ -168,15 +188,18 @@ class KernelizedAttention(RandomizedAttention):
     ) -> tuple[Tensor, RecurrentState]:
         self._check_gate(gate, True, q.shape[:3])
         dt = compute_dtype(q.dtype)
-        return kernelized_causal(
-            q.to(dt),
-            k.to(dt),
-            v.to(dt),
-            self.features,
-            state,
-            feature_dim=self.feature_dim,
-            gate=None if gate is None else gate.to(dt),
-            chunk_size=self.chunk_size,
-            eps=self.eps,
-            slice_elements=self.slice_elements,
-        )
+        try:
+            return kernelized_causal(
+                q.to(dt),
+                k.to(dt),
+                v.to(dt),
+                self.features,
+                state,
+                feature_dim=self.feature_dim,
+                gate=None if gate is None else gate.to(dt),
+                chunk_size=self.chunk_size,
+                eps=self.eps,
+                slice_elements=self.slice_elements,
+            )
+        except DenominatorUnderflowError as err:
+            raise self._underflow(err, q, k) from None
