@@ -272,6 +272,8 @@ def test_recurrent_cache_refusals():
     ids = tokens(n=5)
     with pytest.raises(ValueError, match="cannot decode"):
         generate(llama("reformer"), ids, 2, past_key_values=hf.RecurrentCache())
+    with pytest.raises(NotImplementedError, match="beam search"):
+        generate(llama("linear"), ids, 2, past_key_values=hf.RecurrentCache(), num_beams=2)
     model = llama()
     model.set_attn_implementation("sdpa")
     with pytest.raises(RuntimeError, match="never reached an effattn"):

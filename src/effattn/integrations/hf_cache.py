@@ -81,7 +81,7 @@ class RecurrentLayer(CacheLayerMixin):
     def _unsupported(self, *args: Any) -> None:
         raise NotImplementedError(
             "RecurrentCache cannot reorder, crop or repeat its state (beam search, assisted "
-            "decoding, num_return_sequences > 1); use greedy or sampling generation"
+            "decoding); use greedy or sampling generation"
         )
 
     reorder_cache = crop = batch_repeat_interleave = batch_select_indices = _unsupported
@@ -101,7 +101,8 @@ class RecurrentCache(Cache):
 
     Works with a model whose ``attn_implementation`` is ``effattn-<method>`` for a method that
     decodes (``effattn.spec(method).decoding``). Batches may be left-padded (each row then keeps
-    its own state and steps alone); beam search and other cache reordering are refused.
+    its own state and steps alone); beam search and assisted decoding, which reorder or crop
+    the cache, are refused.
     """
 
     def __init__(self) -> None:
