@@ -223,9 +223,11 @@ def generate(model, ids, new, **kw):
         )
 
 
-@pytest.mark.parametrize("method", DECODING)
-def test_generate_with_recurrent_cache_matches_full_forward(method):
-    model = llama(method)
+@pytest.mark.parametrize(
+    ("arch", "method"), [("llama", m) for m in DECODING] + [("gpt2", "performer")]
+)
+def test_generate_with_recurrent_cache_matches_full_forward(arch, method):
+    model = MODELS[arch](method)
     ids = tokens(n=5)
     cache = hf.RecurrentCache()
     out = generate(model, ids, 16, past_key_values=cache)
