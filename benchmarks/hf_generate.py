@@ -1,0 +1,111 @@
+"""Greedy ``model.generate()`` of a tiny random Llama: effattn methods with RecurrentCache against
+transformers' ``sdpa`` with its default (growing) cache.
+
+For each implementation, batch size and number of generated tokens it records tokens/s
+(batch x tokens / wall time of the whole generate call, a short prompt's prefill included) and
+the bytes the cache holds at the end. Prints a table and writes the records as JSON.
+
+    python3 benchmarks/hf_generate.py                        # the full run (minutes)
+    python3 benchmarks/hf_generate.py --lengths 64 128 --batches 1   # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+
+from effattn.bench.results import write_json
+from effattn.integrations import transformers as hf
+
+
+def make_model(impl: str, args: argparse.Namespace, max_len: int) -> Any:
+    cfg = LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        max_position_embeddings=max_len, eos_token_id=None, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    name = impl if impl == "sdpa" else hf.name(impl)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=name).eval()
+
+
+def cache_for(impl: str, model: Any) -> Any:
+    return DynamicCache(config=model.config) if impl == "sdpa" else hf.RecurrentCache()
+
+
+def cache_bytes(cache: Any) -> int:
+    if isinstance(cache, hf.RecurrentCache):
+        return cache.nbytes()
+    return sum(t.numel() * t.element_size() for layer in cache.layers
+               for t in (layer.keys, layer.values) if t is not None)
+
+
+def run(model: Any, impl: str, prompt: torch.Tensor, new: int) -> tuple[float, int]:
+    cache = cache_for(impl, model)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             past_key_values=cache)
+    seconds = time.perf_counter() - start
+    assert out.shape[1] == prompt.shape[1] + new
+    return seconds, cache_bytes(cache)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--impls", nargs="+", default=["sdpa", "softmax", "performer", "linear", "rfa",
+                                                  "local"],
+                   help="'sdpa' (transformers, default cache) or effattn methods (RecurrentCache)")
+    p.add_argument("--lengths", nargs="+", type=int, default=[256, 2048, 4096, 8192],
+                   help="generated tokens per run")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--prompt", type=int, default=16, help="random prompt tokens")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/hf-generate/results.json"))
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    hf.register()
+    max_len = args.prompt + max(args.lengths)
+    records = []
+    header = f"{'impl':>10} {'batch':>5} {'tokens':>6} {'tokens/s':>9} {'cache KiB':>10}"
+    print(header, "-" * len(header), sep="\n")
+    for impl in args.impls:
+        model = make_model(impl, args, max_len)
+        for batch in args.batches:
+            prompt = torch.randint(1, args.vocab, (batch, args.prompt),
+                                   generator=torch.Generator().manual_seed(0))
+            run(model, impl, prompt, 8)  # warm-up
+            for new in args.lengths:
+                seconds, nbytes = run(model, impl, prompt, new)
+                rec = {"impl": impl, "batch": batch, "tokens": new, "seconds": seconds,
+                       "tokens_per_s": batch * new / seconds, "cache_bytes": nbytes}
+                records.append(rec)
+                print(f"{impl:>10} {batch:>5} {new:>6} {rec['tokens_per_s']:>9.0f} "
+                      f"{nbytes / 1024:>10.1f}", flush=True)
+    write_json(args.out, {
+        "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+        "model": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "vocab", "prompt")},
+        "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
+                        "python": platform.python_version(), "cpu": platform.processor(),
+                        "cpu_count": os.cpu_count(), "threads": torch.get_num_threads()},
+        "records": records,
+    })
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
