@@ -2,6 +2,9 @@
 
 import ast
 import inspect
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import effattn
@@ -40,3 +43,16 @@ def test_no_module_names_a_method_but_its_own():
 def test_the_scan_sees_a_method_name():
     tree = ast.parse("x = {'performer': 1}\ny = f'{a}' + 'performer'")
     assert [n for _, n in _named_methods(tree, {"performer"})] == ["performer", "performer"]
+
+
+def test_import_needs_torch_alone():
+    # torch itself may import numpy or tqdm; effattn must add nothing but its own modules and
+    # the standard library (no matplotlib, transformers, the tools).
+    code = ("import sys; import torch; before = set(sys.modules); import effattn; "
+            "print('\\n'.join(sorted(set(sys.modules) - before)))")
+    added = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, env={**os.environ, "PYTHONPATH": str(SRC.parent)}).stdout
+    foreign = [m for m in added.split() if m.split(".")[0] not in sys.stdlib_module_names
+               and not m.startswith("effattn")]
+    assert not foreign, foreign
+    assert "effattn.bench" not in added.split() and "effattn.cli" not in added.split()
