@@ -106,3 +106,13 @@ def test_state_dict_without_random_state_is_refused_when_strict(method):
     b.load_state_dict(state, strict=False)
     with pytest.raises(ValueError, match="extra state"):
         b.set_extra_state({"generator": None})
+
+
+@pytest.mark.parametrize("method, options", [("linformer", {}), ("nystrom", {"conv_kernel": 3})])
+def test_unseeded_parameters_follow_the_global_seed(method, options):
+    torch.manual_seed(5)
+    a = effattn.build(method, head_dim=8, heads=2, max_len=16, **options)
+    torch.manual_seed(5)
+    b = effattn.build(method, head_dim=8, heads=2, max_len=16, **options)
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(x, y), name

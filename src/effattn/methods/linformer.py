@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from effattn.base import AttentionMethod, compute_dtype
+from effattn.base import AttentionMethod, compute_dtype, resolve_seed
 from effattn.registry import Budget, MethodSpec, Problem, register
 
 SHARE_MODES = ("none", "kv", "headwise")
@@ -96,11 +96,7 @@ class Linformer(AttentionMethod):
             raise ValueError(f"share must be one of {SHARE_MODES}, got {share!r}")
         self.proj_len = proj_len
         self.share = share
-        generator = torch.Generator()
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(seed)
+        generator = torch.Generator().manual_seed(resolve_seed(seed))
         shape = (proj_len, max_len) if share == "headwise" else (heads, proj_len, max_len)
         std = 1.0 / math.sqrt(proj_len)
         self.e = nn.Parameter(torch.randn(shape, generator=generator) * std)

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from effattn.base import AttentionMethod, check_positive_int, compute_dtype
+from effattn.base import AttentionMethod, check_positive_int, compute_dtype, resolve_seed
 from effattn.registry import Budget, MethodSpec, Problem, register
 
 # Largest |row sum - 1| of the approximate attention matrix accepted for an unpadded query. On
@@ -223,11 +223,7 @@ class Nystromformer(AttentionMethod):
         if conv_kernel is None:
             self.register_parameter("conv_weight", None)
         else:
-            generator = torch.Generator()
-            if seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(seed)
+            generator = torch.Generator().manual_seed(resolve_seed(seed))
             bound = 1.0 / math.sqrt(conv_kernel)
             weight = (torch.rand(heads, conv_kernel, generator=generator) * 2 - 1) * bound
             self.conv_weight = nn.Parameter(weight)
