@@ -55,4 +55,4 @@ def test_import_needs_torch_alone():
     foreign = [m for m in added.split() if m.split(".")[0] not in sys.stdlib_module_names
                and not m.startswith("effattn")]
     assert not foreign, foreign
-    assert "effattn.bench" not in added.split() and "effattn.cli" not in added.split()
+    assert "effattn.tools.bench" not in added.split() and "effattn.cli" not in added.split()

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 import effattn
-from effattn.bench import speed
 from effattn.cli import main
 from effattn.cli.common import parse_entry, parse_options, parse_value
-from effattn.tasks import compare as cmp
-from effattn.tasks.data import task_options
+from effattn.tools import compare as cmp
+from effattn.tools.bench import speed
+from effattn.tools.tasks.data import task_options
 
 
 def test_methods_table_lists_every_method(capsys):
@@ -69,8 +69,8 @@ def no_measuring(monkeypatch):
     def refuse(*args):
         raise AssertionError("a worker was started")
 
-    monkeypatch.setattr("effattn.bench.speed.run_isolated", refuse)
-    monkeypatch.setattr("effattn.bench.decode.run_isolated", refuse)
+    monkeypatch.setattr("effattn.tools.bench.speed.run_isolated", refuse)
+    monkeypatch.setattr("effattn.tools.decode.run_isolated", refuse)
 
 
 @pytest.mark.parametrize("key, default, text, value", [
@@ -131,7 +131,7 @@ def test_bench_bool_options_reach_the_method_as_bools(method, key, text, value, 
         seen.append(dict(args[0].options))
         return {"status": "refused: not measured in this test"}
 
-    monkeypatch.setattr("effattn.bench.speed.run_isolated", fake_worker)
+    monkeypatch.setattr("effattn.tools.bench.speed.run_isolated", fake_worker)
     argv = ["bench", *TINY["bench"], "--methods", method, "--option", f"{key}={text}",
             "--out", str(tmp_path)]
     assert main(argv) == 0
@@ -194,7 +194,7 @@ def test_unwritable_out_exits_2_before_any_work(command, where, tmp_path, capsys
     def no_study(*args, **kwargs):
         raise AssertionError("the study ran")
 
-    monkeypatch.setattr("effattn.bench.approx.output_error_study", no_study)
+    monkeypatch.setattr("effattn.tools.approx.output_error_study", no_study)
     monkeypatch.setattr(f"effattn.cli.train.{'train' if command == 'train' else 'compare'}",
                         no_study)
     if where == "a file":
@@ -239,7 +239,7 @@ def test_ctrl_c_in_decode_exits_130_with_a_resume_hint(tmp_path, capsys, monkeyp
     def interrupt(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("effattn.bench.decode.run_isolated", interrupt)
+    monkeypatch.setattr("effattn.tools.decode.run_isolated", interrupt)
     code, err = _run(["decode", *TINY["decode"], "--out", str(tmp_path)], capsys)
     assert code == 130 and "Traceback" not in err
     assert "run the same command again to resume" in err
@@ -248,7 +248,7 @@ def test_ctrl_c_in_decode_exits_130_with_a_resume_hint(tmp_path, capsys, monkeyp
 def test_sigint_to_a_training_run_exits_130_and_keeps_its_checkpoint(tmp_path):
     import torch
 
-    from effattn.tasks.train import TrainConfig, train
+    from effattn.tools.train import TrainConfig, train
 
     argv = [*TINY["train"], "--steps", "100000", "--checkpoint-every", "2", "--out", str(tmp_path)]
     env = {**os.environ, "PYTHONPATH": "src", "OMP_NUM_THREADS": "1"}

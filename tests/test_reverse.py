@@ -8,10 +8,10 @@ import torch
 import effattn
 from effattn.cli import main
 from effattn.nn import EncoderDecoder
-from effattn.tasks import compare as cmp
-from effattn.tasks import synthetic
-from effattn.tasks.data import decoder_inputs, make_task
-from effattn.tasks.train import TrainConfig, applicability, greedy_scores, train
+from effattn.tools import compare as cmp
+from effattn.tools.tasks import synthetic
+from effattn.tools.tasks.data import decoder_inputs, make_task
+from effattn.tools.train import TrainConfig, applicability, greedy_scores, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,8 +10,8 @@ import effattn
 from effattn.cli import main
 from effattn.cli.common import parse_entry, parse_options
 from effattn.nn import DecoderLM, EncoderClassifier
-from effattn.tasks import compare as cmp
-from effattn.tasks.train import TrainConfig, applicability, learning_rate, train
+from effattn.tools import compare as cmp
+from effattn.tools.train import TrainConfig, applicability, learning_rate, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

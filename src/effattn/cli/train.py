@@ -15,9 +15,9 @@ from effattn.cli.common import (
     user_input,
 )
 from effattn.registry import DEFAULT_METHOD
-from effattn.tasks.compare import compare, resolve, run_options, table
-from effattn.tasks.data import FRACTION_METRICS, TASKS, task_options
-from effattn.tasks.train import MODEL_DEFAULTS, TASK_DEFAULTS, TrainConfig, label_of, train
+from effattn.tools.compare import compare, resolve, run_options, table
+from effattn.tools.tasks.data import FRACTION_METRICS, TASKS, task_options
+from effattn.tools.train import MODEL_DEFAULTS, TASK_DEFAULTS, TrainConfig, label_of, train
 
 
 def _budget_args(p: argparse.ArgumentParser) -> None:

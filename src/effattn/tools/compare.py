@@ -24,11 +24,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from effattn.bench.results import atomic_write
 from effattn.cli.common import parse_entry
 from effattn.registry import DEFAULT_METHOD, methods, spec
-from effattn.tasks.data import FRACTION_METRICS, METRIC_NAMES, TASK_METRICS
-from effattn.tasks.train import RESULTS, TrainConfig, applicability, label_of, write_json
+from effattn.tools.bench.results import atomic_write
+from effattn.tools.tasks.data import FRACTION_METRICS, METRIC_NAMES, TASK_METRICS
+from effattn.tools.train import RESULTS, TrainConfig, applicability, label_of, write_json
 
 
 def scaled_options(method: str, seq_len: int, head_dim: int) -> dict[str, Any]:
