@@ -110,7 +110,7 @@ def test_method_entries_and_task_options_are_typed():
         parse_entry("rfa:bogus=1")
     assert parse_options(["test_size=8", "vocab=none"], task_options("copy")) == {
         "test_size": 8, "vocab": None}
-    run, _ = cmp.resolve("copy", ["rfa:learn_sigma=false,gated=0"])
+    run, _ = cmp.resolve("copy", [parse_entry("rfa:learn_sigma=false,gated=0")])
     assert run == [("rfa", {"learn_sigma": False, "gated": False})]
 
 

@@ -86,7 +86,7 @@ def test_reverse_task_streams_and_length_sets():
 
 
 def test_applicability_needs_causal_cross_and_decoding():
-    run, skipped = cmp.resolve("reverse", ["all"])
+    run, skipped = cmp.resolve("reverse", cmp.every_variant())
     labels = [effattn.spec(m).name for m, _ in run]
     for method in effattn.methods():
         s = effattn.spec(method)

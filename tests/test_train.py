@@ -180,7 +180,7 @@ def test_compare_options_and_resolution():
     assert parse_entry("softmax") == ("softmax", {})
     with pytest.raises(KeyError):
         parse_entry("nope:x=1")
-    run, skipped = cmp.resolve("charlm", ["all", "softmax"])
+    run, skipped = cmp.resolve("charlm", [*cmp.every_variant(), parse_entry("softmax")])
     labels = [m for m, _ in run]
     assert labels.count("softmax") == 1
     for method in effattn.methods():
