@@ -63,6 +63,68 @@ def _run(argv, capsys):
     return code, capsys.readouterr().err
 
 
+# Each tool dependency in turn made unimportable (after torch, which may import it itself), then
+# every command run once in the same process: the tools' commands end with one line, exit 2.
+_WITHOUT_TOOLS = """
+import contextlib, io, json, sys
+import torch
+from effattn.cli import TOOL_COMMANDS, main
+from effattn.tools import REQUIRES
+outcome = {}
+for module in REQUIRES:
+    kept = sys.modules.pop(module, None)
+    sys.modules[module] = None
+    for argv in json.loads(sys.argv[1]):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+        outcome[module + ' ' + argv[0]] = [code, out.getvalue(), err.getvalue()]
+    del sys.modules[module]
+    if kept is not None:
+        sys.modules[module] = kept
+loaded = [m for m in sys.modules if m.startswith(('effattn.tools.', *TOOL_COMMANDS))]
+print(json.dumps({'outcome': outcome, 'loaded': loaded}))
+"""
+
+
+def test_tool_commands_without_the_tools_say_what_to_install():
+    argvs = [["methods", "softmax"], *([c, *TINY[c], "--help"] for c in TINY)]
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_TOOLS, json.dumps(argvs)],
+                          capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(Path(effattn.__file__).parents[1])})
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["loaded"] == []
+    for case, (code, out, err) in report["outcome"].items():
+        missing, command = case.split()
+        if command == "methods":
+            assert (code, err) == (0, "") and "softmax" in out, case
+        else:
+            assert code == 2 and out == "", case
+            assert err == (f"effattn {command} needs the tools: pip install 'effattn[tools]' "
+                           f"(missing: {missing})\n"), case
+
+
+def test_tool_commands_are_the_ones_their_modules_add():
+    import argparse
+    import importlib
+
+    from effattn.cli import LIBRARY_COMMANDS, TOOL_COMMANDS, build_parser
+
+    for module, commands in TOOL_COMMANDS.items():
+        sub = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(module).add_parser(sub)
+        assert tuple(sub.choices) == commands, module
+    listed = build_parser()._subparsers._group_actions[0].choices
+    assert list(listed) == [m.rsplit(".", 1)[1] for m in LIBRARY_COMMANDS] + [
+        c for commands in TOOL_COMMANDS.values() for c in commands]
+
+
+def test_unknown_arguments_are_still_an_error(capsys):
+    code, err = _run(["methods", "--bogus"], capsys)
+    assert code == 2 and "unrecognized arguments: --bogus" in err
+
+
 @pytest.fixture
 def no_measuring(monkeypatch):
     """Fail the test if bench or decode starts a measuring worker."""
