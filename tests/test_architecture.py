@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import effattn
 from effattn.registry import DEFAULT_METHOD
 
@@ -92,3 +94,15 @@ def test_the_library_imports_neither_the_tools_nor_the_cli():
                 offences.append(where)
             offences += [f"{where}.{n}" for n in names if n.startswith("_")]
     assert not offences, "\n".join(offences)
+
+
+def test_the_tools_extra_is_what_the_cli_checks_for():
+    # `effattn CMD` checks effattn.tools.REQUIRES; the extra must install exactly those, and the
+    # core nothing but torch.
+    tomllib = pytest.importorskip("tomllib")
+    from effattn import tools
+
+    project = tomllib.loads((SRC.parents[1] / "pyproject.toml").read_text())["project"]
+    assert [d.split(">")[0] for d in project["dependencies"]] == ["torch"]
+    assert sorted(project["optional-dependencies"]["tools"]) == sorted(tools.REQUIRES)
+    assert "effattn[tools,hf]" in project["optional-dependencies"]["dev"]
