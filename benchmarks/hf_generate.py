@@ -23,7 +23,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
-from effattn.bench.results import write_json
+from effattn.tools.bench.results import write_json
 from effattn.integrations import transformers as hf
 
 

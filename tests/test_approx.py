@@ -9,9 +9,9 @@ import torch
 
 import effattn
 from effattn import reference
-from effattn.bench import approx
 from effattn.cli import main
 from effattn.registry import Budget
+from effattn.tools import approx
 
 
 def _budgeted(limit=2):

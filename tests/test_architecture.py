@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import effattn
 from effattn.registry import DEFAULT_METHOD
 
@@ -47,12 +49,60 @@ def test_the_scan_sees_a_method_name():
 
 def test_import_needs_torch_alone():
     # torch itself may import numpy or tqdm; effattn must add nothing but its own modules and
-    # the standard library (no matplotlib, transformers, the tools).
-    code = ("import sys; import torch; before = set(sys.modules); import effattn; "
+    # the standard library (no matplotlib, transformers, the tools or the command line), and must
+    # import with the tools' dependencies unimportable.
+    code = ("import sys; import torch; "
+            "sys.modules.update(dict.fromkeys(('numpy', 'matplotlib', 'tqdm'))); "
+            "before = set(sys.modules); import effattn, effattn.nn; "
             "print('\\n'.join(sorted(set(sys.modules) - before)))")
     added = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            check=True, env={**os.environ, "PYTHONPATH": str(SRC.parent)}).stdout
     foreign = [m for m in added.split() if m.split(".")[0] not in sys.stdlib_module_names
                and not m.startswith("effattn")]
     assert not foreign, foreign
-    assert "effattn.bench" not in added.split() and "effattn.cli" not in added.split()
+    tools = [m for m in added.split() if m.startswith(("effattn.tools", "effattn.cli"))]
+    assert not tools, tools
+
+
+def _imports(path: Path) -> list[tuple[int, str, list[str]]]:
+    """(line, module, names) of every ``import``/``from ... import`` of effattn in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("effattn"):
+            found.append((node.lineno, node.module, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, []) for a in node.names
+                      if a.name.startswith("effattn")]
+    return found
+
+
+def test_the_library_imports_neither_the_tools_nor_the_cli():
+    # The layers of docs/architecture.md: library < tools < cli; a command uses the shared
+    # cli.common and the tools, never another command's module; nobody imports a private name.
+    offences = []
+    for path in sorted(SRC.rglob("*.py")):
+        part = path.relative_to(SRC).parts[0]
+        for line, module, names in _imports(path):
+            where = f"{path.relative_to(SRC)}:{line} imports {module}"
+            if part not in ("tools", "cli", "__main__.py") and module.startswith(
+                    ("effattn.tools", "effattn.cli")):
+                offences.append(where)
+            if part == "tools" and module.startswith("effattn.cli"):
+                offences.append(where)
+            if (part == "cli" and module.startswith("effattn.cli.")
+                    and module != "effattn.cli.common"):
+                offences.append(where)
+            offences += [f"{where}.{n}" for n in names if n.startswith("_")]
+    assert not offences, "\n".join(offences)
+
+
+def test_the_tools_extra_is_what_the_cli_checks_for():
+    # `effattn CMD` checks effattn.tools.REQUIRES; the extra must install exactly those, and the
+    # core nothing but torch.
+    tomllib = pytest.importorskip("tomllib")
+    from effattn import tools
+
+    project = tomllib.loads((SRC.parents[1] / "pyproject.toml").read_text())["project"]
+    assert [d.split(">")[0] for d in project["dependencies"]] == ["torch"]
+    assert sorted(project["optional-dependencies"]["tools"]) == sorted(tools.REQUIRES)
+    assert "effattn[tools,hf]" in project["optional-dependencies"]["dev"]

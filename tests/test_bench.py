@@ -14,9 +14,9 @@ import torch
 from conftest import assert_png, load_results
 
 import effattn
-from effattn.bench import flops, results, timing
-from effattn.bench.speed import Config, precheck
 from effattn.cli import main
+from effattn.tools.bench import flops, results, timing
+from effattn.tools.bench.speed import Config, precheck
 
 # No retries: the disturbance verdict is tested on fake timings (test_timing.py); here a busy
 # machine would only make the test slower.
@@ -172,7 +172,7 @@ def test_timing_median_and_iqr():
 
 _PROBE = """
 import torch
-from effattn.bench.memory import MiB, PeakMemory
+from effattn.tools.bench.memory import MiB, PeakMemory
 torch.ones(16)
 with PeakMemory("cpu") as big:
     x = torch.ones(48 * MiB // 4)  # 48 MiB, touched

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 import effattn
-from effattn.bench import speed
 from effattn.cli import main
 from effattn.cli.common import parse_entry, parse_options, parse_value
-from effattn.tasks import compare as cmp
-from effattn.tasks.data import task_options
+from effattn.tools import compare as cmp
+from effattn.tools.bench import speed
+from effattn.tools.tasks.data import task_options
 
 
 def test_methods_table_lists_every_method(capsys):
@@ -63,14 +63,76 @@ def _run(argv, capsys):
     return code, capsys.readouterr().err
 
 
+# Each tool dependency in turn made unimportable (after torch, which may import it itself), then
+# every command run once in the same process: the tools' commands end with one line, exit 2.
+_WITHOUT_TOOLS = """
+import contextlib, io, json, sys
+import torch
+from effattn.cli import TOOL_COMMANDS, main
+from effattn.tools import REQUIRES
+outcome = {}
+for module in REQUIRES:
+    kept = sys.modules.pop(module, None)
+    sys.modules[module] = None
+    for argv in json.loads(sys.argv[1]):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+        outcome[module + ' ' + argv[0]] = [code, out.getvalue(), err.getvalue()]
+    del sys.modules[module]
+    if kept is not None:
+        sys.modules[module] = kept
+loaded = [m for m in sys.modules if m.startswith(('effattn.tools.', *TOOL_COMMANDS))]
+print(json.dumps({'outcome': outcome, 'loaded': loaded}))
+"""
+
+
+def test_tool_commands_without_the_tools_say_what_to_install():
+    argvs = [["methods", "softmax"], *([c, *TINY[c], "--help"] for c in TINY)]
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_TOOLS, json.dumps(argvs)],
+                          capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(Path(effattn.__file__).parents[1])})
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["loaded"] == []
+    for case, (code, out, err) in report["outcome"].items():
+        missing, command = case.split()
+        if command == "methods":
+            assert (code, err) == (0, "") and "softmax" in out, case
+        else:
+            assert code == 2 and out == "", case
+            assert err == (f"effattn {command} needs the tools: pip install 'effattn[tools]' "
+                           f"(missing: {missing})\n"), case
+
+
+def test_tool_commands_are_the_ones_their_modules_add():
+    import argparse
+    import importlib
+
+    from effattn.cli import LIBRARY_COMMANDS, TOOL_COMMANDS, build_parser
+
+    for module, commands in TOOL_COMMANDS.items():
+        sub = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(module).add_parser(sub)
+        assert tuple(sub.choices) == commands, module
+    listed = build_parser()._subparsers._group_actions[0].choices
+    assert list(listed) == [m.rsplit(".", 1)[1] for m in LIBRARY_COMMANDS] + [
+        c for commands in TOOL_COMMANDS.values() for c in commands]
+
+
+def test_unknown_arguments_are_still_an_error(capsys):
+    code, err = _run(["methods", "--bogus"], capsys)
+    assert code == 2 and "unrecognized arguments: --bogus" in err
+
+
 @pytest.fixture
 def no_measuring(monkeypatch):
     """Fail the test if bench or decode starts a measuring worker."""
     def refuse(*args):
         raise AssertionError("a worker was started")
 
-    monkeypatch.setattr("effattn.bench.speed.run_isolated", refuse)
-    monkeypatch.setattr("effattn.bench.decode.run_isolated", refuse)
+    monkeypatch.setattr("effattn.tools.bench.speed.run_isolated", refuse)
+    monkeypatch.setattr("effattn.tools.decode.run_isolated", refuse)
 
 
 @pytest.mark.parametrize("key, default, text, value", [
@@ -110,7 +172,7 @@ def test_method_entries_and_task_options_are_typed():
         parse_entry("rfa:bogus=1")
     assert parse_options(["test_size=8", "vocab=none"], task_options("copy")) == {
         "test_size": 8, "vocab": None}
-    run, _ = cmp.resolve("copy", ["rfa:learn_sigma=false,gated=0"])
+    run, _ = cmp.resolve("copy", [parse_entry("rfa:learn_sigma=false,gated=0")])
     assert run == [("rfa", {"learn_sigma": False, "gated": False})]
 
 
@@ -131,7 +193,7 @@ def test_bench_bool_options_reach_the_method_as_bools(method, key, text, value, 
         seen.append(dict(args[0].options))
         return {"status": "refused: not measured in this test"}
 
-    monkeypatch.setattr("effattn.bench.speed.run_isolated", fake_worker)
+    monkeypatch.setattr("effattn.tools.bench.speed.run_isolated", fake_worker)
     argv = ["bench", *TINY["bench"], "--methods", method, "--option", f"{key}={text}",
             "--out", str(tmp_path)]
     assert main(argv) == 0
@@ -194,7 +256,7 @@ def test_unwritable_out_exits_2_before_any_work(command, where, tmp_path, capsys
     def no_study(*args, **kwargs):
         raise AssertionError("the study ran")
 
-    monkeypatch.setattr("effattn.bench.approx.output_error_study", no_study)
+    monkeypatch.setattr("effattn.tools.approx.output_error_study", no_study)
     monkeypatch.setattr(f"effattn.cli.train.{'train' if command == 'train' else 'compare'}",
                         no_study)
     if where == "a file":
@@ -239,7 +301,7 @@ def test_ctrl_c_in_decode_exits_130_with_a_resume_hint(tmp_path, capsys, monkeyp
     def interrupt(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("effattn.bench.decode.run_isolated", interrupt)
+    monkeypatch.setattr("effattn.tools.decode.run_isolated", interrupt)
     code, err = _run(["decode", *TINY["decode"], "--out", str(tmp_path)], capsys)
     assert code == 130 and "Traceback" not in err
     assert "run the same command again to resume" in err
@@ -248,7 +310,7 @@ def test_ctrl_c_in_decode_exits_130_with_a_resume_hint(tmp_path, capsys, monkeyp
 def test_sigint_to_a_training_run_exits_130_and_keeps_its_checkpoint(tmp_path):
     import torch
 
-    from effattn.tasks.train import TrainConfig, train
+    from effattn.tools.train import TrainConfig, train
 
     argv = [*TINY["train"], "--steps", "100000", "--checkpoint-every", "2", "--out", str(tmp_path)]
     env = {**os.environ, "PYTHONPATH": "src", "OMP_NUM_THREADS": "1"}

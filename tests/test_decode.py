@@ -9,13 +9,13 @@ import torch
 from conftest import assert_png, load_results
 
 import effattn
-from effattn.bench import decode
 from effattn.cli import main
 from effattn.cli.decode import make_configs, parse_methods
 from effattn.kernelized.core import RecurrentState
 from effattn.methods.local import WindowCache
 from effattn.methods.softmax import KVCache
 from effattn.nn.models import DecoderLM
+from effattn.tools import decode
 
 # B = 1, 2; H = 2, D = Dv = 8; one layer; 4-token prompt.
 TINY = ["--lengths", "8,16,32", "--batch", "1,2", "--d-model", "16", "--heads", "2",

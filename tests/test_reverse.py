@@ -8,10 +8,10 @@ import torch
 import effattn
 from effattn.cli import main
 from effattn.nn import EncoderDecoder
-from effattn.tasks import compare as cmp
-from effattn.tasks import synthetic
-from effattn.tasks.data import decoder_inputs, make_task
-from effattn.tasks.train import TrainConfig, applicability, greedy_scores, train
+from effattn.tools import compare as cmp
+from effattn.tools.tasks import synthetic
+from effattn.tools.tasks.data import decoder_inputs, make_task
+from effattn.tools.train import TrainConfig, applicability, greedy_scores, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -86,7 +86,7 @@ def test_reverse_task_streams_and_length_sets():
 
 
 def test_applicability_needs_causal_cross_and_decoding():
-    run, skipped = cmp.resolve("reverse", ["all"])
+    run, skipped = cmp.resolve("reverse", cmp.every_variant())
     labels = [effattn.spec(m).name for m, _ in run]
     for method in effattn.methods():
         s = effattn.spec(method)

@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from effattn.tasks import charlm, listops, synthetic
-from effattn.tasks.data import make_task, score, stream_seed
+from effattn.tools.tasks import charlm, listops, synthetic
+from effattn.tools.tasks.data import make_task, score, stream_seed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -4,9 +4,9 @@ injected fake timings: nothing here is timed), the rate-above-peak flag and the 
 import pytest
 from conftest import assert_png
 
-from effattn.bench import machine, plots, results, speed, timing
-from effattn.bench.speed import Config, Settings, measure_guarded
-from effattn.bench.timing import MAX_SLOWDOWN, judge
+from effattn.tools.bench import machine, plots, results, speed, timing
+from effattn.tools.bench.speed import Config, Settings, measure_guarded
+from effattn.tools.bench.timing import MAX_SLOWDOWN, judge
 
 # /proc/cpuinfo excerpts (first processor; later ones repeat it).
 EPYC = """\

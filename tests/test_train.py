@@ -10,8 +10,8 @@ import effattn
 from effattn.cli import main
 from effattn.cli.common import parse_entry, parse_options
 from effattn.nn import DecoderLM, EncoderClassifier
-from effattn.tasks import compare as cmp
-from effattn.tasks.train import TrainConfig, applicability, learning_rate, train
+from effattn.tools import compare as cmp
+from effattn.tools.train import TrainConfig, applicability, learning_rate, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -180,7 +180,7 @@ def test_compare_options_and_resolution():
     assert parse_entry("softmax") == ("softmax", {})
     with pytest.raises(KeyError):
         parse_entry("nope:x=1")
-    run, skipped = cmp.resolve("charlm", ["all", "softmax"])
+    run, skipped = cmp.resolve("charlm", [*cmp.every_variant(), parse_entry("softmax")])
     labels = [m for m, _ in run]
     assert labels.count("softmax") == 1
     for method in effattn.methods():

@@ -82,7 +82,7 @@ def _bench_methods(text: str) -> list[str]:
 
 
 def _passes(text: str) -> list[str]:
-    from effattn.bench.speed import PASSES
+    from effattn.tools.bench.speed import PASSES
 
     names = [t.strip() for t in text.split(",") if t.strip()]
     if not names or any(n not in PASSES for n in names):
@@ -91,10 +91,17 @@ def _passes(text: str) -> list[str]:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from effattn.bench import plots
-    from effattn.bench.machine import describe
-    from effattn.bench.results import ResultStore, crossover, notes, record_key, table, write_json
-    from effattn.bench.speed import Config, Settings, sweep
+    from effattn.tools.bench import plots
+    from effattn.tools.bench.machine import describe
+    from effattn.tools.bench.results import (
+        ResultStore,
+        crossover,
+        notes,
+        record_key,
+        table,
+        write_json,
+    )
+    from effattn.tools.bench.speed import Config, Settings, sweep
 
     with user_input():
         options = options_per_method(args.option, args.methods)
@@ -163,7 +170,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def _approx_methods(text: str) -> list[str]:
-    from effattn.bench.approx import budgets
+    from effattn.tools.approx import budgets
 
     allowed = list(budgets())
     if text not in ("default", "all"):
@@ -191,8 +198,9 @@ def _budget(text: str) -> tuple[str, list[str]]:
 
 
 def _run_approx(args: argparse.Namespace) -> int:
-    from effattn.bench import approx, plots
-    from effattn.bench.results import write_csv, write_json
+    from effattn.tools import approx
+    from effattn.tools.bench import plots
+    from effattn.tools.bench.results import write_csv, write_json
 
     budgets = approx.budgets()
     grids = {m: list(budgets[m].grid) for m in args.methods}

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import effattn
-from effattn.bench.machine import machine_info
 from effattn.cli.common import (
     UsageError,
     check_method,
@@ -23,9 +22,10 @@ from effattn.cli.common import (
     user_input,
 )
 from effattn.registry import DEFAULT_METHOD
+from effattn.tools.bench.machine import machine_info
 
 if TYPE_CHECKING:
-    from effattn.bench.decode import DecodeConfig
+    from effattn.tools.decode import DecodeConfig
 
 DEFAULT_LENGTHS = "128,256,512,1024,2048,4096,8192"
 
@@ -83,9 +83,9 @@ def make_configs(entries: Sequence[tuple[str, dict[str, Any]]], extra: Sequence[
                  batches: Sequence[int], **settings: Any) -> list[DecodeConfig]:
     """One run per entry and batch size. ``extra`` (``--option KEY=VALUE`` items) goes to the
     methods that have each option, under the entry's own options; ``settings`` are the other
-    :class:`~effattn.bench.decode.DecodeConfig` fields. ``ValueError`` for an option no entry
+    :class:`~effattn.tools.decode.DecodeConfig` fields. ``ValueError`` for an option no entry
     has, or for options a method cannot be built with (checked now, before any run)."""
-    from effattn.bench.decode import DecodeConfig
+    from effattn.tools.decode import DecodeConfig
 
     per_method = options_per_method(extra, list(dict.fromkeys(m for m, _ in entries)))
     configs = []
@@ -111,8 +111,8 @@ def _verdict(flag: bool | None, defined: bool, where: str) -> str:
 
 def goal_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
     """The goals of the summary rows, one line per (batch, method) besides softmax; a goal is
-    judged only where it is defined (see :func:`effattn.bench.decode.summarize`)."""
-    from effattn.bench.decode import (
+    judged only where it is defined (see :func:`effattn.tools.decode.summarize`)."""
+    from effattn.tools.decode import (
         FLAT_GOAL,
         FLAT_GOAL_SPAN,
         GOAL_LENGTH,
@@ -140,8 +140,9 @@ def goal_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def _run_decode(args: argparse.Namespace) -> int:
-    from effattn.bench import decode, plots
-    from effattn.bench.results import record_key, table, write_json
+    from effattn.tools import decode
+    from effattn.tools.bench import plots
+    from effattn.tools.bench.results import record_key, table, write_json
 
     if args.d_model % args.heads:
         raise UsageError(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")

@@ -10,14 +10,15 @@ from effattn.cli.common import (
     check_method,
     device_or_auto,
     method_defaults,
+    parse_entry,
     parse_options,
     prepare_out,
     user_input,
 )
 from effattn.registry import DEFAULT_METHOD
-from effattn.tasks.compare import compare, resolve, run_options, table
-from effattn.tasks.data import FRACTION_METRICS, TASKS, task_options
-from effattn.tasks.train import MODEL_DEFAULTS, TASK_DEFAULTS, TrainConfig, label_of, train
+from effattn.tools.compare import compare, every_variant, resolve, run_options, table
+from effattn.tools.tasks.data import FRACTION_METRICS, TASKS, task_options
+from effattn.tools.train import MODEL_DEFAULTS, TASK_DEFAULTS, TrainConfig, label_of, train
 
 
 def _budget_args(p: argparse.ArgumentParser) -> None:
@@ -80,14 +81,23 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _wanted(entries: list[str]) -> list[tuple[str, dict]]:
+    """``all`` and ``name:key=value,...`` entries -> (method, options) pairs."""
+    wanted: list[tuple[str, dict]] = []
+    for entry in entries:
+        wanted += every_variant() if entry == "all" else [parse_entry(entry)]
+    return wanted
+
+
 def _run_compare(args: argparse.Namespace) -> int:
     with user_input():
         base = _config(args, DEFAULT_METHOD, {})
-        run, _ = resolve(args.task, args.methods)
+        wanted = _wanted(args.methods)
+        run, _ = resolve(args.task, wanted)
         for method, options in run:
             _check(replace(base, method=method, options=run_options(method, options, base)))
     args.out = prepare_out(Path(args.out or f"runs/compare-{args.task}"))
-    summary = compare(args.task, args.methods, args.out, base)
+    summary = compare(args.task, wanted, args.out, base)
     print(table(summary))
     print(f"\nwritten: {args.out / 'compare.json'}, compare.csv, compare.md, compare.png")
     return 1 if summary["failed"] else 0

@@ -23,8 +23,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from effattn.bench.timing import MAX_SLOWDOWN, MAX_SPREAD
 from effattn.registry import DEFAULT_METHOD
+from effattn.tools.bench.timing import MAX_SLOWDOWN, MAX_SPREAD
 
 KEY_FIELDS = ("method", "length", "pass", "batch", "heads", "head_dim", "dtype", "causal",
               "device", "options")

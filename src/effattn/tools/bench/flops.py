@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from effattn.bench.timing import synchronizer, time_fn, time_once
 from effattn.registry import Problem, spec
+from effattn.tools.bench.timing import synchronizer, time_fn, time_once
 
 FWD_BWD_FACTOR = 3
 
@@ -108,8 +108,8 @@ def reference_gemm(device: torch.device | str = "cpu") -> Callable[[], float]:
     the median milliseconds per call of 3 samples (blocks of at least 2 ms: under 10 ms in all).
 
     Timed around and between the samples of a measurement in the same process and compared with
-    its quietest time (:func:`effattn.bench.timing.judge`), it reveals other processes competing
-    for the cores: with one of two cores taken, this GEMM on two threads ran 12x slower.
+    its quietest time (:func:`effattn.tools.bench.timing.judge`), it reveals other processes
+    competing for the cores: with one of two cores taken, this GEMM on two threads ran 12x slower.
     """
     a = torch.randn(REFERENCE_SIZE, REFERENCE_SIZE, device=device)
     b = torch.randn(REFERENCE_SIZE, REFERENCE_SIZE, device=device)

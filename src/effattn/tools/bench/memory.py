@@ -4,9 +4,9 @@ CPU: the process's resident set. Linux lets a process reset its own high-water m
 (``echo 5 > /proc/self/clear_refs`` sets VmHWM to the current VmRSS), so the peak of one call is
 ``VmHWM after - VmRSS before``. That is only honest in a process that has run nothing else large
 (a freed buffer that the allocator keeps would be reused without raising the mark), which is why
-:mod:`effattn.bench.speed` measures every configuration in a fresh worker process. Where /proc is
-missing (macOS) the rise of ``ru_maxrss`` is used instead, which undercounts when an earlier peak
-was higher.
+:mod:`effattn.tools.bench.speed` measures every configuration in a fresh worker process. Where
+/proc is missing (macOS) the rise of ``ru_maxrss`` is used instead, which undercounts when an
+earlier peak was higher.
 
 CUDA: ``torch.cuda.max_memory_allocated`` after a reset, minus ``memory_allocated`` before: the
 tensors the call creates, excluding the allocator's cache.

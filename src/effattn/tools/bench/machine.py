@@ -6,7 +6,7 @@ Linux the model and the extensions come from ``/proc/cpuinfo`` ("model name" and
 "Features" on ARM); elsewhere from ``sysctl`` (macOS) or :func:`platform.processor`, with torch's
 detected CPU capability (``torch.backends.cpu.get_cpu_capability()``, e.g. "AVX512") as the
 extensions' fallback. The measured matmul peaks are added by the sweep
-(:func:`effattn.bench.speed.probe_machine`), which measures them in a worker process.
+(:func:`effattn.tools.bench.speed.probe_machine`), which measures them in a worker process.
 """
 
 from __future__ import annotations

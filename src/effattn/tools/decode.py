@@ -1,7 +1,7 @@
 """Decoding benchmark (``effattn decode``): speed and memory of token-by-token generation.
 
 A run is one (method entry, batch size) pair, measured in its own fresh worker process
-(:func:`effattn.bench.speed.run_isolated`), which:
+(:func:`effattn.tools.bench.speed.run_isolated`), which:
 
 1. builds ``DecoderLM(vocab, d_model, heads, layers, method, seed=0, **options).eval()`` (the
    kernelized methods with their library-default feature counts);
@@ -14,7 +14,7 @@ A run is one (method entry, batch size) pair, measured in its own fresh worker p
 5. at every report length L (decoded tokens, i.e. steps) records a point: tokens/s over the L
    steps, the per-token time near position L (median of the last ``TAIL_STEPS`` steps), the
    exact bytes of the decoding state (all layers) in use and allocated, and the peak memory growth
-   since decoding started (:class:`~effattn.bench.memory.PeakMemory`: the process's RSS on the
+   since decoding started (:class:`~effattn.tools.bench.memory.PeakMemory`: the process's RSS on the
    CPU, the allocator's peak on CUDA).
 
 One run decodes once to the largest length. When the decode has taken longer than
@@ -38,12 +38,12 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from effattn.bench.memory import MiB, PeakMemory
-from effattn.bench.results import ResultStore
-from effattn.bench.speed import SweepStats, classify_error, format_options, run_isolated
-from effattn.bench.timing import synchronizer
 from effattn.nn.models import DecoderLM, DecoderState
 from effattn.registry import DEFAULT_METHOD
+from effattn.tools.bench.memory import MiB, PeakMemory
+from effattn.tools.bench.results import ResultStore
+from effattn.tools.bench.speed import SweepStats, classify_error, format_options, run_isolated
+from effattn.tools.bench.timing import synchronizer
 
 # Steps whose median is the per-token time "near position L".
 TAIL_STEPS = 32

@@ -36,8 +36,8 @@ from tqdm import tqdm
 
 from effattn.nn import DecoderLM, EncoderClassifier, EncoderDecoder, generate
 from effattn.registry import DEFAULT_METHOD, spec
-from effattn.tasks.data import TASKS, Task, decoder_inputs, make_task, score
-from effattn.tasks.synthetic import IGNORE
+from effattn.tools.tasks.data import TASKS, Task, decoder_inputs, make_task, score
+from effattn.tools.tasks.synthetic import IGNORE
 
 # Defaults of `effattn train` and `effattn compare`: tiny models, short sequences, so that a
 # comparison of ~15 methods on one task runs in about ten minutes on two CPU cores. LRA trains

@@ -12,8 +12,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 
-from effattn.bench.results import TIMED  # noqa: E402
 from effattn.registry import DEFAULT_METHOD  # noqa: E402
+from effattn.tools.bench.results import TIMED  # noqa: E402
 
 PASS_TITLES = {"fwd": "forward", "fwdbwd": "forward + backward"}
 

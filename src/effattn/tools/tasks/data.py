@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from effattn.tasks import charlm, listops, synthetic
+from effattn.tools.tasks import charlm, listops, synthetic
 
 # Each task's score.
 TASK_METRICS = {"listops": "accuracy", "charlm": "bpc", "recall": "accuracy", "copy": "accuracy",

@@ -5,10 +5,10 @@ Each method runs as its own ``effattn train`` process (so that its peak memory i
 interrupted one resumes from its checkpoint. The table (Markdown), JSON, CSV and a PNG bar plot
 are written to ``<out>/compare.*``.
 
-Method entries are registered names or ``name:key=value,key=value`` (options, typed by the
-method's defaults: :func:`effattn.cli.common.parse_entry`); ``all`` expands to every registered
-method plus the variants its spec names (``MethodSpec.variants``: learned σ and gated RFA), minus
-those that cannot run the task (listed with the spec's reason). For ListOps the table shows,
+The methods are (name, options) pairs (the command line parses ``name:key=value,key=value`` and
+expands ``all`` to :func:`every_variant`: every registered method plus the variants its spec names,
+``MethodSpec.variants``, such as learned σ and gated RFA); those that cannot run the task are
+listed with the spec's reason instead. For ListOps the table shows,
 beside ours, the accuracy each method's spec publishes from the Long Range Arena
 (``published["lra_listops"]``, Tay et al. 2021, Table 1).
 """
@@ -20,15 +20,16 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterable
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from effattn.bench.results import atomic_write
-from effattn.cli.common import parse_entry
+import effattn
 from effattn.registry import DEFAULT_METHOD, methods, spec
-from effattn.tasks.data import FRACTION_METRICS, METRIC_NAMES, TASK_METRICS
-from effattn.tasks.train import RESULTS, TrainConfig, applicability, label_of, write_json
+from effattn.tools.bench.results import atomic_write
+from effattn.tools.tasks.data import FRACTION_METRICS, METRIC_NAMES, TASK_METRICS
+from effattn.tools.train import RESULTS, TrainConfig, applicability, label_of, write_json
 
 
 def scaled_options(method: str, seq_len: int, head_dim: int) -> dict[str, Any]:
@@ -57,15 +58,16 @@ def run_options(method: str, options: dict[str, Any], base: TrainConfig) -> dict
     return {**scaled_options(method, cfg.seq_len, cfg.d_model // cfg.heads), **options}
 
 
-def resolve(task: str, entries: list[str]) -> tuple[list[tuple[str, dict]], dict[str, str]]:
-    """The (method, options) to run for ``task`` and the skipped labels with the reason."""
-    wanted: list[tuple[str, dict]] = []
-    for entry in entries:
-        if entry == "all":
-            wanted += [(m, {}) for m in methods()]
-            wanted += [(m, dict(v.options)) for m in methods() for v in spec(m).variants]
-        else:
-            wanted.append(parse_entry(entry))
+def every_variant() -> list[tuple[str, dict[str, Any]]]:
+    """Every registered method with its defaults, then each variant its spec names."""
+    return ([(m, {}) for m in methods()]
+            + [(m, dict(v.options)) for m in methods() for v in spec(m).variants])
+
+
+def resolve(task: str, wanted: Iterable[tuple[str, dict[str, Any]]]
+            ) -> tuple[list[tuple[str, dict]], dict[str, str]]:
+    """The (method, options) of ``wanted`` to run for ``task``, each label once, and the skipped
+    labels with the reason."""
     run, skipped, seen = [], {}, set()
     for method, options in wanted:
         label = label_of(method, options)
@@ -96,7 +98,7 @@ def _train_command(cfg: TrainConfig, out: Path, data_dir: Path) -> list[str]:
 
 def _subprocess_env() -> dict[str, str]:
     # The child must import this very copy of effattn (a source checkout need not be installed).
-    src = str(Path(__file__).resolve().parents[2])
+    src = str(Path(effattn.__file__).resolve().parents[1])
     env = dict(os.environ)
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
@@ -113,17 +115,18 @@ def _cached(path: Path, cfg: TrainConfig) -> dict[str, Any] | None:
 
 def compare(
     task: str,
-    entries: list[str],
+    wanted: Iterable[tuple[str, dict[str, Any]]],
     out_dir: str | Path,
     base: TrainConfig | None = None,
     *,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Train every entry on ``task`` with ``base``'s budget; write and return the comparison."""
+    """Train every (method, options) of ``wanted`` that can run ``task`` with ``base``'s budget;
+    write and return the comparison."""
     base = replace(base or TrainConfig(), task=task, method=DEFAULT_METHOD, options={}).resolved()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    run, skipped = resolve(task, entries)
+    run, skipped = resolve(task, wanted)
     rows, failed = [], {}
     for method, options in run:
         cfg = replace(base, method=method, options=run_options(method, options, base)).resolved()

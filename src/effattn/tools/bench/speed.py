@@ -11,15 +11,15 @@ only ends that worker). The worker:
 2. runs one call of the same pass at a short length (32), so that thread pools, the autograd
    engine and lazily built state exist before the memory baseline;
 3. makes q, k, v (B, H, N, D) with Dv = D; for "fwdbwd" they require grad;
-4. times one call under :class:`~effattn.bench.memory.PeakMemory` (peak over the memory that
+4. times one call under :class:`~effattn.tools.bench.memory.PeakMemory` (peak over the memory that
    already held the inputs); if that call exceeded ``max_seconds`` it stops ("too slow");
-5. otherwise warms up and times ``repeats`` samples (:func:`~effattn.bench.timing.time_fn`);
-6. times a fixed reference GEMM (:func:`~effattn.bench.flops.reference_gemm`) after the first
+5. otherwise warms up and times ``repeats`` samples (:func:`~effattn.tools.bench.timing.time_fn`);
+6. times a fixed reference GEMM (:func:`~effattn.tools.bench.flops.reference_gemm`) after the first
    call, before every sample and after the last.
 
 Before the configurations, :func:`probe_machine` measures, in a worker too, the machine's matmul
 peaks and the reference GEMM's time on a quiet machine. The sweep judges every measurement
-against it (:func:`~effattn.bench.timing.judge`): a reference GEMM more than 1.3x slower, or
+against it (:func:`~effattn.tools.bench.timing.judge`): a reference GEMM more than 1.3x slower, or
 samples spread too widely, mean that other processes competed for the cores, and the
 configuration is measured again (``Settings.retries`` times at most) and otherwise recorded as
 ``disturbed``.
@@ -45,17 +45,17 @@ from torch import Tensor
 from tqdm import tqdm
 
 import effattn
-from effattn.bench.flops import (
+from effattn.tools.bench.flops import (
     REFERENCE_SIZE,
     forward_flops,
     matmul_peak,
     pass_flops,
     reference_gemm,
 )
-from effattn.bench.machine import cpu_label, machine_info
-from effattn.bench.memory import MiB, PeakMemory, cap_memory, is_oom
-from effattn.bench.results import ResultStore
-from effattn.bench.timing import MAX_SLOWDOWN, judge, synchronizer, time_fn, time_once
+from effattn.tools.bench.machine import cpu_label, machine_info
+from effattn.tools.bench.memory import MiB, PeakMemory, cap_memory, is_oom
+from effattn.tools.bench.results import ResultStore
+from effattn.tools.bench.timing import MAX_SLOWDOWN, judge, synchronizer, time_fn, time_once
 
 DTYPES = {
     "float32": torch.float32,
@@ -218,9 +218,9 @@ def measure(cfg: Config, settings: Settings) -> dict[str, Any]:
 
 
 def probe_machine(dtypes: Sequence[str], device: str, retries: int = 2) -> dict[str, Any]:
-    """The machine (:func:`~effattn.bench.machine.machine_info`) with the matmul peak GFLOP/s of
-    each of ``dtypes`` on ``device`` and the reference GEMM's quietest time; run in a worker like
-    the configurations.
+    """The machine (:func:`~effattn.tools.bench.machine.machine_info`) with the matmul peak
+    GFLOP/s of each of ``dtypes`` on ``device`` and the reference GEMM's quietest time; run in a
+    worker like the configurations.
 
     The peaks are measured again (``retries`` times at most, keeping the highest) while the
     reference GEMM timed around them says the machine was disturbed. The reference GEMM is an
@@ -263,7 +263,7 @@ def _context() -> mp.context.BaseContext:
         if "forkserver" in mp.get_all_start_methods():
             _CONTEXT = mp.get_context("forkserver")
             # The server imports torch and effattn once; each worker forks from it cheaply.
-            _CONTEXT.set_forkserver_preload(["effattn.bench.speed"])
+            _CONTEXT.set_forkserver_preload(["effattn.tools.bench.speed"])
         else:
             _CONTEXT = mp.get_context("spawn")
     return _CONTEXT
@@ -322,8 +322,8 @@ def measure_guarded(
     ``1 + retries`` times; return its result and the updated quietest reference time.
 
     A result that carries ``reference_ms`` (timings and "too slow") is judged against
-    ``quiet_ms`` (:func:`~effattn.bench.timing.judge`) and gets ``disturbed``, ``slowdown`` and
-    ``attempts`` (the number made); if every attempt was disturbed, the least slowed one is
+    ``quiet_ms`` (:func:`~effattn.tools.bench.timing.judge`) and gets ``disturbed``, ``slowdown``
+    and ``attempts`` (the number made); if every attempt was disturbed, the least slowed one is
     returned. Without a quiet time (the machine probe failed) or references (refused, oom, ...)
     the first result is returned as it is.
     """

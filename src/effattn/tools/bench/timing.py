@@ -8,7 +8,7 @@ so the time covers the kernels and not only their launch.
 A busy machine (other processes competing for the cores) can make every call of a measurement
 several times slower with a small spread, which the samples alone cannot reveal. :func:`judge`
 decides from a fixed reference GEMM timed around and between the samples (see
-:func:`effattn.bench.flops.reference_gemm`) and from the spread of the samples whether the
+:func:`effattn.tools.bench.flops.reference_gemm`) and from the spread of the samples whether the
 measurement was disturbed.
 """
 
