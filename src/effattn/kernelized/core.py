@@ -662,9 +662,19 @@ def linear_attention_step(
     )
     # Without autograd the step reuses the state's memory: a fresh multi-MiB state per step
     # would be page-faulted in by the allocator, which costs more than the update itself.
-    in_place = not recording and (torch.is_inference_mode_enabled() or not kv.is_inference())
-    if bool((key_scale - scale > RESCALE_MARGIN).any()):
+    # Compiled, it stays functional (torch.compile cannot trace the inference-mode queries, and
+    # plans the graph's buffers itself).
+    compiling = torch.compiler.is_compiling()
+    in_place = not compiling and not recording and (
+        torch.is_inference_mode_enabled() or not kv.is_inference()
+    )
+    exceeds = (key_scale - scale > RESCALE_MARGIN).any()
+    if compiling or bool(exceeds):
         new_scale = torch.maximum(scale, key_scale)
+        if compiling:
+            # Branch-free, no host sync: a rescale by exp(0) = 1 unless a key exceeds the margin
+            # (a compiler fuses it with the update below into one pass over the state).
+            new_scale = torch.where(exceeds, new_scale, scale)
         decay = torch.exp(scale - new_scale)
         kv = kv.mul_(decay) if in_place else kv * decay
         scale = new_scale

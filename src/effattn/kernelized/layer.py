@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from effattn.base import RandomizedAttention, check_positive_int, compute_dtype
+from effattn.base import RandomizedAttention, TensorGenerator, check_positive_int, compute_dtype
 from effattn.kernelized.core import (
     SLICE_ELEMENTS,
     DenominatorUnderflowError,
@@ -24,7 +24,8 @@ class KernelizedAttention(RandomizedAttention):
 
     Random features are drawn from the module generator (see :class:`RandomizedAttention`, which
     saves it with the state_dict) and redrawn in training mode every ``redraw_interval`` forward
-    calls (None: never); never in eval mode or in ``step``.
+    calls (None: never); never in eval mode or in ``step``. Subclasses name their random buffers in
+    ``random_buffers`` and draw them in :meth:`_draw`.
     ``chunk_size`` is the C of the causal chunkwise form. Inputs in fp16/bf16 are computed in
     fp32; the output comes back in the input dtype. Forward, prefill and memory reads raise a
     ValueError where non-negative features underflow to a zero denominator for a query that
@@ -32,6 +33,8 @@ class KernelizedAttention(RandomizedAttention):
     """
 
     gated: bool = False
+    # Buffers of random features that redraw() replaces with _draw()'s values.
+    random_buffers: tuple[str, ...] = ()
     # Feature values per slice of the sequence (see kernelized.core); tests shrink it.
     slice_elements: int = SLICE_ELEMENTS
 
@@ -63,15 +66,37 @@ class KernelizedAttention(RandomizedAttention):
         """φ of queries or keys in the core's convention (see kernelized.features)."""
         raise NotImplementedError
 
+    def _draw(self, generator: TensorGenerator) -> tuple[Tensor, ...]:
+        """Fresh values of the buffers named in ``random_buffers``, in that order."""
+        return ()
+
     def redraw(self) -> None:
         """Draw fresh random features from the module's generator (no-op for deterministic maps)."""
+        self._redraw(None)
+
+    def _redraw(self, when: Tensor | None) -> None:
+        """Redraw the random buffers; only where ``when`` (0-d bool) is True, when given."""
+        for name, value in zip(self.random_buffers, self._draw(self._train_generator(when)),
+                               strict=True):
+            buf = getattr(self, name)
+            if when is not None:
+                value = torch.where(when.to(buf.device), value.to(buf), buf)
+            buf.copy_(value)
 
     def _maybe_redraw(self) -> None:
+        interval = self.redraw_interval
+        if not self.training or interval is None or not self.random_buffers:
+            return
         # _calls counts the training calls before this one: calls interval + 1, 2 interval + 1,
         # ... start with a redraw.
-        interval = self.redraw_interval
-        if self.training and interval is not None and self._calls and self._calls % interval == 0:
-            self.redraw()
+        due = (self._calls > 0) & (self._calls % interval == 0)
+        if torch.compiler.is_compiling():
+            # The schedule is data, not a branch (one on the counter would recompile every call):
+            # every call draws under ``due`` (zeros, generator untouched, when not due) and
+            # selects, paying the draw's arithmetic (the QR of orthogonal features) each time.
+            self._redraw(due)
+        elif bool(due):  # a CPU tensor: no device sync
+            self._redraw(None)
 
     def _check_gate(self, gate: Tensor | None, causal: bool, shape: torch.Size) -> None:
         if not self.gated:
@@ -89,6 +114,9 @@ class KernelizedAttention(RandomizedAttention):
             raise ValueError(f"gate must be a floating-point tensor, got {type(gate).__name__}")
         if gate.shape != shape:
             raise ValueError(f"gate must be (B, H, N) = {tuple(shape)}, got {tuple(gate.shape)}")
+        # Reading values is a host sync: eager only (a graph break under torch.compile).
+        if torch.compiler.is_compiling():
+            return
         if not torch.isfinite(gate).all() or gate.min() < 0 or gate.max() > 1:
             raise ValueError("gate values must lie in [0, 1]")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from effattn.base import resolve_seed
+from effattn.base import RandomSource, normal, resolve_seed
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -23,7 +23,7 @@ def gaussian_projection(
     dim: int,
     *,
     orthogonal: bool,
-    generator: torch.Generator | None = None,
+    generator: RandomSource = None,
     dtype: torch.dtype = torch.float32,
 ) -> Tensor:
     """(F, D) matrix whose rows are marginally N(0, I_D).
@@ -32,17 +32,18 @@ def gaussian_projection(
     D x D Gaussian matrix (sign-corrected so it is Haar distributed), and scales each row by the
     norm of an independent Gaussian D-vector (chi(D) lengths), so each row keeps the N(0, I)
     marginal while rows within a block are orthogonal. Drawn in float64 on the CPU, then cast.
+    ``generator``: see :data:`effattn.base.RandomSource`.
     """
     if num_features < 1 or dim < 1:
         raise ValueError(f"num_features and dim must be positive, got {num_features}, {dim}")
     if not orthogonal:
-        w = torch.randn(num_features, dim, generator=generator, dtype=torch.float64)
+        w = normal(generator, num_features, dim)
         return w.to(dtype)
     n_blocks = -(-num_features // dim)
-    g = torch.randn(n_blocks, dim, dim, generator=generator, dtype=torch.float64)
+    g = normal(generator, n_blocks, dim, dim)
     q, r = torch.linalg.qr(g)  # one batched QR, not a Python loop over blocks
     # QR's Q is Haar only after fixing the signs of R's diagonal.
     q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))[:, None, :]
     w = q.transpose(-2, -1).reshape(n_blocks * dim, dim)[:num_features]
-    norms = torch.randn(num_features, dim, generator=generator, dtype=torch.float64).norm(dim=1)
+    norms = normal(generator, num_features, dim).norm(dim=1)
     return (w * norms[:, None]).to(dtype)

@@ -24,7 +24,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from effattn.base import RandomizedAttention, check_positive_int, compute_dtype
+from effattn.base import (
+    RandomizedAttention,
+    RandomSource,
+    check_positive_int,
+    compute_dtype,
+    uniform,
+)
 from effattn.registry import Budget, MethodSpec, register
 from effattn.sparse import block_gather_attention, dense_partial
 
@@ -41,7 +47,7 @@ def draw_random_blocks(
     heads: int,
     num_random: int,
     num_global: int,
-    generator: torch.Generator,
+    generator: RandomSource,
 ) -> Tensor:
     """Random key blocks, long (heads, num_blocks, num_random), -1 in unused slots.
 
@@ -59,7 +65,7 @@ def draw_random_blocks(
     chosen = torch.full((heads, nb, r), -1, dtype=torch.long)
     for slot in range(r):
         top = available - r + slot
-        u = (torch.rand(heads, nb, generator=generator, dtype=torch.float64) * (top + 1)).long()
+        u = (uniform(generator, heads, nb) * (top + 1)).long()
         u = torch.minimum(u, top)
         taken = (chosen[:, :, :slot] == u[..., None]).any(-1)
         chosen[:, :, slot] = torch.where(top >= 0, torch.where(taken, top, u), -1)
@@ -141,7 +147,7 @@ class BigBirdAttention(RandomizedAttention):
         """The random blocks used in eval mode for ``num_blocks`` blocks: (H, nb, r), fixed."""
         return self._draw(num_blocks, self._eval_generator())
 
-    def _draw(self, num_blocks: int, generator: torch.Generator) -> Tensor:
+    def _draw(self, num_blocks: int, generator: RandomSource) -> Tensor:
         return draw_random_blocks(
             num_blocks, self.heads, self.num_random_blocks, self.num_global_blocks, generator
         )

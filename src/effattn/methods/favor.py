@@ -13,10 +13,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import Tensor
 
-from effattn.base import check_bool, check_positive_int
+from effattn.base import TensorGenerator, check_bool, check_positive_int, uniform
 from effattn.kernelized import core
 from effattn.kernelized import features as fm
 from effattn.kernelized.core import kernelized_attention
@@ -53,6 +52,8 @@ def favor_attention(
 class FavorAttention(KernelizedAttention):
     """FAVOR with ``num_features`` random-phase cosine features."""
 
+    random_buffers = ("projection", "phase")
+
     def __init__(
         self,
         head_dim: int,
@@ -70,21 +71,16 @@ class FavorAttention(KernelizedAttention):
                          redraw_interval=redraw_interval, chunk_size=chunk_size)
         self.num_features = check_positive_int("num_features", num_features)
         self.orthogonal = check_bool("orthogonal", orthogonal)
-        w, b = self._draw()
+        w, b = self._draw(self._train_generator())
         self.register_buffer("projection", w)
         self.register_buffer("phase", b)
 
-    def _draw(self) -> tuple[Tensor, Tensor]:
+    def _draw(self, generator: TensorGenerator) -> tuple[Tensor, Tensor]:
         w = gaussian_projection(
-            self.num_features, self.head_dim, orthogonal=self.orthogonal, generator=self._generator
+            self.num_features, self.head_dim, orthogonal=self.orthogonal, generator=generator
         )
-        b = torch.rand(self.num_features, generator=self._generator, dtype=torch.float64)
+        b = uniform(generator, self.num_features)
         return w, (2 * math.pi * b).float()
-
-    def redraw(self) -> None:
-        w, b = self._draw()
-        self.projection.copy_(w)
-        self.phase.copy_(b)
 
     @property
     def feature_dim(self) -> int:

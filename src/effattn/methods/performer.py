@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import Tensor
 
-from effattn.base import check_bool, check_choice, check_positive_int
+from effattn.base import TensorGenerator, check_bool, check_choice, check_positive_int
 from effattn.kernelized import core
 from effattn.kernelized import features as fm
 from effattn.kernelized.core import kernelized_attention
@@ -64,6 +64,8 @@ def performer_attention(
 class PerformerAttention(KernelizedAttention):
     """FAVOR+ with ``num_features`` random projections (orthogonal by default)."""
 
+    random_buffers = ("projection",)
+
     def __init__(
         self,
         head_dim: int,
@@ -84,15 +86,11 @@ class PerformerAttention(KernelizedAttention):
         self.feature_map = check_choice("feature_map", feature_map, tuple(FEATURE_MAPS))
         self.eps = fm.denominator_eps(FEATURE_MAPS[self.feature_map], self.eps)
         self.orthogonal = check_bool("orthogonal", orthogonal)
-        self.register_buffer("projection", self._draw())
+        self.register_buffer("projection", self._draw(self._train_generator())[0])
 
-    def _draw(self) -> Tensor:
-        return gaussian_projection(
-            self.num_features, self.head_dim, orthogonal=self.orthogonal, generator=self._generator
-        )
-
-    def redraw(self) -> None:
-        self.projection.copy_(self._draw())
+    def _draw(self, generator: TensorGenerator) -> tuple[Tensor]:
+        return (gaussian_projection(self.num_features, self.head_dim, orthogonal=self.orthogonal,
+                                    generator=generator),)
 
     @property
     def feature_dim(self) -> int:

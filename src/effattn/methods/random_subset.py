@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from effattn.base import RandomizedAttention, compute_dtype
+from effattn.base import RandomizedAttention, RandomSource, compute_dtype, uniform
 from effattn.registry import Budget, MethodSpec, register
 
 # Elements of one block's gathered keys (B, H, C, S, D): about 16 MB in float32.
@@ -52,7 +52,7 @@ def sample_subsets(
     size: int,
     *,
     causal: bool = False,
-    generator: torch.Generator | None = None,
+    generator: RandomSource = None,
 ) -> Tensor:
     """Stratified random key subsets: (H, N, S) int32 key indices, -1 in unused slots.
 
@@ -67,7 +67,7 @@ def sample_subsets(
     t = torch.arange(size)
     for start in range(0, n, _SAMPLE_ROWS):
         stop = min(n, start + _SAMPLE_ROWS)
-        u = torch.rand(heads, stop - start, size, generator=generator, dtype=torch.float64)
+        u = uniform(generator, heads, stop - start, size)
         if causal:
             i = torch.arange(start, stop)[:, None]
             strata = torch.clamp(i + 1, max=size) - 1  # strata over [0, i)
@@ -196,7 +196,9 @@ def random_subset_attention(
             f"indices must be an integer (H, N, S) = ({h}, {n}, S) tensor, got "
             f"{indices.dtype} {tuple(indices.shape)}"
         )
-    if indices.numel() and (indices.min() < -1 or indices.max() >= m):
+    # Value checks read back to the host: eager only (a graph break under torch.compile).
+    if (not torch.compiler.is_compiling() and indices.numel()
+            and (indices.min() < -1 or indices.max() >= m)):
         raise ValueError(f"indices must lie in [-1, M={m}), got [{indices.min()}, {indices.max()}]")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return _SubsetAttention.apply(q, k, v, indices, key_padding_mask, causal, scale)

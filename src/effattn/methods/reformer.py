@@ -57,7 +57,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from effattn.base import RandomizedAttention, check_bool, check_positive_int, compute_dtype
+from effattn.base import (
+    RandomizedAttention,
+    RandomSource,
+    check_bool,
+    check_positive_int,
+    compute_dtype,
+    normal,
+)
 from effattn.registry import Budget, MethodSpec, register
 
 # Scores per group of chunks (1 MiB in fp32).
@@ -87,7 +94,7 @@ def draw_rotations(
     dim: int,
     n_buckets: int,
     *,
-    generator: torch.Generator | None = None,
+    generator: RandomSource = None,
 ) -> Tensor:
     """(H, n_hashes, D, n_buckets // 2) standard Gaussian rotations, float32 on the CPU.
 
@@ -95,7 +102,7 @@ def draw_rotations(
     """
     if n_buckets != 1 and (n_buckets < 2 or n_buckets % 2):
         raise ValueError(f"n_buckets must be 1 or a positive even int, got {n_buckets}")
-    return torch.randn(heads, n_hashes, dim, n_buckets // 2, generator=generator)
+    return normal(generator, heads, n_hashes, dim, n_buckets // 2, dtype=torch.float32)
 
 
 def lsh_buckets(x: Tensor, rotations: Tensor) -> Tensor:
@@ -399,7 +406,8 @@ class ReformerAttention(RandomizedAttention):
                     f"reformer with shared_qk=True cannot do cross-attention (N={n} != M={m}): "
                     "every token is both a query and a key; use shared_qk=False"
                 )
-            if k is not q and not torch.equal(k, q):
+            # Comparing values is a host sync: eager only (torch.compile would break the graph).
+            if k is not q and not torch.compiler.is_compiling() and not torch.equal(k, q):
                 raise ValueError(
                     "reformer with shared_qk=True needs k equal to q (pass q as k): the keys "
                     "are q/|q|"

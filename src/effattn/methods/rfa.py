@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from effattn.base import check_bool, check_choice, check_positive_int
+from effattn.base import TensorGenerator, check_bool, check_choice, check_positive_int
 from effattn.kernelized import core
 from effattn.kernelized import features as fm
 from effattn.kernelized.core import kernelized_attention
@@ -75,6 +75,8 @@ def rfa_attention(
 class RandomFeatureAttention(KernelizedAttention):
     """RFA with ``num_features`` iid Gaussian frequencies and per-head bandwidth sigma."""
 
+    random_buffers = ("projection",)
+
     def __init__(
         self,
         head_dim: int,
@@ -104,15 +106,11 @@ class RandomFeatureAttention(KernelizedAttention):
             self.log_sigma = nn.Parameter(log_sigma)
         else:
             self.register_buffer("log_sigma", log_sigma)
-        self.register_buffer("projection", self._draw())
+        self.register_buffer("projection", self._draw(self._train_generator())[0])
 
-    def _draw(self) -> Tensor:
-        return gaussian_projection(
-            self.num_features, self.head_dim, orthogonal=False, generator=self._generator
-        )
-
-    def redraw(self) -> None:
-        self.projection.copy_(self._draw())
+    def _draw(self, generator: TensorGenerator) -> tuple[Tensor]:
+        return (gaussian_projection(self.num_features, self.head_dim, orthogonal=False,
+                                    generator=generator),)
 
     @property
     def sigma(self) -> Tensor:
