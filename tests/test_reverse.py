@@ -137,7 +137,7 @@ def _config(method, options, **kw):
 
 @pytest.mark.parametrize("method, options", [("softmax", {}), GATED], ids=str)
 def test_tiny_run_learns(method, options, tmp_path):
-    results = train(_config(method, options, steps=60, lr=5e-3), tmp_path, progress=False)
+    results = train(_config(method, options, steps=80, lr=1e-2), tmp_path, progress=False)
     losses = results["losses"]
     assert sum(losses[-10:]) < 0.8 * sum(losses[:10]), losses
     assert results["metric"] == "exact_match"

@@ -1,6 +1,7 @@
-"""Neural-network building blocks with a pluggable attention method."""
+"""Neural-network building blocks with a pluggable attention method, and :func:`swap` to put one
+into an existing torch model."""
 
-from effattn.nn.attention import CrossState, MultiheadAttention
+from effattn.nn.attention import CrossState, MultiheadAttention, swap
 from effattn.nn.blocks import BlockState, FeedForward, TransformerBlock
 from effattn.nn.generate import generate, sample_next
 from effattn.nn.models import DecoderLM, DecoderState, EncoderClassifier, EncoderDecoder
@@ -20,4 +21,5 @@ __all__ = [
     "generate",
     "sample_next",
     "sinusoidal",
+    "swap",
 ]

@@ -11,13 +11,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from effattn.nn.attention import CrossState, MultiheadAttention
+from effattn.nn.attention import CrossState, MultiheadAttention, layer_seed
 from effattn.registry import DEFAULT_METHOD, spec
-
-
-def layer_seed(seed: int | None, index: int) -> int | None:
-    """A distinct, reproducible seed for the index-th attention layer of a model."""
-    return None if seed is None else seed * 1000 + index
 
 
 class FeedForward(nn.Sequential):
@@ -71,17 +66,17 @@ class TransformerBlock(nn.Module):
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         self.causal = causal
         self.norm1 = nn.LayerNorm(d_model)
-        self.self_attn = MultiheadAttention(d_model, num_heads, method, max_len=max_len,
-                                            seed=layer_seed(seed, 0), **options)
+        self.self_attn = MultiheadAttention(d_model, num_heads, batch_first=True, method=method,
+                                            max_len=max_len, seed=layer_seed(seed, 0), **options)
         self.cross_attn = None
         if cross:
             cross_method = method if cross_method is None else cross_method
             # A gate exists only on causal self-attention: cross-attention goes without it.
             cross_options = spec(method).layer.ungated(options) if cross_method == method else {}
             self.norm_cross = nn.LayerNorm(d_model)
-            self.cross_attn = MultiheadAttention(d_model, num_heads, cross_method,
-                                                 max_len=max_len, seed=layer_seed(seed, 1),
-                                                 **cross_options)
+            self.cross_attn = MultiheadAttention(d_model, num_heads, batch_first=True,
+                                                 method=cross_method, max_len=max_len,
+                                                 seed=layer_seed(seed, 1), **cross_options)
         self.norm2 = nn.LayerNorm(d_model)
         self.ff = FeedForward(d_model, ff_mult, dropout)
         self.drop = nn.Dropout(dropout)
@@ -98,10 +93,10 @@ class TransformerBlock(nn.Module):
             raise ValueError("memory must be given exactly when the block has cross-attention")
         h = self.norm1(x)
         x = x + self.drop(self.self_attn(h, key_padding_mask=key_padding_mask,
-                                         is_causal=self.causal)[0])
+                                         need_weights=False, is_causal=self.causal)[0])
         if self.cross_attn is not None:
             h = self.norm_cross(x)
-            x = x + self.drop(self.cross_attn(h, memory, memory,
+            x = x + self.drop(self.cross_attn(h, memory, memory, need_weights=False,
                                               key_padding_mask=memory_key_padding_mask)[0])
         return x + self.ff(self.norm2(x))
 
