@@ -6,7 +6,7 @@ from conftest import padding, qkv
 
 import effattn
 from effattn import reference as R
-from effattn.methods.bigbird import draw_random_blocks
+from effattn.mechanisms.bigbird import draw_random_blocks
 from effattn.sparse import blockwise, masked_partial
 
 

@@ -12,8 +12,8 @@ import effattn
 from effattn.cli import main
 from effattn.cli.decode import make_configs, parse_methods
 from effattn.kernelized.core import RecurrentState
-from effattn.methods.local import WindowCache
-from effattn.methods.softmax import KVCache
+from effattn.mechanisms.local import WindowCache
+from effattn.mechanisms.softmax import KVCache
 from effattn.nn.models import DecoderLM
 from effattn.tools import decode
 

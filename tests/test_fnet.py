@@ -7,7 +7,7 @@ from conftest import qkv
 
 import effattn
 from effattn import reference as R
-from effattn.methods.fnet import fnet_mixing
+from effattn.mechanisms.fnet import fnet_mixing
 
 
 @pytest.mark.parametrize("n, d, dv", [(1, 21, 21), (63, 21, 5), (257, 21, 21), (64, 8, 1)])

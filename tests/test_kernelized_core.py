@@ -246,7 +246,7 @@ def test_sliced_driver_equals_one_slice(causal, scaled):
 
 
 def test_gaussian_projection_blocks_are_orthogonal_with_gaussian_row_norms():
-    from effattn.kernelized.random import gaussian_projection, make_generator
+    from effattn.kernelized.projections import gaussian_projection, make_generator
 
     w = gaussian_projection(1000, 16, orthogonal=True, generator=make_generator(0),
                             dtype=torch.float64)

@@ -292,10 +292,10 @@ def test_gate_errors():
 
 
 def test_pure_functions_equal_the_modules():
-    from effattn.methods.favor import favor_attention
-    from effattn.methods.linear import linear_transformer_attention
-    from effattn.methods.performer import performer_attention
-    from effattn.methods.rfa import rfa_attention
+    from effattn.mechanisms.favor import favor_attention
+    from effattn.mechanisms.linear import linear_transformer_attention
+    from effattn.mechanisms.performer import performer_attention
+    from effattn.mechanisms.rfa import rfa_attention
 
     q, k, v = qkv(n=40, dv=5, scale=0.5)
     mask = padding(2, 40)

@@ -8,7 +8,7 @@ from conftest import padding, qkv
 
 import effattn
 from effattn import reference as R
-from effattn.methods.linformer import linformer_attention
+from effattn.mechanisms.linformer import linformer_attention
 
 SHARES = ("none", "kv", "headwise")
 

@@ -6,7 +6,7 @@ from conftest import padding, qkv
 
 import effattn
 from effattn import reference as R
-from effattn.methods.nystrom import iterative_pinv, nystrom_attention, segment_averaging
+from effattn.mechanisms.nystrom import iterative_pinv, nystrom_attention, segment_averaging
 
 
 def _grads(out, inputs, seed=1):

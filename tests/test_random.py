@@ -6,7 +6,7 @@ from conftest import padding, qkv
 
 import effattn
 from effattn import reference as R
-from effattn.methods import random_subset as F
+from effattn.mechanisms import random_subset as F
 
 
 def _grads(fn, q, k, v, **kw):

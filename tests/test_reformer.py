@@ -6,7 +6,7 @@ from conftest import padding, qkv
 
 import effattn
 from effattn import reference as R
-from effattn.methods import reformer as F
+from effattn.mechanisms import reformer as F
 
 
 def _inputs(n, m, shared, seed=0, dv=5):

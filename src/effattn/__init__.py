@@ -5,9 +5,7 @@
 >>> out = effattn.attention(q, k, v, method="performer", num_features=128, seed=0)
 """
 
-# The subpackage effattn.methods is loaded first: its import binds the attribute
-# `effattn.methods`, which the function of the same name below must then replace.
-import effattn.methods  # noqa: F401  (registers every method)
+import effattn.mechanisms  # noqa: F401  (registers every method)
 from effattn.base import AttentionMethod
 from effattn.functional import attention
 from effattn.registry import MethodSpec, build, methods, register, spec

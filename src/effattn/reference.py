@@ -356,7 +356,7 @@ def reformer_candidates(
 ) -> Tensor:
     """(B, H, N, M) bool: the union over rounds of the keys each query sees in Reformer.
 
-    Written from the rule of ``methods/reformer.py``: per round, bucket = argmax([x R; -x R])
+    Written from the rule of ``mechanisms/reformer.py``: per round, bucket = argmax([x R; -x R])
     (one bucket when R has no columns), padded keys in bucket n_buckets; items ordered by
     (bucket, position[, key before query]); an item's slot is the number of items with a smaller
     code. Not causal: key chunk = query chunk or the one before (chunk = slot // C). Causal:

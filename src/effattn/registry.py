@@ -1,10 +1,11 @@
 """The method registry: one name -> one :class:`MethodSpec` and one module class.
 
-Every mechanism lives in ``effattn/methods/<name>.py`` and calls :func:`register` at the bottom of
+Every mechanism lives in ``effattn/mechanisms/<name>.py`` (the subpackage is not named
+``methods``: that is the function listing the names) and calls :func:`register` at the bottom of
 its file with everything the rest of the package asks about it: capabilities and options, the FLOP
 model, the budget the approximation study sweeps, variants worth comparing, and the hints a layer
 needs (a parameter-free mixer, a call-time gate). The layers, tools and command line consult only
-this registry; no other module names a method. ``effattn.methods`` imports every module of that
+this registry; no other module names a method. ``effattn.mechanisms`` imports every module of that
 package, so adding a file is all it takes to add a method.
 """
 
@@ -160,7 +161,7 @@ def register(spec: MethodSpec, cls: type[AttentionMethod]) -> type[AttentionMeth
 
 
 def _ensure_loaded() -> None:
-    import effattn.methods  # noqa: F401  (importing registers every method)
+    import effattn.mechanisms  # noqa: F401  (importing registers every method)
 
 
 def methods() -> list[str]:

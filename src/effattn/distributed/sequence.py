@@ -61,8 +61,8 @@ from effattn.kernelized.core import (
     read_queries,
 )
 from effattn.kernelized.layer import KernelizedAttention
-from effattn.methods.local import LocalAttention, local_attention
-from effattn.methods.softmax import SoftmaxAttention
+from effattn.mechanisms.local import LocalAttention, local_attention
+from effattn.mechanisms.softmax import SoftmaxAttention
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Header fields that every rank must report identically.

@@ -28,7 +28,7 @@ random projections w_1..w_m ~ N(0, I_d) by
   exp(|x|^2 + |y|^2) (1 − exp(−|x − y|^2))^2 / (2m), which does not vanish as SM -> 0;
 
 each with iid or block-orthogonal projections
-(:func:`effattn.kernelized.random.gaussian_projection`).
+(:func:`effattn.kernelized.projections.gaussian_projection`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from torch import Tensor
 
 import effattn
 from effattn import reference
-from effattn.kernelized.random import gaussian_projection, make_generator
+from effattn.kernelized.projections import gaussian_projection, make_generator
 from effattn.registry import Budget
 
 PEAKS = 4

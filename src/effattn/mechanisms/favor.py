@@ -20,7 +20,7 @@ from effattn.kernelized import core
 from effattn.kernelized import features as fm
 from effattn.kernelized.core import kernelized_attention
 from effattn.kernelized.layer import KernelizedAttention
-from effattn.kernelized.random import gaussian_projection
+from effattn.kernelized.projections import gaussian_projection
 from effattn.registry import Budget, MethodSpec, Problem, register
 
 
