@@ -3,10 +3,10 @@
 Every mechanism lives in ``effattn/mechanisms/<name>.py`` (the subpackage is not named
 ``methods``: that is the function listing the names) and calls :func:`register` at the bottom of
 its file with everything the rest of the package asks about it: capabilities and options, the FLOP
-model, the budget the approximation study sweeps, variants worth comparing, and the hints a layer
-needs (a parameter-free mixer, a call-time gate). The layers, tools and command line consult only
-this registry; no other module names a method. ``effattn.mechanisms`` imports every module of that
-package, so adding a file is all it takes to add a method.
+model, the budget the approximation study sweeps, variants worth comparing, the hints a layer
+needs (a parameter-free mixer, a call-time gate) and its dense reference. The layers, tools and
+command line consult only this registry; no other module names a method. ``effattn.mechanisms``
+imports every module of that package, so adding a file is all it takes to add a method.
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ class Problem:
 FlopModel = Callable[[Mapping[str, Any], Problem], float]
 # The output a method approximates in the error study: (q, k, v, scale, options) -> (B, H, N, Dv).
 TargetFn = Callable[["Tensor", "Tensor", "Tensor", float, Mapping[str, Any]], "Tensor"]
+# A module's dense reference: reference(module, q, k, v, *, causal=False, key_padding_mask=None,
+# **call) -> (B, H, N, Dv), ``call`` being the module's call-time arguments (``gate=``).
+ReferenceFn = Callable[..., "Tensor"]
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,10 @@ class MethodSpec:
     ``causal``, ``padding_mask``, ``cross`` and ``decoding`` are promises: a method whose spec says
     False raises ``ValueError`` (with ``refusals[capability]`` as the reason) instead of computing
     something wrong. ``options`` maps each option the method accepts to its default.
+
+    ``reference`` computes densely, from ``effattn.reference``'s naive formulas (O(N M) memory,
+    float64-friendly), exactly what a module computes in eval mode on inputs it accepts, with that
+    module's own parameters, buffers and eval-mode random draws: the tests hold every module to it.
     """
 
     name: str
@@ -129,6 +136,7 @@ class MethodSpec:
     layer: LayerHints = LayerHints()
     bench_default: bool = False
     published: Mapping[str, float] = field(default_factory=dict)
+    reference: ReferenceFn | None = None
 
     def __post_init__(self) -> None:
         for name in ("options", "refusals", "published"):
