@@ -203,6 +203,8 @@ register(
             "positions (N == M)",
             "decoding": "global blocks attend to the whole sequence, future included, so there "
             "is no causal recurrence",
+            "sequence_parallel": "global blocks attend to and are attended by every block, and "
+            "random blocks point anywhere in the sequence",
         },
         reference=_reference,
     ),

@@ -135,6 +135,7 @@ register(
         flops=_flops,
         budget=Budget("num_features", (16, 32, 64, 128, 256, 512, 1024)),
         reference=_reference,
+        sequence_parallel="state",
     ),
     FavorAttention,
 )

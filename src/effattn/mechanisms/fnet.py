@@ -67,6 +67,8 @@ register(
             "cross": "there are no queries: the output has one row per position of v, so it "
             "needs N == M",
             "decoding": "the DFT over the sequence has no recurrent form",
+            "sequence_parallel": "the DFT along the sequence mixes every position into every "
+            "output",
         },
         reference=_reference,
         layer=LayerHints(parameter_free=True),

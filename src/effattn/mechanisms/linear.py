@@ -101,6 +101,7 @@ register(
         bench_default=True,
         published={"lra_listops": 16.13},
         reference=_reference,
+        sequence_parallel="state",
     ),
     LinearTransformerAttention,
 )

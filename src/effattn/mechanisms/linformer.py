@@ -163,6 +163,8 @@ register(
         refusals={
             "causal": "the projections E K and F V mix every position, future tokens included",
             "decoding": "each new token changes every projected key and value (no causal form)",
+            "sequence_parallel": "every projected key and value sums over the whole sequence "
+            "(an all-reduce of E K and F V could split it; no strategy does that yet)",
         },
         reference=_reference,
     ),

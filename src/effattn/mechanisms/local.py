@@ -149,6 +149,7 @@ register(
             "cross": "a window over positions needs aligned query and key positions (N == M)",
         },
         reference=_reference,
+        sequence_parallel="halo",
     ),
     LocalAttention,
 )

@@ -135,6 +135,8 @@ register(
             "cross": "a window over positions needs aligned query and key positions (N == M)",
             "decoding": "global tokens attend to the whole sequence, future included, so there "
             "is no causal recurrence",
+            "sequence_parallel": "global tokens attend to and are attended by every position, "
+            "on every rank",
         },
         reference=_reference,
     ),

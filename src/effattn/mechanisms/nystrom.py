@@ -299,6 +299,8 @@ register(
             "causal": "segment-mean landmarks average future tokens into every kernel, so masking "
             "the kernels would not make the output causal",
             "decoding": "the landmarks change with every new token (no causal form)",
+            "sequence_parallel": "every output needs the landmarks, means of segments that "
+            "span the whole sequence",
         },
         reference=_reference,
     ),

@@ -153,6 +153,7 @@ register(
         bench_default=True,
         published={"lra_listops": 18.01},
         reference=_reference,
+        sequence_parallel="state",
     ),
     PerformerAttention,
 )

@@ -298,6 +298,7 @@ register(
         refusals={
             "decoding": "the pattern is drawn for a whole sequence length at once; no "
             "fixed-size recurrent state (every query needs random access to all past keys)",
+            "sequence_parallel": "each query's sampled keys lie anywhere in the sequence",
         },
         reference=_reference,
     ),

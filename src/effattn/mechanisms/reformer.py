@@ -475,6 +475,8 @@ register(
         refusals={
             "decoding": "n_buckets is set from the whole sequence length and tokens are sorted "
             "over the whole sequence, so there is no fixed-size recurrent state",
+            "sequence_parallel": "tokens are hashed and sorted over the whole sequence: a "
+            "query's candidates can lie on any rank",
         },
         reference=_reference,
     ),

@@ -186,6 +186,7 @@ register(
                   Variant({"gated": True, "learn_sigma": True})),
         layer=LayerHints(gate_option="gated"),
         reference=_reference,
+        sequence_parallel="state",
     ),
     RandomFeatureAttention,
 )

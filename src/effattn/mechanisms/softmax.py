@@ -162,6 +162,7 @@ register(
         bench_default=True,
         published={"lra_listops": 36.37},
         reference=_reference,
+        sequence_parallel="gather",
     ),
     SoftmaxAttention,
 )

@@ -210,6 +210,8 @@ _REFUSALS = {
     "cross": "the pattern is defined over aligned query and key positions (N == M)",
     "decoding": "the strided/summary keys reach back over the whole prefix, so a step needs "
     "the full KV cache (use softmax's step); no fixed-size state",
+    "sequence_parallel": "the strided and summary keys of a query lie on every earlier rank: "
+    "each rank would need all of K and V, and no strategy computes the pattern over them",
 }
 
 register(
