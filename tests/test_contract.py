@@ -22,6 +22,16 @@ def test_methods_sorted_and_specs_consistent():
             s.options["new"] = 1  # frozen mapping
 
 
+def test_spec_needs_a_known_sequence_parallel_strategy_or_a_reason():
+    promises = dict(name="x", summary="", paper="", complexity="", causal=True,
+                    padding_mask=True, cross=True, decoding=True)
+    with pytest.raises(ValueError, match="sequence_parallel=None needs a reason in refusals"):
+        effattn.MethodSpec(**promises)
+    with pytest.raises(ValueError, match="sequence_parallel must be one of"):
+        effattn.MethodSpec(**promises, sequence_parallel="scatter")
+    assert effattn.MethodSpec(**promises, sequence_parallel="halo").sequence_parallel == "halo"
+
+
 def test_unknown_name_lists_valid_names():
     with pytest.raises(KeyError, match="softmax"):
         effattn.spec("no-such-method")

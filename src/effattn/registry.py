@@ -3,10 +3,11 @@
 Every mechanism lives in ``effattn/mechanisms/<name>.py`` (the subpackage is not named
 ``methods``: that is the function listing the names) and calls :func:`register` at the bottom of
 its file with everything the rest of the package asks about it: capabilities and options, the FLOP
-model, the budget the approximation study sweeps, variants worth comparing, and the hints a layer
-needs (a parameter-free mixer, a call-time gate). The layers, tools and command line consult only
-this registry; no other module names a method. ``effattn.mechanisms`` imports every module of that
-package, so adding a file is all it takes to add a method.
+model, the budget the approximation study sweeps, variants worth comparing, the hints a layer
+needs (a parameter-free mixer, a call-time gate), its dense reference and how it is split along
+the sequence across ranks. The layers, tools and command line consult only this registry; no
+other module names a method. ``effattn.mechanisms`` imports every module of that package, so
+adding a file is all it takes to add a method.
 """
 
 from __future__ import annotations
@@ -51,6 +52,13 @@ class Problem:
 FlopModel = Callable[[Mapping[str, Any], Problem], float]
 # The output a method approximates in the error study: (q, k, v, scale, options) -> (B, H, N, Dv).
 TargetFn = Callable[["Tensor", "Tensor", "Tensor", float, Mapping[str, Any]], "Tensor"]
+# A module's dense reference: reference(module, q, k, v, *, causal=False, key_padding_mask=None,
+# **call) -> (B, H, N, Dv), ``call`` being the module's call-time arguments (``gate=``).
+ReferenceFn = Callable[..., "Tensor"]
+# How effattn.distributed splits a method along the sequence (see distributed/sequence.py):
+# "state": kernelized, ranks exchange fixed-size key states; "gather": every rank all-gathers K
+# and V; "halo": a window, ranks exchange the tokens at their slice borders.
+SEQUENCE_PARALLEL = ("state", "gather", "halo")
 
 
 @dataclass(frozen=True)
@@ -111,6 +119,12 @@ class MethodSpec:
     ``causal``, ``padding_mask``, ``cross`` and ``decoding`` are promises: a method whose spec says
     False raises ``ValueError`` (with ``refusals[capability]`` as the reason) instead of computing
     something wrong. ``options`` maps each option the method accepts to its default.
+
+    ``reference`` computes densely, from ``effattn.reference``'s naive formulas (O(N M) memory,
+    float64-friendly), exactly what a module computes in eval mode on inputs it accepts, with that
+    module's own parameters, buffers and eval-mode random draws: the tests hold every module to it.
+    ``sequence_parallel`` is one of :data:`SEQUENCE_PARALLEL`, or None: the method cannot be split
+    along the sequence, for the reason in ``refusals["sequence_parallel"]``.
     """
 
     name: str
@@ -129,6 +143,8 @@ class MethodSpec:
     layer: LayerHints = LayerHints()
     bench_default: bool = False
     published: Mapping[str, float] = field(default_factory=dict)
+    reference: ReferenceFn | None = None
+    sequence_parallel: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("options", "refusals", "published"):
@@ -138,6 +154,15 @@ class MethodSpec:
                 raise ValueError(
                     f"MethodSpec {self.name!r}: {capability}=False needs a reason in refusals"
                 )
+        if self.sequence_parallel is None and "sequence_parallel" not in self.refusals:
+            raise ValueError(
+                f"MethodSpec {self.name!r}: sequence_parallel=None needs a reason in refusals"
+            )
+        if self.sequence_parallel is not None and self.sequence_parallel not in SEQUENCE_PARALLEL:
+            raise ValueError(
+                f"MethodSpec {self.name!r}: sequence_parallel must be one of {SEQUENCE_PARALLEL} "
+                f"or None, got {self.sequence_parallel!r}"
+            )
         named = [o for v in self.variants for o in v.options]
         if self.budget is not None:
             named.append(self.budget.option)

@@ -3,26 +3,28 @@
 q, k, v (B, H, n_r, D) and the key padding mask (B, n_r) of every rank are slices of the whole
 (B, H, N, D) and (B, N); slice r starts at offset o_r = n_0 + ... + n_{r-1}. Each rank gets its
 slice of the output, equal (up to rounding) to the module on the whole sequence, and gradients
-flow back through the collectives to every rank's inputs. Per method:
+flow back through the collectives to every rank's inputs. The method's spec says how
+(``MethodSpec.sequence_parallel``):
 
-- kernelized (performer, favor, rfa, linear), non-causal: the key state
+- "state", kernelized (performer, favor, rfa, linear), non-causal: the key state
   [S, z] = φ(K)^T [V, 1] is a sum over keys, so each rank forms its slice's (F, Dv + 1) state and
   one all-reduce sums them. The stabiliser scale is made common first: every rank rescales its
   state to m = max_r s_r (an all-reduce MAX of (B, H) scalars, without gradient: it cancels).
-- kernelized, causal (and gated): rank r needs the state of everything before o_r. Each rank forms
+- "state", causal (and gated): rank r needs the state of everything before o_r. Each rank forms
   its slice's state S_r at scale s_r and its slice's total log gate G_r (0 ungated); one all-gather
   of the P states (LASP-2, Sun et al. 2025) gives every rank
   S_in,r = Σ_{r' < r} exp(s_r' + Σ_{r' < l < r} G_l) S_r', and the chunkwise causal core continues
   from it over the rank's slice. Communication is P states, independent of N.
-- softmax (the exact baseline): all-gather K and V, O(N) per rank.
-- local (sliding window): query i needs keys i - left .. i + right (left = window - 1, right = 0
-  causal; window // 2 each way otherwise). Every rank all-gathers the first ``right`` and last
-  ``left`` tokens of every slice (a halo, O(P window) per rank, independent of N) and attends over
-  [halo before, own slice, halo after]; slices shorter than the window take their context from
-  several earlier ranks.
+- "gather", softmax (the exact baseline): all-gather K and V, O(N) per rank.
+- "halo", local (sliding window): query i needs keys i - left .. i + right (left = window - 1,
+  right = 0 causal; window // 2 each way otherwise). Every rank all-gathers the first ``right``
+  and last ``left`` tokens of every slice (a halo, O(P window) per rank, independent of N) and
+  attends over [halo before, own slice, halo after]; slices shorter than the window take their
+  context from several earlier ranks.
 
-Other methods need the whole sequence at once (landmarks, projections along the sequence, hashing,
-global tokens, random blocks, an FFT) and are refused when wrapped.
+Methods whose spec says None (landmarks, projections along the sequence, hashing, global tokens,
+random blocks, an FFT) are refused when wrapped, with the reason in their spec's
+``refusals["sequence_parallel"]``.
 
 Slicing: without ``total_length`` every rank must hold the same n (N = P n); with it, rank r holds
 ``torch.tensor_split``'s slice r of N positions (the first N mod P ranks one more). Before moving
@@ -63,6 +65,7 @@ from effattn.kernelized.core import (
 from effattn.kernelized.layer import KernelizedAttention
 from effattn.mechanisms.local import LocalAttention, local_attention
 from effattn.mechanisms.softmax import SoftmaxAttention
+from effattn.registry import methods, spec
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Header fields that every rank must report identically.
@@ -279,26 +282,17 @@ def _fingerprint(attn: AttentionMethod, device: torch.device) -> Tensor:
 
 
 def _strategy(attn: AttentionMethod) -> Strategy:
-    """How ``attn`` is split; ValueError naming the method when it cannot be."""
-    for cls, strategy in _STRATEGIES:
-        if isinstance(attn, cls):
-            return strategy
-    supported = sorted(c.spec.name for c in _registered_subclasses())
-    raise ValueError(
-        f"{attn.spec.name} cannot be split along the sequence: its output needs the whole "
-        "sequence at once (landmarks, projections along the sequence, hashing, global tokens, "
-        f"random blocks or an FFT); sequence parallel supports {', '.join(supported)}"
-    )
-
-
-def _registered_subclasses() -> list[type[AttentionMethod]]:
-    found, todo = [], [cls for cls, _ in _STRATEGIES]
-    while todo:
-        cls = todo.pop()
-        if "spec" in vars(cls):
-            found.append(cls)
-        todo += cls.__subclasses__()
-    return found
+    """How ``attn`` is split, as its spec's ``sequence_parallel`` says; ValueError naming the
+    method, with the spec's reason, when it cannot be."""
+    method = attn.spec
+    if method.sequence_parallel is None:
+        supported = [name for name in methods() if spec(name).sequence_parallel is not None]
+        raise ValueError(
+            f"{method.name} cannot be split along the sequence: "
+            f"{method.refusals['sequence_parallel']}; sequence parallel supports "
+            f"{', '.join(supported)}"
+        )
+    return _STRATEGIES[method.sequence_parallel]
 
 
 def _kernelized(
@@ -487,8 +481,5 @@ def _halos(
     return before[:, :, before.shape[2] - min(left, before.shape[2]):], after[:, :, :right]
 
 
-_STRATEGIES: tuple[tuple[type[AttentionMethod], Strategy], ...] = (
-    (KernelizedAttention, _kernelized),
-    (SoftmaxAttention, _softmax),
-    (LocalAttention, _local),
-)
+# The strategy of each value of MethodSpec.sequence_parallel (registry.SEQUENCE_PARALLEL).
+_STRATEGIES: dict[str, Strategy] = {"state": _kernelized, "gather": _softmax, "halo": _local}

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from effattn import reference
 from effattn.base import (
     RandomizedAttention,
     RandomSource,
@@ -163,6 +164,25 @@ class BigBirdAttention(RandomizedAttention):
         )
 
 
+def _reference(
+    module: BigBirdAttention,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """Masked softmax over the explicit N x N block pattern, with the module's eval-mode random
+    blocks."""
+    nb = -(-q.shape[2] // module.block_size)
+    return reference.bigbird_attention(
+        q, k, v, block_size=module.block_size, random_blocks=module.random_blocks(nb),
+        num_global_blocks=module.num_global_blocks, key_padding_mask=key_padding_mask,
+        scale=module.scale,
+    )
+
+
 register(
     MethodSpec(
         name="bigbird",
@@ -183,7 +203,10 @@ register(
             "positions (N == M)",
             "decoding": "global blocks attend to the whole sequence, future included, so there "
             "is no causal recurrence",
+            "sequence_parallel": "global blocks attend to and are attended by every block, and "
+            "random blocks point anywhere in the sequence",
         },
+        reference=_reference,
     ),
     BigBirdAttention,
 )

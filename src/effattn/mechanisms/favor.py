@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import Tensor
 
+from effattn import reference
 from effattn.base import TensorGenerator, check_bool, check_positive_int, uniform
 from effattn.kernelized import core
 from effattn.kernelized import features as fm
@@ -93,6 +94,22 @@ class FavorAttention(KernelizedAttention):
         )
 
 
+def _reference(
+    module: FavorAttention,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """The explicit kernel matrix of the module's random-phase cosine features."""
+    return reference.favor_attention(
+        q, k, v, module.projection, module.phase, causal=causal,
+        key_padding_mask=key_padding_mask, scale=module.scale,
+    )
+
+
 def _flops(options: Mapping[str, Any], problem: Problem) -> float:
     return core.flops(problem, projections=options["num_features"],
                       feature_dim=options["num_features"], chunk_size=options["chunk_size"])
@@ -117,6 +134,8 @@ register(
         },
         flops=_flops,
         budget=Budget("num_features", (16, 32, 64, 128, 256, 512, 1024)),
+        reference=_reference,
+        sequence_parallel="state",
     ),
     FavorAttention,
 )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from effattn import reference
 from effattn.base import AttentionMethod, compute_dtype
 from effattn.registry import LayerHints, MethodSpec, register
 
@@ -35,6 +36,19 @@ class FNet(AttentionMethod):
         return fnet_mixing(q, k, v.to(compute_dtype(v.dtype)))
 
 
+def _reference(
+    module: FNet,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """Re(W_N v W_Dv) with the explicit DFT matrices; the module has no parameters."""
+    return reference.fnet_mixing(q, k, v)
+
+
 register(
     MethodSpec(
         name="fnet",
@@ -53,7 +67,10 @@ register(
             "cross": "there are no queries: the output has one row per position of v, so it "
             "needs N == M",
             "decoding": "the DFT over the sequence has no recurrent form",
+            "sequence_parallel": "the DFT along the sequence mixes every position into every "
+            "output",
         },
+        reference=_reference,
         layer=LayerHints(parameter_free=True),
     ),
     FNet,

@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import Tensor
 
+from effattn import reference
 from effattn.kernelized import core
 from effattn.kernelized import features as fm
 from effattn.kernelized.core import kernelized_attention
@@ -63,6 +64,21 @@ class LinearTransformerAttention(KernelizedAttention):
         return fm.elu_plus_one(x)
 
 
+def _reference(
+    module: LinearTransformerAttention,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """The explicit kernel matrix (elu(q) + 1)·(elu(k) + 1); the module has no parameters."""
+    return reference.linear_transformer_attention(
+        q, k, v, causal=causal, key_padding_mask=key_padding_mask
+    )
+
+
 def _flops(options: Mapping[str, Any], problem: Problem) -> float:
     # The feature map is elementwise: no projection, F = D.
     return core.flops(problem, projections=0, feature_dim=problem.head_dim,
@@ -84,6 +100,8 @@ register(
         flops=_flops,
         bench_default=True,
         published={"lra_listops": 16.13},
+        reference=_reference,
+        sequence_parallel="state",
     ),
     LinearTransformerAttention,
 )

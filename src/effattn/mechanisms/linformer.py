@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from effattn import reference
 from effattn.base import AttentionMethod, compute_dtype, resolve_seed
 from effattn.registry import Budget, MethodSpec, Problem, register
 
@@ -121,6 +122,23 @@ class Linformer(AttentionMethod):
         )
 
 
+def _reference(
+    module: Linformer,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """The explicit N x M mixing matrix softmax(scale q (E k)^T) F of the module's E, F."""
+    f = module.e if module.f is None else module.f
+    return reference.linformer_attention(
+        q, k, v, module.e.to(q.dtype), f.to(q.dtype), key_padding_mask=key_padding_mask,
+        scale=module.scale,
+    )
+
+
 def _flops(options: Mapping[str, Any], p: Problem) -> float:
     """k and v projected to P rows, then N queries over them: 2·B·H·(P M + N P)·(D + Dv)."""
     k = min(options["proj_len"], p.m)
@@ -145,7 +163,10 @@ register(
         refusals={
             "causal": "the projections E K and F V mix every position, future tokens included",
             "decoding": "each new token changes every projected key and value (no causal form)",
+            "sequence_parallel": "every projected key and value sums over the whole sequence "
+            "(an all-reduce of E K and F V could split it; no strategy does that yet)",
         },
+        reference=_reference,
     ),
     Linformer,
 )

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from effattn import reference
 from effattn.base import AttentionMethod, check_positive_int, compute_dtype
 from effattn.registry import Budget, MethodSpec, register
 from effattn.sparse import banded_attention
@@ -114,6 +115,22 @@ class LocalAttention(AttentionMethod):
         return weights @ state.v, state
 
 
+def _reference(
+    module: LocalAttention,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """Masked softmax over the explicit N x N window pattern of the module."""
+    return reference.local_attention(
+        q, k, v, window=module.window, dilation=module.dilation, causal=causal,
+        key_padding_mask=key_padding_mask, scale=module.scale,
+    )
+
+
 register(
     MethodSpec(
         name="local",
@@ -131,6 +148,8 @@ register(
         refusals={
             "cross": "a window over positions needs aligned query and key positions (N == M)",
         },
+        reference=_reference,
+        sequence_parallel="halo",
     ),
     LocalAttention,
 )

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from effattn import reference
 from effattn.base import AttentionMethod, check_positive_int, compute_dtype
 from effattn.registry import Budget, MethodSpec, register
 from effattn.sparse import banded_attention, dense_partial, merge_partials
@@ -99,6 +100,22 @@ class LongformerAttention(AttentionMethod):
         )
 
 
+def _reference(
+    module: LongformerAttention,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """Masked softmax over the explicit N x N window-plus-global pattern of the module."""
+    return reference.longformer_attention(
+        q, k, v, window=module.window, global_tokens=module.global_tokens,
+        key_padding_mask=key_padding_mask, scale=module.scale,
+    )
+
+
 register(
     MethodSpec(
         name="longformer",
@@ -118,7 +135,10 @@ register(
             "cross": "a window over positions needs aligned query and key positions (N == M)",
             "decoding": "global tokens attend to the whole sequence, future included, so there "
             "is no causal recurrence",
+            "sequence_parallel": "global tokens attend to and are attended by every position, "
+            "on every rank",
         },
+        reference=_reference,
     ),
     LongformerAttention,
 )

@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from effattn import reference
 from effattn.base import AttentionMethod, check_positive_int, compute_dtype, resolve_seed
 from effattn.registry import Budget, MethodSpec, Problem, register
 
@@ -249,6 +250,25 @@ class Nystromformer(AttentionMethod):
         )
 
 
+def _reference(
+    module: Nystromformer,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """Nyström attention one sequence at a time from explicit kernels and pinv steps, with the
+    module's landmarks, iterations and convolution."""
+    conv = None if module.conv_weight is None else module.conv_weight.to(q.dtype)
+    return reference.nystrom_attention(
+        q, k, v, key_padding_mask=key_padding_mask, scale=module.scale,
+        num_landmarks=module.num_landmarks, pinv_iterations=module.pinv_iterations,
+        conv_weight=conv,
+    )
+
+
 def _flops(options: Mapping[str, Any], p: Problem) -> float:
     """Three kernels 2·(N m + m² + m M)·D, the iterative pseudo-inverse 8·m³ per iteration, the
     products in the cheapest order 2·(m M + m² + N m)·Dv, a depthwise convolution 2·N·Dv·c."""
@@ -279,7 +299,10 @@ register(
             "causal": "segment-mean landmarks average future tokens into every kernel, so masking "
             "the kernels would not make the output causal",
             "decoding": "the landmarks change with every new token (no causal form)",
+            "sequence_parallel": "every output needs the landmarks, means of segments that "
+            "span the whole sequence",
         },
+        reference=_reference,
     ),
     Nystromformer,
 )

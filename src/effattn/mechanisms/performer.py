@@ -18,6 +18,7 @@ from typing import Any
 
 from torch import Tensor
 
+from effattn import reference
 from effattn.base import TensorGenerator, check_bool, check_choice, check_positive_int
 from effattn.kernelized import core
 from effattn.kernelized import features as fm
@@ -107,6 +108,22 @@ class PerformerAttention(KernelizedAttention):
                 f"feature_map={self.feature_map!r}, orthogonal={self.orthogonal}")
 
 
+def _reference(
+    module: PerformerAttention,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """The explicit kernel matrix of the module's true features φ(q̃)·φ(k̃)."""
+    return reference.performer_attention(
+        q, k, v, module.projection, feature_map=module.feature_map, causal=causal,
+        key_padding_mask=key_padding_mask, scale=module.scale,
+    )
+
+
 def _flops(options: Mapping[str, Any], problem: Problem) -> float:
     paired = options["feature_map"] in ("hyperbolic", "trig")
     return core.flops(problem, projections=options["num_features"],
@@ -135,6 +152,8 @@ register(
         budget=Budget("num_features", (16, 32, 64, 128, 256, 512, 1024)),
         bench_default=True,
         published={"lra_listops": 18.01},
+        reference=_reference,
+        sequence_parallel="state",
     ),
     PerformerAttention,
 )

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from effattn import reference
 from effattn.base import RandomizedAttention, RandomSource, compute_dtype, uniform
 from effattn.registry import Budget, MethodSpec, register
 
@@ -260,6 +261,28 @@ class RandomSubsetAttention(RandomizedAttention):
         return f"{super().extra_repr()}, ratio={self.ratio}"
 
 
+def _reference(
+    module: RandomSubsetAttention,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """Masked softmax over the explicit (H, N, M) mask of the module's eval-mode subsets."""
+    n, m = q.shape[2], k.shape[2]
+    # The eval-mode draw, whatever the module's mode: subsets() would advance a training
+    # module's generator.
+    indices = sample_subsets(
+        module.heads, n, m, subset_size(m, module.ratio), causal=causal,
+        generator=module._eval_generator(),
+    )
+    return reference.random_subset_attention(
+        q, k, v, indices, causal=causal, key_padding_mask=key_padding_mask, scale=module.scale
+    )
+
+
 register(
     MethodSpec(
         name="random",
@@ -275,7 +298,9 @@ register(
         refusals={
             "decoding": "the pattern is drawn for a whole sequence length at once; no "
             "fixed-size recurrent state (every query needs random access to all past keys)",
+            "sequence_parallel": "each query's sampled keys lie anywhere in the sequence",
         },
+        reference=_reference,
     ),
     RandomSubsetAttention,
 )

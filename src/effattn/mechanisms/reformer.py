@@ -57,6 +57,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from effattn import reference
 from effattn.base import (
     RandomizedAttention,
     RandomSource,
@@ -433,6 +434,30 @@ class ReformerAttention(RandomizedAttention):
         )
 
 
+def _reference(
+    module: ReformerAttention,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """Softmax over the explicit (B, H, N, M) union of the LSH candidates of every round, hashed
+    with the module's eval-mode rotations."""
+    n, m = q.shape[2], k.shape[2]
+    # The eval-mode draw, whatever the module's mode: rotations() would advance a training
+    # module's generator.
+    rotations = draw_rotations(
+        module.heads, module.n_hashes, module.head_dim, num_buckets(n, m, module.bucket_size),
+        generator=module._eval_generator(),
+    )
+    return reference.reformer_attention(
+        q, k, v, rotations, bucket_size=module.bucket_size, causal=causal,
+        key_padding_mask=key_padding_mask, scale=module.scale, shared_qk=module.shared_qk,
+    )
+
+
 register(
     MethodSpec(
         name="reformer",
@@ -450,7 +475,10 @@ register(
         refusals={
             "decoding": "n_buckets is set from the whole sequence length and tokens are sorted "
             "over the whole sequence, so there is no fixed-size recurrent state",
+            "sequence_parallel": "tokens are hashed and sorted over the whole sequence: a "
+            "query's candidates can lie on any rank",
         },
+        reference=_reference,
     ),
     ReformerAttention,
 )

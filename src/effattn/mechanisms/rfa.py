@@ -24,13 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from effattn import reference
 from effattn.base import TensorGenerator, check_bool, check_choice, check_positive_int
 from effattn.kernelized import core
 from effattn.kernelized import features as fm
 from effattn.kernelized.core import kernelized_attention
 from effattn.kernelized.layer import KernelizedAttention
 from effattn.kernelized.projections import gaussian_projection
-from effattn.reference import softmax_attention
 from effattn.registry import Budget, LayerHints, MethodSpec, Problem, Variant, register
 
 FEATURE_MAPS = {"sincos": fm.sincos, "arccos": fm.arccos}
@@ -139,7 +139,25 @@ def _flops(options: Mapping[str, Any], problem: Problem) -> float:
 def _target(q: Tensor, k: Tensor, v: Tensor, scale: float, options: Mapping[str, Any]) -> Tensor:
     """RFA's own kernel: softmax(q̂ k̂^T / σ²) v on unit-length q, k (``scale`` does not enter)."""
     sigma = float(options["sigma"])
-    return softmax_attention(unit(q), unit(k), v, scale=1.0 / sigma**2)
+    return reference.softmax_attention(unit(q), unit(k), v, scale=1.0 / sigma**2)
+
+
+def _reference(
+    module: RandomFeatureAttention,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    gate: Tensor | None = None,
+) -> Tensor:
+    """The explicit kernel matrix of the module's features, gated through the explicit
+    recurrence weights (1 - g_j) Π_{j<l<=i} g_l."""
+    return reference.rfa_attention(
+        q, k, v, module.projection, module.sigma, feature_map=module.feature_map, causal=causal,
+        key_padding_mask=key_padding_mask, gate=gate,
+    )
 
 
 register(
@@ -167,6 +185,8 @@ register(
         variants=(Variant({"learn_sigma": True}), Variant({"gated": True}, decoding=True),
                   Variant({"gated": True, "learn_sigma": True})),
         layer=LayerHints(gate_option="gated"),
+        reference=_reference,
+        sequence_parallel="state",
     ),
     RandomFeatureAttention,
 )

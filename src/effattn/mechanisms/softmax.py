@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from effattn import reference
 from effattn.base import AttentionMethod
 from effattn.registry import MethodSpec, Problem, register
 
@@ -126,6 +127,21 @@ class SoftmaxAttention(AttentionMethod):
         return out, state
 
 
+def _reference(
+    module: SoftmaxAttention,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """softmax(scale q k^T) v with the explicit N x M score matrix."""
+    return reference.softmax_attention(
+        q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=module.scale
+    )
+
+
 def _flops(options: Mapping[str, Any], p: Problem) -> float:
     """2·B·H·pairs·(D + Dv): q k^T and the weights times v; causal scores N (N + 1) / 2 pairs."""
     pairs = p.n * (p.n + 1) / 2 if p.causal else p.n * p.m
@@ -145,6 +161,8 @@ register(
         flops=_flops,
         bench_default=True,
         published={"lra_listops": 36.37},
+        reference=_reference,
+        sequence_parallel="gather",
     ),
     SoftmaxAttention,
 )

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from effattn import reference
 from effattn.base import AttentionMethod, check_positive_int, compute_dtype
 from effattn.registry import MethodSpec, register
 from effattn.sparse import banded_attention, block_gather_attention, dense_partial, merge_partials
@@ -173,10 +174,44 @@ class FixedAttention(_SparseTransformerAttention):
         )
 
 
+def _strided_reference(
+    module: StridedAttention,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """Masked softmax over the explicit N x N strided pattern."""
+    return reference.sparse_strided_attention(
+        q, k, v, stride=module.stride, causal=causal, key_padding_mask=key_padding_mask,
+        scale=module.scale,
+    )
+
+
+def _fixed_reference(
+    module: FixedAttention,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """Masked softmax over the explicit N x N fixed pattern."""
+    return reference.sparse_fixed_attention(
+        q, k, v, stride=module.stride, c=module.c, causal=causal,
+        key_padding_mask=key_padding_mask, scale=module.scale,
+    )
+
+
 _REFUSALS = {
     "cross": "the pattern is defined over aligned query and key positions (N == M)",
     "decoding": "the strided/summary keys reach back over the whole prefix, so a step needs "
     "the full KV cache (use softmax's step); no fixed-size state",
+    "sequence_parallel": "the strided and summary keys of a query lie on every earlier rank: "
+    "each rank would need all of K and V, and no strategy computes the pattern over them",
 }
 
 register(
@@ -192,6 +227,7 @@ register(
         options={"stride": None},
         published={"lra_listops": 17.07},
         refusals=_REFUSALS,
+        reference=_strided_reference,
     ),
     StridedAttention,
 )
@@ -210,6 +246,7 @@ register(
         options={"stride": None, "c": 8},
         published={"lra_listops": 17.07},
         refusals=_REFUSALS,
+        reference=_fixed_reference,
     ),
     FixedAttention,
 )
