@@ -10,6 +10,10 @@ A run lives in its own directory:
 
 Re-running with the same configuration resumes from the checkpoint; since every batch is a
 function of (seed, step) and the RNG states are restored, the result equals an uninterrupted run.
+
+Under torchrun the run is split over the processes, by examples (data parallel) or by positions
+of each sequence (sequence parallel), and equals the one-process run up to rounding: see
+:mod:`effattn.distributed.training` and docs/distributed.md. Rank 0 alone writes the files.
 """
 
 from __future__ import annotations
