@@ -15,10 +15,18 @@ from effattn.cli.common import (
     prepare_out,
     user_input,
 )
+from effattn.distributed.training import World, launched, torchrun_rank
 from effattn.registry import DEFAULT_METHOD
 from effattn.tools.compare import compare, every_variant, resolve, run_options, table
 from effattn.tools.tasks.data import FRACTION_METRICS, TASKS, task_options
-from effattn.tools.train import MODEL_DEFAULTS, TASK_DEFAULTS, TrainConfig, label_of, train
+from effattn.tools.train import (
+    MODEL_DEFAULTS,
+    TASK_DEFAULTS,
+    TrainConfig,
+    check_parallel,
+    label_of,
+    train,
+)
 
 
 def _budget_args(p: argparse.ArgumentParser) -> None:
@@ -65,18 +73,31 @@ def _run_train(args: argparse.Namespace) -> int:
                                 f"options of {args.method!r}")
         cfg = _config(args, args.method, options)
         _check(cfg)
+        launch = torchrun_rank()
+        if args.sequence_parallel and launch is None:
+            raise ValueError("--sequence-parallel splits each sequence across processes: run "
+                             "under torchrun --nproc-per-node P")
+        if launch is not None:
+            # The checks that need the number of processes, before the process group exists:
+            # a mistake ends every rank alike, none waits for the others.
+            rank, size, local = launch
+            check_parallel(cfg, World(rank, size, local, args.sequence_parallel,
+                                      distributed=True))
     args.out = prepare_out(Path(args.out or f"runs/{args.task}-{label_of(args.method, options)}"))
     if args.data_dir is not None:
         prepare_out(Path(args.data_dir), "--data-dir")
-    with user_input():
+    with launched(cfg.device, args.sequence_parallel) as world, user_input():
         results = train(cfg, args.out, resume=True if args.resume else None,
-                        data_dir=args.data_dir, progress=None)
+                        data_dir=args.data_dir, progress=None, world=world)
+    if not world.is_main:
+        return 0
     metric = results["metric"]
     percent = metric in FRACTION_METRICS
     value = results["score"] * (100 if percent else 1)
+    on = f" on {world.size} processes ({world.mode} parallel)" if world.distributed else ""
     print(f"{args.task} {results['label']}: test {metric.replace('_', ' ')} "
           f"{value:.2f}{'%' if percent else ''}, "
-          f"{results['steps_per_s']:.2f} steps/s, peak {results['peak_memory_mb']:.0f} MB "
+          f"{results['steps_per_s']:.2f} steps/s{on}, peak {results['peak_memory_mb']:.0f} MB "
           f"({results['peak_memory_kind']}); results in {args.out / 'results.json'}")
     return 0
 
@@ -119,6 +140,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dir", help="cache of generated data sets (default <out>/data)")
     p.add_argument("--resume", action="store_true",
                    help="require a checkpoint in --out (resuming is automatic when one exists)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="under torchrun: split each sequence across the processes instead of "
+                   "the batch (causal LM tasks, methods that effattn.distributed splits)")
     p.set_defaults(func=_run_train, on_interrupt=(
         "The last checkpoint (every --checkpoint-every steps) is in {out}; run the same command "
         "again to resume from it."))

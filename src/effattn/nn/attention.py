@@ -33,6 +33,7 @@ Two kinds of mechanism change the layer itself, as their spec's ``layer`` hints 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,6 +208,10 @@ class MultiheadAttention(nn.Module):
                               seed=seed, **options)
         if device is not None or dtype is not None:
             self.attn.to(**factory)
+        # When set, the mechanism runs through it instead of self.attn (same call): each
+        # process's q, k, v are its slice of the sequence (effattn.distributed.training). A plain
+        # callable, not a submodule, so that parameters and state_dict stay the mechanism's.
+        self.sequence_parallel: Callable[..., Tensor] | None = None
         self.gate_proj = None
         if self.gated:
             self.gate_proj = nn.Linear(embed_dim, num_heads, **factory)
@@ -406,7 +411,8 @@ class MultiheadAttention(nn.Module):
                     weights = p.mean(1) if average_attn_weights else p
                     weights = weights if batched else weights[0]
             else:
-                o = self.attn(q, k, v, causal=causal, key_padding_mask=padding, **kwargs)
+                attend = self.attn if self.sequence_parallel is None else self.sequence_parallel
+                o = attend(q, k, v, causal=causal, key_padding_mask=padding, **kwargs)
             out = self._merge(o)
         if not batched:
             out = out[0]

@@ -172,9 +172,11 @@ class DecoderLM(nn.Module):
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size)
 
-    def forward(self, tokens: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, offset: int = 0) -> Tensor:
+        """tokens (B, N) at positions offset .. offset + N - 1 (a slice of longer sequences,
+        when the attention layers run sequence parallel) -> logits (B, N, V)."""
         _check_tokens(tokens, self.embed.vocab_size)
-        x = self.embed(tokens)
+        x = self.embed(tokens, offset)
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))

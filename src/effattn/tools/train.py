@@ -10,6 +10,10 @@ A run lives in its own directory:
 
 Re-running with the same configuration resumes from the checkpoint; since every batch is a
 function of (seed, step) and the RNG states are restored, the result equals an uninterrupted run.
+
+Under torchrun the run is split over the processes, by examples (data parallel) or by positions
+of each sequence (sequence parallel), and equals the one-process run up to rounding: see
+:mod:`effattn.distributed.training` and docs/distributed.md. Rank 0 alone writes the files.
 """
 
 from __future__ import annotations
@@ -34,9 +38,19 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from effattn.distributed import SequenceParallel
+from effattn.distributed.training import World
 from effattn.nn import DecoderLM, EncoderClassifier, EncoderDecoder, generate
-from effattn.registry import DEFAULT_METHOD, spec
-from effattn.tools.tasks.data import TASKS, Task, decoder_inputs, make_task, score
+from effattn.registry import DEFAULT_METHOD, build, spec
+from effattn.tools.tasks.data import (
+    TASK_KINDS,
+    TASKS,
+    Task,
+    decoder_inputs,
+    make_task,
+    score,
+    stream_seed,
+)
 from effattn.tools.tasks.synthetic import IGNORE
 
 # Defaults of `effattn train` and `effattn compare`: tiny models, short sequences, so that a
@@ -147,11 +161,14 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def predict(model: nn.Module, task: Task, inputs: torch.Tensor, targets: torch.Tensor
-            ) -> torch.Tensor:
-    """The model's logits for a batch; a seq2seq decoder reads the targets (teacher forcing)."""
+def predict(model: nn.Module, task: Task, inputs: torch.Tensor, targets: torch.Tensor,
+            offset: int = 0) -> torch.Tensor:
+    """The model's logits for a batch; a seq2seq decoder reads the targets (teacher forcing).
+    ``offset``: the position of the inputs' first token (a causal LM's slice of sequences)."""
     if task.kind == "seq2seq":
         return model(inputs, decoder_inputs(task, targets))
+    if task.kind == "lm":
+        return model(inputs, offset=offset)
     return model(inputs)
 
 
@@ -208,19 +225,29 @@ def greedy_scores(model: nn.Module, task: Task, sources: torch.Tensor, targets: 
 
 
 def evaluate(model: nn.Module, task: Task, split: str, device: torch.device,
-             batch_size: int = 64) -> dict[str, float]:
+             batch_size: int = 64, world: World | None = None) -> dict[str, float]:
     """Metrics of ``model`` on the held-out ``split`` (eval mode, restored afterwards): loss and
-    accuracy with teacher forcing, and for seq2seq the exact match of greedy decoding."""
+    accuracy with teacher forcing, and for seq2seq the exact match of greedy decoding.
+
+    ``world``: sequence parallel, each rank scores its slice of every sequence and the sums
+    are added over the ranks; otherwise every rank scores the whole split (data parallel: the
+    same model everywhere, so the same metrics)."""
+    world = World() if world is None else world
     inputs, targets = task.eval_sets[split]
     total, correct, count = 0.0, 0, 0
     with _eval_mode(model):
         for i in range(0, len(inputs), batch_size):
-            x = inputs[i:i + batch_size].to(device)
-            y = targets[i:i + batch_size].to(device)
-            loss, c, n = loss_and_counts(task, predict(model, task, x, y), y)
+            x, y, offset = world.sequence_part(inputs[i:i + batch_size],
+                                               targets[i:i + batch_size])
+            x, y = x.to(device), y.to(device)
+            loss, c, n = loss_and_counts(task, predict(model, task, x, y, offset), y)
             total += float(loss)
             correct += c
             count += n
+    if world.mode == "sequence":
+        sums = world.sum(torch.tensor([total, correct, count], dtype=torch.float64,
+                                      device=device))
+        total, correct, count = float(sums[0]), int(sums[1]), int(sums[2])
     metrics = score(task, total, correct, count)
     if task.kind == "seq2seq":
         metrics["exact_match"] = greedy_scores(model, task, inputs, targets, device,
@@ -313,27 +340,22 @@ def _log(out: Path, record: dict[str, Any], text: str, echo: bool) -> None:
         tqdm.write(text, file=sys.stderr)
 
 
-def train(
-    config: TrainConfig,
-    out_dir: str | Path,
-    *,
-    resume: bool | None = None,
-    data_dir: str | Path | None = None,
-    stop_after: int | None = None,
-    progress: bool | None = True,
-) -> dict[str, Any] | None:
-    """Train ``config`` in ``out_dir`` and return the results (also written to results.json).
+@dataclass
+class _Run:
+    """A run ready to train: its model and optimizer, restored from ``saved`` if resuming."""
 
-    resume: None resumes when ``out_dir`` holds a checkpoint; True requires one; False refuses to
-        overwrite one. A checkpoint of a different configuration is an error.
-    data_dir: where slow-to-generate data sets are cached (default ``out_dir/data``).
-    stop_after: stop (as if interrupted) once this many steps are done; returns None.
-    progress: progress bar and log lines on stderr; None shows the bar only on a terminal,
-        False is silent (the log files are written either way).
-    """
-    echo = progress is not False
+    cfg: TrainConfig
+    task: Task
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    saved: dict[str, Any] | None
+
+
+def _prepare(config: TrainConfig, out: Path, resume: bool | None, data_dir: str | Path | None,
+             world: World) -> _Run:
+    """Check the configuration against ``out``'s checkpoint, make the task and the model."""
     cfg = config.resolved()
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ckpt_path = out / CHECKPOINT
     saved = None
@@ -355,9 +377,12 @@ def train(
     reason = applicability(cfg.task, cfg.method, cfg.options)
     if reason is not None:
         raise ValueError(f"{cfg.method} cannot run task {cfg.task}: {reason}")
+    check_parallel(cfg, world)
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but CUDA is not available")
+    if device.type == "cuda" and world.distributed:
+        device = torch.device("cuda", world.local_rank)
 
     task = make_task(cfg.task, cfg.seq_len, cfg.seed,
                      data_dir=out / "data" if data_dir is None else Path(data_dir),
@@ -369,17 +394,89 @@ def train(
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr)
-    step, train_time, peak, losses = 0, 0.0, 0, []
     if saved is not None:
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
-        step, train_time, peak, losses = (saved["step"], saved["train_time"], saved["peak_bytes"],
-                                          saved["losses"])
         torch.set_rng_state(saved["torch_rng"])
         random.setstate(saved["python_rng"])
         if device.type == "cuda" and saved.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(saved["cuda_rng"], device)
-        _log(out, {"event": "resume", "step": step}, f"resumed from step {step}", echo)
+    return _Run(cfg, task, model, optimizer, device, saved)
+
+
+def check_parallel(cfg: TrainConfig, world: World) -> None:
+    """ValueError, before any work, when ``cfg`` cannot be split over ``world``'s processes:
+    data parallel needs their number P to divide the batch; sequence parallel a task of
+    :class:`~effattn.nn.DecoderLM`, a method that SequenceParallel splits, and N >= P."""
+    if world.mode == "data" and cfg.batch_size % world.size:
+        raise ValueError(f"batch_size={cfg.batch_size} must be divisible by the {world.size} "
+                         "processes (WORLD_SIZE): each takes batch_size / WORLD_SIZE examples "
+                         "of every batch")
+    if world.mode != "sequence":
+        return
+    if TASK_KINDS[cfg.task] != "lm":
+        causal = [t for t, kind in TASK_KINDS.items() if kind == "lm"]
+        model = {"classify": "an EncoderClassifier", "seq2seq": "an EncoderDecoder"}
+        raise ValueError(f"sequence parallel splits the sequences of a DecoderLM (tasks "
+                         f"{', '.join(causal)}); {cfg.task} trains {model[TASK_KINDS[cfg.task]]}")
+    if cfg.seq_len < world.size:
+        raise ValueError(f"seq_len={cfg.seq_len} is shorter than the {world.size} processes "
+                         "it is split over (WORLD_SIZE)")
+    attn = build(cfg.method, head_dim=cfg.d_model // cfg.heads, heads=cfg.heads,
+                 max_len=cfg.seq_len, seed=0, **cfg.options)
+    try:
+        SequenceParallel(attn)
+    except ValueError as err:
+        raise ValueError(f"sequence parallel: {err}") from None
+
+
+def train(
+    config: TrainConfig,
+    out_dir: str | Path,
+    *,
+    resume: bool | None = None,
+    data_dir: str | Path | None = None,
+    stop_after: int | None = None,
+    progress: bool | None = True,
+    world: World | None = None,
+) -> dict[str, Any] | None:
+    """Train ``config`` in ``out_dir`` and return the results (also written to results.json).
+
+    resume: None resumes when ``out_dir`` holds a checkpoint; True requires one; False refuses to
+        overwrite one. A checkpoint of a different configuration is an error.
+    data_dir: where slow-to-generate data sets are cached (default ``out_dir/data``).
+    stop_after: stop (as if interrupted) once this many steps are done; returns None.
+    progress: progress bar and log lines on stderr; None shows the bar only on a terminal,
+        False is silent (the log files are written either way).
+    world: the processes of a torchrun launch to split each step over
+        (:func:`effattn.distributed.training.launched`; default: this process alone). Every
+        rank calls ``train`` with the same arguments and gets the results; rank 0 alone writes
+        the checkpoint, logs and results and shows progress. A checkpoint resumes on any
+        number of processes, in either mode.
+    """
+    world = World() if world is None else world
+    echo = progress is not False and world.is_main
+    out = Path(out_dir)
+    ckpt_path = out / CHECKPOINT
+    error, run = None, None
+    try:
+        run = _prepare(config, out, resume, data_dir, world)
+    except Exception as err:  # every rank must hear of it before the first collective
+        error = err
+    world.agree(error)
+    assert run is not None
+    cfg, task, model, optimizer, device = run.cfg, run.task, run.model, run.optimizer, run.device
+    net = world.wrap(model, cfg.seq_len)
+
+    def log(record: dict[str, Any], text: str) -> None:
+        if world.is_main:
+            _log(out, record, text, echo)
+
+    step, train_time, peak, losses = 0, 0.0, 0, []
+    if run.saved is not None:
+        step, train_time, peak, losses = (run.saved["step"], run.saved["train_time"],
+                                          run.saved["peak_bytes"], run.saved["losses"])
+        log({"event": "resume", "step": step}, f"resumed from step {step}")
 
     def save_checkpoint() -> None:
         state = {"config": dataclasses.asdict(cfg), "model": model.state_dict(),
@@ -392,7 +489,7 @@ def train(
     memory = _PeakMemory(device)
     log_every = max(1, cfg.steps // 20)
     bar = tqdm(total=cfg.steps, initial=step, desc=f"{cfg.task}/{cfg.method}", unit="step",
-               disable=None if progress is None else not progress, dynamic_ncols=True)
+               disable=None if echo and progress is None else not echo, dynamic_ncols=True)
     model.train()
     while step < cfg.steps:
         if stop_after is not None and step >= stop_after:
@@ -401,15 +498,21 @@ def train(
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(cfg, step)
         x, y = task.train_batch(step, cfg.batch_size)
+        count = int((y != IGNORE).sum())  # of the whole batch: every rank draws all of it
+        x, y, offset = world.batch_part(x, y)
+        if world.distributed:
+            # Dropout: a stream per rank and step, so that a checkpoint resumes on any number
+            # of processes (one process keeps the saved generator state instead).
+            torch.manual_seed(stream_seed(cfg.seed, "dropout", step, world.rank))
         t0 = time.perf_counter()
         x, y = x.to(device), y.to(device)
-        loss_sum, _, count = loss_and_counts(task, predict(model, task, x, y), y)
-        loss = loss_sum / count
+        loss = loss_and_counts(task, predict(net, task, x, y, offset), y)[0] / count
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        (loss * world.loss_scale).backward()
+        world.sum_gradients(model.parameters())
+        grad_norm = float(nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
         optimizer.step()
-        loss_value = float(loss.detach())
+        loss_value = float(world.sum(loss.detach()))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         train_time += time.perf_counter() - t0
@@ -422,21 +525,22 @@ def train(
         if step % log_every == 0 or step == cfg.steps:
             recent = losses[-log_every:]
             mean = sum(recent) / len(recent)
-            _log(out, {"event": "train", "step": step, "loss": mean, "lr": learning_rate(
-                cfg, step - 1), "steps_per_s": step / max(train_time, 1e-9)},
-                f"step {step}/{cfg.steps} loss {mean:.4f}", echo)
+            log({"event": "train", "step": step, "loss": mean, "grad_norm": grad_norm,
+                 "lr": learning_rate(cfg, step - 1), "steps_per_s": step / max(train_time, 1e-9)},
+                f"step {step}/{cfg.steps} loss {mean:.4f}")
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-            metrics = evaluate(model, task, "valid", device)
-            _log(out, {"event": "eval", "step": step, "split": "valid", **metrics},
-                 f"step {step} valid " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
-                 echo)
+            metrics = evaluate(model, task, "valid", device, world=world)
+            log({"event": "eval", "step": step, "split": "valid", **metrics},
+                f"step {step} valid " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-            peak = max(peak, memory.peak_bytes())
-            save_checkpoint()
+            peak = world.max(max(peak, memory.peak_bytes()))
+            if world.is_main:
+                save_checkpoint()
     bar.close()
-    peak = max(peak, memory.peak_bytes())
+    peak = world.max(max(peak, memory.peak_bytes()))
 
-    metrics = {split: evaluate(model, task, split, device) for split in ("valid", "test")}
+    metrics = {split: evaluate(model, task, split, device, world=world)
+               for split in ("valid", "test")}
     tail = losses[-max(1, cfg.steps // 10):]
     method_spec = spec(cfg.method)
     results = {
@@ -459,17 +563,19 @@ def train(
         "task_info": task.info,
         "environment": {"torch": torch.__version__, "python": platform.python_version(),
                         "device": str(device), "threads": torch.get_num_threads()},
+        "processes": {"parallel": world.mode, "count": world.size},
     }
     if task.kind == "seq2seq":
         results["decoding_at_length"] = decoding_at_length(model, task, device)
         for name, r in results["decoding_at_length"].items():
-            _log(out, {"event": "decode", "set": name, **r},
-                 f"greedy decoding, {name} (lengths {r['min_len']}-{r['max_len']}): exact match "
-                 f"{r['exact_match']:.4f}, token accuracy {r['token_accuracy']:.4f}, "
-                 f"{r['tokens_per_s']:.0f} tokens/s", echo)
-    write_json(out / RESULTS, results)
-    _log(out, {"event": "done", **{f"test_{k}": v for k, v in metrics["test"].items()}},
-         f"test {task.metric} {results['score']:.4f}", echo)
+            log({"event": "decode", "set": name, **r},
+                f"greedy decoding, {name} (lengths {r['min_len']}-{r['max_len']}): exact match "
+                f"{r['exact_match']:.4f}, token accuracy {r['token_accuracy']:.4f}, "
+                f"{r['tokens_per_s']:.0f} tokens/s")
+    if world.is_main:
+        write_json(out / RESULTS, results)
+    log({"event": "done", **{f"test_{k}": v for k, v in metrics["test"].items()}},
+        f"test {task.metric} {results['score']:.4f}")
     return results
 
 

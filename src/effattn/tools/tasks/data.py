@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,9 @@ from effattn.tools.tasks import charlm, listops, synthetic
 TASK_METRICS = {"listops": "accuracy", "charlm": "bpc", "recall": "accuracy", "copy": "accuracy",
                 "reverse": "exact_match"}
 TASKS = tuple(TASK_METRICS)
+# Each task's model, by the kind of its targets (see Task.kind).
+TASK_KINDS = {"listops": "classify", "charlm": "lm", "recall": "lm", "copy": "lm",
+              "reverse": "seq2seq"}
 # Metrics that are fractions of the test set (shown in %, higher is better); bpc is a loss, lower
 # is better.
 FRACTION_METRICS = ("accuracy", "exact_match")
@@ -97,7 +101,8 @@ def _listops(seq_len: int, seed: int, data_dir: Path | None, *, train_size: int 
                                        min_len=min_len, max_len=seq_len)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{id(sets)}")
+            # Per process: the ranks of a torchrun launch may write the same file at once.
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
             torch.save(sets[split], tmp)
             tmp.replace(path)
     pool_x, pool_y = sets.pop("train")
@@ -106,8 +111,8 @@ def _listops(seq_len: int, seed: int, data_dir: Path | None, *, train_size: int 
         idx = torch.randint(0, len(pool_x), (batch_size,), generator=step_generator(seed, step))
         return pool_x[idx], pool_y[idx]
 
-    return Task("listops", "classify", TASK_METRICS["listops"], len(listops.VOCAB), seq_len,
-                listops.NUM_CLASSES, train_batch, sets,
+    return Task("listops", TASK_KINDS["listops"], TASK_METRICS["listops"], len(listops.VOCAB),
+                seq_len, listops.NUM_CLASSES, train_batch, sets,
                 {"min_len": min_len, "train_size": train_size})
 
 
@@ -145,8 +150,8 @@ def _synthetic(name: str, seq_len: int, seed: int, *, valid_size: int = 256,
         vocab_size = vocab + 2
 
     train_batch, sets = _streams(name, seed, make, valid_size, test_size)
-    return Task(name, "lm", TASK_METRICS[name], vocab_size, seq_len, None, train_batch, sets,
-                {"vocab": vocab})
+    return Task(name, TASK_KINDS[name], TASK_METRICS[name], vocab_size, seq_len, None,
+                train_batch, sets, {"vocab": vocab})
 
 
 def _reverse(seq_len: int, seed: int, *, min_len: int | None = None,
@@ -171,9 +176,9 @@ def _reverse(seq_len: int, seed: int, *, min_len: int | None = None,
             "length_factors": list(length_factors)}
     # Targets are one wider than their sources (EOS), and so are the decoder's inputs.
     widest = max(t.shape[1] for _, t in [*sets.values(), *length_sets.values()])
-    return Task("reverse", "seq2seq", TASK_METRICS["reverse"], digits + synthetic.SPECIALS,
-                seq_len, None, train_batch, sets, info, bos_id=synthetic.BOS,
-                length_sets=length_sets, model_len=widest)
+    return Task("reverse", TASK_KINDS["reverse"], TASK_METRICS["reverse"],
+                digits + synthetic.SPECIALS, seq_len, None, train_batch, sets, info,
+                bos_id=synthetic.BOS, length_sets=length_sets, model_len=widest)
 
 
 def decoder_inputs(task: Task, targets: Tensor) -> Tensor:
@@ -204,8 +209,8 @@ def _charlm(seq_len: int, seed: int, *, valid_windows: int = 128,
     info = {"corpus": "python-stdlib", "python": corpus.python, "sha256": corpus.sha256,
             "chars": {s: len(corpus.split(s)) for s in charlm.SPLITS},
             "eval_chars": {s: int(sets[s][1].numel()) for s in sets}}
-    return Task("charlm", "lm", TASK_METRICS["charlm"], corpus.vocab_size, seq_len, None,
-                train_batch, sets, info)
+    return Task("charlm", TASK_KINDS["charlm"], TASK_METRICS["charlm"], corpus.vocab_size,
+                seq_len, None, train_batch, sets, info)
 
 
 def _builder(name: str) -> Callable[..., Task]:
