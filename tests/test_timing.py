@@ -271,7 +271,7 @@ def test_plots_hollow_disturbed_points_and_note_rates_above_peak(tmp_path):
     assert plots._series(records, "median_ms")["softmax"] == [(256, 1.5, False), (512, 4.0, True)]
     assert plots._series(records, "peak_mib")["softmax"] == [(256, 2.0, False), (512, 2.0, False)]
     fig, ax = plots.plt.subplots()
-    plots._panel(ax, plots._series(records, "gflops"), [], xlabel="N", ylabel="GFLOP/s",
+    plots.panel(ax, plots._series(records, "gflops"), [], xlabel="N", ylabel="GFLOP/s",
                  title="t", hlines={"peak": 200.0}, guides=False, logy=False)
     assert plots.DISTURBED_LABEL in ax.get_legend_handles_labels()[1]
     assert [t.get_text() for t in ax.texts] == [plots.ABOVE_PEAK_NOTE]

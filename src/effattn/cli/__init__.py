@@ -19,8 +19,9 @@ from effattn.cli.common import UsageError
 # Modules that contribute subcommands, in the order `effattn --help` lists them: those of the
 # library, then those of the tools with the commands each adds.
 LIBRARY_COMMANDS = ("effattn.cli.methods",)
-TOOL_COMMANDS = {"effattn.cli.bench": ("bench", "approx"), "effattn.cli.decode": ("decode",),
-                 "effattn.cli.train": ("train", "compare")}
+TOOL_COMMANDS = {"effattn.cli.bench": ("bench", "approx"),
+                 "effattn.cli.bench_distributed": ("bench-distributed",),
+                 "effattn.cli.decode": ("decode",), "effattn.cli.train": ("train", "compare")}
 INSTALL_TOOLS = "pip install 'effattn[tools]'"
 
 EXIT_USAGE = 2

@@ -20,6 +20,7 @@ from effattn.cli.common import (
     nonnegative_int,
     options_per_method,
     parse_value,
+    passes,
     positive_float,
     positive_int,
     prepare_out,
@@ -79,15 +80,6 @@ def default_methods() -> tuple[str, ...]:
 
 def _bench_methods(text: str) -> list[str]:
     return _method_list(text, default_methods(), effattn.methods())
-
-
-def _passes(text: str) -> list[str]:
-    from effattn.tools.bench.speed import PASSES
-
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    if not names or any(n not in PASSES for n in names):
-        raise argparse.ArgumentTypeError(f"passes must be a comma list of {', '.join(PASSES)}")
-    return [p for p in PASSES if p in names]
 
 
 def _run_bench(args: argparse.Namespace) -> int:
@@ -273,7 +265,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--causal", action="store_true",
                    help="causal attention (methods that cannot are recorded as refused)")
     b.add_argument("--device", type=device, default="cpu", help="cpu or cuda[:i]")
-    b.add_argument("--passes", type=_passes, default="fwd,fwdbwd",
+    b.add_argument("--passes", type=passes, default="fwd,fwdbwd",
                    help="comma list of fwd (inference_mode) and fwdbwd (forward + "
                    "backward of out.sum()); default both")
     b.add_argument("--repeats", type=positive_int, default=5,

@@ -77,6 +77,16 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def passes(text: str) -> list[str]:
+    """A comma list of benchmark passes (fwd, fwdbwd), in their canonical order."""
+    from effattn.tools.bench.speed import PASSES
+
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names or any(n not in PASSES for n in names):
+        raise argparse.ArgumentTypeError(f"passes must be a comma list of {', '.join(PASSES)}")
+    return [p for p in PASSES if p in names]
+
+
 def device(text: str) -> str:
     """``cpu`` or ``cuda[:i]`` (CUDA must be available)."""
     try:

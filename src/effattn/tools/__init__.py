@@ -4,6 +4,8 @@ matplotlib and tqdm, listed in :data:`REQUIRES`.
 
 - :mod:`effattn.tools.bench`    the speed and memory sweep (``effattn bench``): timing, machine,
                                 memory, FLOP models, the isolated worker, results, plots
+- :mod:`effattn.tools.bench_distributed`  sequence-parallel memory, time and bytes per rank
+                                (``effattn bench-distributed``)
 - :mod:`effattn.tools.approx`   output error vs exact attention (``effattn approx``)
 - :mod:`effattn.tools.decode`   token-by-token decoding speed and state memory (``effattn decode``)
 - :mod:`effattn.tools.tasks`    the generated data sets: ListOps, recall, copy, reverse, char LM

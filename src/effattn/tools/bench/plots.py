@@ -59,7 +59,7 @@ def _guides(ax: Any, series: dict) -> None:
         ax.annotate(label, (lengths[-1], ys[-1]), color="grey", fontsize=8)
 
 
-def _panel(
+def panel(
     ax: Any,
     series: dict,
     names: Sequence[str],
@@ -126,7 +126,7 @@ def plot_vs_length(
     fig, axes = plt.subplots(1, len(passes), figsize=(6.5 * len(passes), 4.8), squeeze=False)
     names = _other_methods(records)
     for ax, pass_name in zip(axes[0], passes, strict=True):
-        _panel(ax, _series(records, value, **{"pass": pass_name}), names,
+        panel(ax, _series(records, value, **{"pass": pass_name}), names,
                xlabel="sequence length N (= M)", ylabel=ylabel,
                title=f"{title}: {PASS_TITLES.get(pass_name, pass_name)}", hlines=hlines,
                guides=guides, logy=logy)
@@ -151,7 +151,7 @@ def plot_decode(
     names = _other_methods(records)
     for ax, batch in zip(axes[0], batches, strict=True):
         series = _series(records, value, batch=batch)
-        _panel(ax, series, names, xlabel="decoded tokens (position in the output)",
+        panel(ax, series, names, xlabel="decoded tokens (position in the output)",
                ylabel=ylabel, title=f"{title}: batch {batch}", guides=False, logy=logy)
         if series and not logy:
             # From zero, so that heights compare as ratios (flatness, speed-up) by eye.
