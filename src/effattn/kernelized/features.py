@@ -93,7 +93,8 @@ def relu(x: Tensor, w: Tensor, *, is_query: bool) -> Features:
 
 def random_phase_cos(x: Tensor, w: Tensor, phase: Tensor, *, is_query: bool) -> Features:
     """Original FAVOR: φ(x) = sqrt(2/F) exp(|x|²/2) cos(w x + b), b ~ U(0, 2π)."""
-    phi = project(x, w, phase).cos_()
+    # Not in place: the biased projection is a view of addmm's output (see project).
+    phi = project(x, w, phase).cos()
     return phi, None if is_query else _half_sq_norm(x)
 
 
