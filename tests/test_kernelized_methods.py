@@ -348,3 +348,42 @@ def test_prefill_refusals():
         m.prefill(q, k, v)
     with pytest.raises(ValueError, match="KVCache"):
         m.prefill(q, q, q, state="cache")
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_id)
+def test_flop_model_is_the_gemm_work_of_a_forward(variant):
+    """The spec's FLOP model, which benchmarks divide by, counts the GEMMs a non-causal forward
+    runs (paired sin/cos and antithetic features once projected 2F wide, twice the model)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from effattn.registry import Problem
+
+    name, opts = variant
+    spec = effattn.spec(name)
+    module = effattn.build(name, head_dim=16, heads=2, seed=0, **opts).eval()
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, 63, 16, generator=gen)
+    k = torch.randn(2, 2, 40, 16, generator=gen)
+    v = torch.randn(2, 2, 40, 12, generator=gen)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        module(q, k, v)
+    expected = spec.flops({**spec.options, **opts}, Problem(2, 2, 63, 40, 16, 12))
+    assert counter.get_total_flops() == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_id)
+def test_backward_graph_has_no_view_copies(variant):
+    """No in-place op on a view of an N x F tensor: autograd would record a CopySlices node,
+    which copies and zero-fills whole buffers in backward."""
+    name, opts = variant
+    module = effattn.build(name, head_dim=16, heads=2, seed=0, **opts)
+    q, k, v = (torch.randn(1, 2, 40, 16, requires_grad=True) for _ in range(3))
+    seen, stack, kinds = set(), [module(q, k, v, causal=True).grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        kinds.add(type(node).__name__)
+        stack.extend(fn for fn, _ in node.next_functions)
+    assert "CopySlices" not in kinds

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from effattn.kernelized.features import LOG2E
 from effattn.registry import Problem
 
 # Smallest log-scale the core works with: keeps exp(a - b) finite when every key is padding. It
@@ -332,8 +333,9 @@ def _causal_group(
         if key_log_scale is not None:
             key_log_scale = F.pad(key_log_scale, (0, 0, 0, tail), value=float("-inf"))
     nc = (n + tail) // chunk
-    q_c = phi_q.reshape(b, h, nc, chunk, f)
-    k_c = phi_k.reshape(b, h, nc, chunk, f)
+    # Copied once if strided (a group cut from a longer block), not by each GEMM below.
+    q_c = phi_q.contiguous().view(b, h, nc, chunk, f)
+    k_c = phi_k.contiguous().view(b, h, nc, chunk, f)
     v_c = v1.reshape(b, h, nc, chunk, dv1)
 
     # Query i of a chunk sums its keys j <= i at the prefix-max scale P_i = max_{j<=i} ls_j: a
@@ -362,9 +364,10 @@ def _causal_group(
         deltas = k_c.transpose(-1, -2) @ v_c  # (B, H, nc, F, Dv + 1), at scale chunk_max
     else:
         upper = torch.ones(chunk, chunk, dtype=torch.bool, device=scores.device).triu_(1)
-        weight = (log_weight[..., :, None] - log_weight[..., None, :]).masked_fill_(
+        log2_weight = log_weight * LOG2E  # exp2 on the C x C weights (see features.LOG2E)
+        weight = (log2_weight[..., :, None] - log2_weight[..., None, :]).masked_fill_(
             upper, float("-inf")
-        ).exp_()
+        ).exp2_()
         # In place when the weights carry no gradient (no gate): mul then keeps only them.
         scores = scores * weight if weight.requires_grad else scores.mul_(weight)
         intra = scores @ v_c
@@ -606,7 +609,11 @@ def kernelized_causal(
         raise ValueError(f"causal needs N == M, got {n} and {k.shape[2]}")
     if gate is not None and gate.shape != (b, h, n):
         raise ValueError(f"gate must be (B, H, N) = {(b, h, n)}, got {tuple(gate.shape)}")
-    step = slice_tokens(b * h, feature_dim, chunk_size, slice_elements)
+    # At most one scan group per slice: the features of a slice are fresh contiguous tensors,
+    # while a group cut out of a longer slice is a strided view that every batched GEMM of the
+    # group would copy.
+    step = min(slice_tokens(b * h, feature_dim, chunk_size, slice_elements),
+               SCAN_CHUNKS * chunk_size)
     outs, lost = [], []
     pieces = _slices(step, (q, 2), (k, 2), (v, 2), (key_padding_mask, 1), (gate, 2))
     for q_s, k_s, v_s, pad_s, gate_s in zip(*pieces, strict=True):

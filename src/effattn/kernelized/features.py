@@ -25,24 +25,42 @@ Features = tuple[Tensor, Tensor | None]
 
 
 def project(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x (..., L, D) @ w^T (D, F) [+ bias (F,)] as one 2-D GEMM (addmm folds the bias in)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    u = torch.mm(x2, w.T) if bias is None else torch.addmm(bias, x2, w.T)
+    """x (..., L, D) @ w^T (D, F) [+ bias (F,)] as one 2-D GEMM (addmm folds the bias in).
+
+    Without a bias the result is a fresh tensor, not a view of the GEMM's output, so that the
+    in-place exponential on it costs autograd no view bookkeeping (a CopySlices node that
+    copies and zero-fills N x F buffers in backward: a third of performer's backward at N = 1024).
+    """
+    if bias is None:
+        return F.linear(x, w)
+    u = torch.addmm(bias, x.reshape(-1, x.shape[-1]), w.T)
     return u.view(*x.shape[:-1], w.shape[0])
 
 
-def _paired(w: Tensor) -> tuple[Tensor, Tensor]:
-    """[w; w] and the phase [0, π/2]: sin(u + π/2) = cos(u), so sin/cos pairs are one GEMM."""
-    f = w.shape[0]
-    phase = torch.cat([w.new_zeros(f), w.new_full((f,), math.pi / 2)])
-    return torch.cat([w, w]), phase
+def _sin_cos(x: Tensor, w: Tensor) -> Tensor:
+    """[sin(w x), cos(w x)] (..., L, 2F) from one (..., L, F) projection: the GEMM is F wide, not
+    2F (as [w; w] with a phase of π/2 would be), for one extra copy of the result into place."""
+    u = project(x, w)
+    return torch.cat([u.sin(), u.cos()], -1)
+
+
+# exp(u) = 2^(u·log2(e)). ATen's exp2 is vectorised: on the AVX-512 CPU this project measures on,
+# exp2 of 1M fp32 values took 0.18 ms against 2.1 ms for exp (1 ulp both), while the projection
+# GEMM that feeds it took 4.5 ms: with exp, the exponential was a third of the feature map.
+LOG2E = 1.0 / math.log(2.0)
 
 
 def _exp_normalised(u: Tensor) -> tuple[Tensor, Tensor]:
-    """exp(u - rowmax), in place on u, and the row max (detached: it cancels)."""
+    """exp(u - rowmax) in place on u, a projection made in base 2 (u = log2(e) w x, see
+    :func:`_base2`), and the row max in natural log (detached: it cancels)."""
     with torch.no_grad():
         m = u.amax(-1, keepdim=True)
-    return u.sub_(m).exp_(), m
+    return u.sub_(m).exp2_(), m * math.log(2.0)
+
+
+def _base2(x: Tensor, w: Tensor) -> Tensor:
+    """log2(e) w x: the exponential of a projection is then an in-place exp2 on the GEMM output."""
+    return project(x, w * LOG2E)
 
 
 def _half_sq_norm(x: Tensor) -> Tensor:
@@ -51,20 +69,20 @@ def _half_sq_norm(x: Tensor) -> Tensor:
 
 def positive(x: Tensor, w: Tensor, *, is_query: bool) -> Features:
     """FAVOR+ positive features: φ(x) = F^(-1/2) exp(w x - |x|²/2)  (Choromanski et al. 2020)."""
-    phi, m = _exp_normalised(project(x, w))
+    phi, m = _exp_normalised(_base2(x, w))
     return (phi, None) if is_query else (phi, m - _half_sq_norm(x))
 
 
 def hyperbolic(x: Tensor, w: Tensor, *, is_query: bool) -> Features:
     """φ(x) = (2F)^(-1/2) exp(-|x|²/2) [exp(w x), exp(-w x)]: antithetic positive features."""
-    phi, m = _exp_normalised(project(x, torch.cat([w, -w])))
+    u = _base2(x, w)  # one F-wide GEMM; the antithetic half is its negation
+    phi, m = _exp_normalised(torch.cat([u, -u], -1))
     return (phi, None) if is_query else (phi, m - _half_sq_norm(x))
 
 
 def trig(x: Tensor, w: Tensor, *, is_query: bool) -> Features:
     """φ(x) = F^(-1/2) exp(|x|²/2) [sin(w x), cos(w x)]: the paper's trigonometric features."""
-    phi = project(x, *_paired(w)).sin_()
-    return phi, None if is_query else _half_sq_norm(x)
+    return _sin_cos(x, w), None if is_query else _half_sq_norm(x)
 
 
 def relu(x: Tensor, w: Tensor, *, is_query: bool) -> Features:
@@ -75,13 +93,14 @@ def relu(x: Tensor, w: Tensor, *, is_query: bool) -> Features:
 
 def random_phase_cos(x: Tensor, w: Tensor, phase: Tensor, *, is_query: bool) -> Features:
     """Original FAVOR: φ(x) = sqrt(2/F) exp(|x|²/2) cos(w x + b), b ~ U(0, 2π)."""
-    phi = project(x, w, phase).cos_()
+    # Not in place: the biased projection is a view of addmm's output (see project).
+    phi = project(x, w, phase).cos()
     return phi, None if is_query else _half_sq_norm(x)
 
 
 def sincos(x_unit: Tensor, w: Tensor) -> Features:
     """RFA: φ(x) = F^(-1/2) [sin(w x), cos(w x)] on unit-norm x (Rahimi & Recht 2007)."""
-    return project(x_unit, *_paired(w)).sin_(), None
+    return _sin_cos(x_unit, w), None
 
 
 def arccos(x_unit: Tensor, w: Tensor) -> Features:
