@@ -6,7 +6,13 @@ from conftest import padding, qkv
 
 import effattn
 from effattn import reference as R
-from effattn.sparse import banded_attention, blockwise, masked_partial, merge_partials
+from effattn.sparse import (
+    banded_attention,
+    blockwise,
+    masked_partial,
+    masked_scores,
+    merge_partials,
+)
 
 
 def _out_and_grads(fn, q, k, v):
@@ -167,11 +173,11 @@ def test_half_precision_keeps_dtype():
 def test_scores_are_banded_never_n_by_n(monkeypatch):
     seen = []
 
-    def spy(q, k, v, allowed, scale):
+    def spy(q, k, allowed, scale):
         seen.append(q.shape[-2] * k.shape[-2] * q.shape[:-2].numel())
-        return masked_partial(q, k, v, allowed, scale)
+        return masked_scores(q, k, allowed, scale)
 
-    monkeypatch.setattr(blockwise, "masked_partial", spy)
+    monkeypatch.setattr(blockwise, "masked_scores", spy)
     q, k, v = qkv(b=1, h=1, n=2048, d=8)
     effattn.attention(q, k, v, "local", window=64)
     undilated = sum(seen)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,12 @@ Rule = Callable[[Tensor, Tensor], Tensor]
 SLICE_ELEMENTS = 1 << 21
 
 
+def masked_scores(q: Tensor, k: Tensor, allowed: Tensor, scale: float) -> Tensor:
+    """Scores scale q.k of q (..., n, D) against k (..., m, D), -inf where ``allowed``
+    (broadcastable bool) is False: (..., n, m). Every score of the engine is built here."""
+    return torch.matmul(q, k.transpose(-2, -1)).mul_(scale).masked_fill_(~allowed, float("-inf"))
+
+
 def masked_partial(
     q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float
 ) -> tuple[Tensor, Tensor]:
@@ -44,7 +51,7 @@ def masked_partial(
     ``allowed`` is bool, broadcastable to (..., n, m). Returns out (..., n, Dv) and
     lse (..., n) = log sum_allowed exp(scale q.k); rows without an allowed key give 0 and -inf.
     """
-    scores = (q @ k.transpose(-2, -1)).mul_(scale).masked_fill_(~allowed, float("-inf"))
+    scores = masked_scores(q, k, allowed, scale)
     # The row max only stabilises the exponent; it cancels, so it carries no gradient.
     top = scores.detach().amax(-1, keepdim=True)
     top = top.masked_fill_(~torch.isfinite(top), 0.0)
@@ -121,6 +128,112 @@ def _pad_to(x: Tensor, length: int) -> Tensor:
     return F.pad(x, (0, 0, 0, length - x.shape[2])) if length > x.shape[2] else x
 
 
+@dataclass(frozen=True)
+class _Gather:
+    """Which keys each slice of query blocks sees (see :func:`block_gather_attention`).
+
+    ``index``: (Hk, nq, K) block indices into the key blocks of dim ``dim`` (2 of (B, H, nk, C, D);
+    1 of (B, H * nk, C, D) for per-head blocks, Hk = H), -1 clamped to 0; ``blocks``: the same
+    before the offset per head; ``valid``: (Hk, nq, K) the slot is used; ``ignore``:
+    (B, nk * C) keys to ignore.
+    """
+
+    index: Tensor
+    blocks: Tensor
+    valid: Tensor
+    ignore: Tensor
+    rule: Rule | None
+    block_size: int
+    step: int
+    dim: int
+
+    def keys(self, kb: Tensor, vb: Tensor, s0: int, lead: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+        """Keys and values of query blocks s0 .. s0 + step: (B, H, rows, K C, D) and (..., Dv)."""
+        idx = self.index[:, s0 : s0 + self.step].flatten()
+        rows = self.index[:, s0 : s0 + self.step].shape[1]
+        # index_select copies whole blocks, much faster than advanced indexing.
+        kg = kb.index_select(self.dim, idx).reshape(*lead, rows, -1, kb.shape[-1])
+        vg = vb.index_select(self.dim, idx).reshape(*lead, rows, -1, vb.shape[-1])
+        return kg, vg
+
+    def allowed(self, s0: int) -> Tensor:
+        """Bool (B, Hk, rows, C or 1, K C): query (row, a) may see gathered key column j."""
+        c = self.block_size
+        ids = self.blocks[:, s0 : s0 + self.step]
+        rows = ids.shape[1]
+        offsets = torch.arange(c, device=ids.device)
+        kpos = (ids[..., None] * c + offsets).flatten(-2)
+        ok = ~self.ignore[:, kpos] & self.valid[:, s0 : s0 + self.step].repeat_interleave(c, -1)
+        ok = ok[:, :, :, None, :]
+        if self.rule is not None:
+            qpos = torch.arange(s0, s0 + rows, device=ids.device)[:, None] * c + offsets
+            ok = ok & self.rule(qpos[None, :, :, None], kpos[:, :, None, :])
+        return ok
+
+
+
+class _BlockGatherAttention(torch.autograd.Function):
+    """Softmax of every query block over its gathered key blocks, slice by slice.
+
+    Autograd would keep, for every slice, the gathered keys and values (K times the size of k
+    and v) and the scores and probabilities (N K C per head): hundreds of MiB at N = 16384,
+    allocated fresh on every call. As in FlashAttention (Dao et al. 2022), the forward keeps only
+    q, k, v, out and lse and the backward recomputes each slice's probabilities
+    p = exp(s - lse); with dp = do v^T, ds = p (dp - rowsum(do * out) + dlse) gives
+    dq = scale ds k, dk = scale ds^T q, dv = p^T do. Temporaries are slice-sized; the gathered
+    key and value gradients go back to their blocks with index_add_.
+
+    qb: (B, H, nq, C, D), kb: (B, H, nk, C, D) or (B, H * nk, C, D) (see :class:`_Gather`),
+    vb likewise with Dv. Returns out (B, H, nq, C, Dv) and lse (B, H, nq, C).
+    """
+
+    @staticmethod
+    def forward(ctx, qb: Tensor, kb: Tensor, vb: Tensor, plan: _Gather,
+                scale: float) -> tuple[Tensor, Tensor]:
+        b, h, nq, c, _ = qb.shape
+        out = qb.new_empty(b, h, nq, c, vb.shape[-1])
+        lse = qb.new_empty(b, h, nq, c)
+        for s0 in range(0, nq, plan.step):
+            kg, vg = plan.keys(kb, vb, s0, (b, h))
+            p = masked_scores(qb[:, :, s0 : s0 + plan.step], kg, plan.allowed(s0), scale)
+            # The row max only stabilises the exponent; rows with no allowed key keep -inf
+            # scores, so exp gives 0 there and lse = -inf.
+            top = p.amax(-1, keepdim=True)
+            top.masked_fill_(torch.isinf(top), 0.0)
+            total = p.sub_(top).exp_().sum(-1, keepdim=True)
+            o = torch.matmul(p, vg).div_(total.clamp_min(torch.finfo(total.dtype).tiny))
+            out[:, :, s0 : s0 + plan.step] = o
+            lse[:, :, s0 : s0 + plan.step] = top.add_(total.log_()).squeeze(-1)
+        ctx.save_for_backward(qb, kb, vb, out, lse)
+        ctx.plan, ctx.scale = plan, scale
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout: Tensor, dlse: Tensor) -> tuple[Tensor | None, ...]:
+        qb, kb, vb, out, lse = ctx.saved_tensors
+        plan, scale = ctx.plan, ctx.scale
+        b, h, nq, c, _ = qb.shape
+        # p = exp(s - lse) must be 0 in rows without keys (s = lse = -inf).
+        lse = lse.masked_fill(torch.isinf(lse), 0.0)[..., None]
+        shift = (dout * out).sum(-1, keepdim=True).sub_(dlse[..., None])
+        dq = torch.empty_like(qb)
+        dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
+        for s0 in range(0, nq, plan.step):
+            sl = slice(s0, s0 + plan.step)
+            qs, do = qb[:, :, sl], dout[:, :, sl]
+            kg, vg = plan.keys(kb, vb, s0, (b, h))
+            p = masked_scores(qs, kg, plan.allowed(s0), scale).sub_(lse[:, :, sl]).exp_()
+            ds = torch.matmul(do, vg.transpose(-2, -1)).sub_(shift[:, :, sl]).mul_(p).mul_(scale)
+            dq[:, :, sl] = torch.matmul(ds, kg)
+            idx = plan.index[:, sl].flatten()
+            dk.index_add_(plan.dim, idx, torch.matmul(ds.transpose(-2, -1), qs).reshape(
+                *kb.shape[: plan.dim], -1, *kb.shape[plan.dim + 1 :]))
+            dv.index_add_(plan.dim, idx, torch.matmul(p.transpose(-2, -1), do).reshape(
+                *vb.shape[: plan.dim], -1, *vb.shape[plan.dim + 1 :]))
+        return dq, dk, dv, None, None
+
+
 def block_gather_attention(
     q: Tensor,
     k: Tensor,
@@ -143,7 +256,8 @@ def block_gather_attention(
         key_mask: bool (B, M), True for keys to ignore (padding).
         rule: optional per-element rule(i, j) on query/key positions (window, causality).
 
-    Returns out (B, H, N, Dv) and lse (B, H, N). Cost O(N K C D) time and O(N K C) memory.
+    Returns out (B, H, N, Dv) and lse (B, H, N). Cost O(N K C D) time; memory O(N D) kept for
+    the backward and O(SLICE_ELEMENTS) temporaries (the backward recomputes the scores).
     """
     b, h, n, d = q.shape
     m, c = k.shape[2], block_size
@@ -160,45 +274,16 @@ def block_gather_attention(
     vb = _pad_to(v, nk * c).reshape(b, h, nk, c, v.shape[-1])
     ignore = torch.ones(b, nk * c, dtype=torch.bool, device=q.device)
     ignore[:, :m] = False if key_mask is None else key_mask
-    per_head = key_blocks.shape[0] == h and h > 1
-    valid = key_blocks >= 0
     safe = key_blocks.clamp(min=0)
-    if per_head:
+    index, dim = safe, 2
+    if key_blocks.shape[0] == h and h > 1:
         # Per-head blocks index the (H * nk) blocks of all heads at once.
         kb, vb = kb.reshape(b, h * nk, c, d), vb.reshape(b, h * nk, c, -1)
-        flat = safe + torch.arange(h, device=q.device)[:, None, None] * nk
-    offsets = torch.arange(c, device=q.device)
-    nkeys = key_blocks.shape[-1] * c
-    step = max(1, SLICE_ELEMENTS // (b * h * c * nkeys))
-    outs, lses = [], []
-    for s0 in range(0, nq, step):
-        ids = safe[:, s0 : s0 + step]
-        rows = ids.shape[1]
-        # index_select copies whole blocks, much faster than advanced indexing.
-        if per_head:
-            kg = kb.index_select(1, flat[:, s0 : s0 + step].flatten())
-            vg = vb.index_select(1, flat[:, s0 : s0 + step].flatten())
-        else:
-            kg = kb.index_select(2, ids.flatten())
-            vg = vb.index_select(2, ids.flatten())
-        kpos = (ids[..., None] * c + offsets).reshape(-1, rows, nkeys)
-        ok = ~ignore[:, kpos] & valid[:, s0 : s0 + step].repeat_interleave(c, -1)
-        ok = ok[:, :, :, None, :]
-        if rule is not None:
-            qpos = (torch.arange(s0, s0 + rows, device=q.device)[:, None] * c + offsets)
-            ok = ok & rule(qpos[None, :, :, None], kpos[:, :, None, :])
-        o, lse = masked_partial(
-            qb[:, :, s0 : s0 + rows],
-            kg.reshape(b, h, rows, nkeys, d),
-            vg.reshape(b, h, rows, nkeys, -1),
-            ok,
-            scale,
-        )
-        outs.append(o)
-        lses.append(lse)
-    out = torch.cat(outs, 2).reshape(b, h, nq * c, -1)[:, :, :n]
-    lse = torch.cat(lses, 2).reshape(b, h, nq * c)[:, :, :n]
-    return out, lse
+        index, dim = safe + torch.arange(h, device=q.device)[:, None, None] * nk, 1
+    step = max(1, SLICE_ELEMENTS // (b * h * c * key_blocks.shape[-1] * c))
+    plan = _Gather(index, safe, key_blocks >= 0, ignore, rule, c, step, dim)
+    out, lse = _BlockGatherAttention.apply(qb, kb, vb, plan, scale)
+    return out.reshape(b, h, nq * c, -1)[:, :, :n], lse.reshape(b, h, nq * c)[:, :, :n]
 
 
 def band_block_size(reach: int) -> int:
