@@ -6,7 +6,13 @@ from conftest import padding, qkv
 
 import effattn
 from effattn import reference as R
-from effattn.sparse import banded_attention, blockwise, masked_partial, merge_partials
+from effattn.sparse import (
+    banded_attention,
+    blockwise,
+    masked_partial,
+    masked_scores,
+    merge_partials,
+)
 
 
 def _out_and_grads(fn, q, k, v):
@@ -167,11 +173,11 @@ def test_half_precision_keeps_dtype():
 def test_scores_are_banded_never_n_by_n(monkeypatch):
     seen = []
 
-    def spy(q, k, v, allowed, scale):
+    def spy(q, k, allowed, scale):
         seen.append(q.shape[-2] * k.shape[-2] * q.shape[:-2].numel())
-        return masked_partial(q, k, v, allowed, scale)
+        return masked_scores(q, k, allowed, scale)
 
-    monkeypatch.setattr(blockwise, "masked_partial", spy)
+    monkeypatch.setattr(blockwise, "masked_scores", spy)
     q, k, v = qkv(b=1, h=1, n=2048, d=8)
     effattn.attention(q, k, v, "local", window=64)
     undilated = sum(seen)
@@ -179,3 +185,94 @@ def test_scores_are_banded_never_n_by_n(monkeypatch):
     effattn.attention(q, k, v, "local", window=64, dilation=4)
     # 65 keys in the window: the blocks compute at most 2.5x that, and dilation computes less.
     assert 0 < sum(seen) < undilated <= 2048 * 65 * 2.5
+
+
+def _dense_softmax(q, k, v, allowed, scale):
+    scores = (scale * q @ k.transpose(-2, -1)).masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, -1).nan_to_num(0.0) @ v, torch.logsumexp(scores, -1)
+
+
+def _engine_vs_dense(engine, allowed, q, k, v):
+    """Outputs and q, k, v gradients of (out, lse) with random upstream weights on both."""
+    results = []
+    for fn in (engine, lambda q, k, v: _dense_softmax(q, k, v, allowed, 0.3)):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        out, lse = fn(*leaves)
+        g = torch.Generator().manual_seed(1)
+        weight_out = torch.randn(out.shape, generator=g, dtype=out.dtype)
+        weight_lse = torch.randn(lse.shape, generator=g, dtype=lse.dtype)
+        loss = (out * weight_out).sum() + (lse.nan_to_num(0.0, neginf=0.0) * weight_lse).sum()
+        results.append((out, lse, *torch.autograd.grad(loss, leaves)))
+    return results
+
+
+@pytest.mark.parametrize("slice_elements", [1, 1000, 1 << 21])
+@pytest.mark.parametrize("left, right, block_size", [(7, 0, 4), (9, 4, 5), (30, 30, 16)])
+def test_banded_gradients_of_out_and_lse_match_dense_in_any_slicing(
+    monkeypatch, slice_elements, left, right, block_size
+):
+    # Slices of one query block up to all of them: windows cross the ends of the flat blocks
+    # and the boundaries between sequences.
+    monkeypatch.setattr(blockwise, "SLICE_ELEMENTS", slice_elements)
+    q, k, v = qkv(n=61, dv=5)
+    mask = padding(2, 61)
+    mask[1] = True  # a sequence without keys: out 0, lse -inf, zero gradients
+    i, j = torch.arange(61)[:, None], torch.arange(61)[None, :]
+    allowed = (i - j <= left) & (j - i <= right) & ~mask[:, None, None]
+    fast, dense = _engine_vs_dense(
+        lambda q, k, v: banded_attention(q, k, v, left=left, right=right, scale=0.3,
+                                         key_mask=mask, block_size=block_size),
+        allowed, q, k, v,
+    )
+    for a, b in zip(fast, dense, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("slice_elements", [1, 1 << 21])
+def test_gathered_blocks_with_per_head_blocks_and_pattern_match_dense(monkeypatch, slice_elements):
+    monkeypatch.setattr(blockwise, "SLICE_ELEMENTS", slice_elements)
+    c, n, h = 4, 21, 3
+    q, k, v = qkv(b=2, h=h, n=n, dv=5)
+    mask = padding(2, n)
+    # Per head, every query block sees its own block and one other (or -1, unused).
+    g = torch.Generator().manual_seed(3)
+    nb = -(-n // c)
+    own = torch.arange(nb).expand(h, nb)
+    other = (own + torch.randint(1, nb, (h, nb), generator=g)) % nb
+    other = other.masked_fill(torch.rand(h, nb, generator=g) < 0.3, -1)
+    key_blocks = torch.stack([own, other], -1)
+    # Causal within the own block only (pattern (C, 2C)).
+    pattern = torch.cat([torch.ones(c, c, dtype=torch.bool).tril(), torch.ones(c, c, dtype=bool)],
+                        1)
+    qblock, kblock = torch.arange(n)[:, None] // c, torch.arange(n)[None, :] // c
+    inside = torch.arange(n)[:, None] % c >= torch.arange(n)[None, :] % c
+    allowed = torch.zeros(h, n, n, dtype=torch.bool)
+    for head in range(h):
+        mine = kblock == qblock
+        extra = kblock == other[head][qblock]
+        allowed[head] = (mine & inside) | (extra & (other[head][qblock] >= 0))
+    allowed = allowed[None] & ~mask[:, None, None, :]
+    fast, dense = _engine_vs_dense(
+        lambda q, k, v: blockwise.block_gather_attention(
+            q, k, v, key_blocks, block_size=c, scale=0.3, key_mask=mask, pattern=pattern),
+        allowed, q, k, v,
+    )
+    for a, b in zip(fast, dense, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("name", ["local", "longformer", "bigbird"])
+def test_backward_keeps_inputs_sized_tensors_not_scores(name):
+    # Autograd of the slices would keep the gathered keys and values and the scores and
+    # probabilities of every slice, allocated anew on every call.
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    q, k, v = (t.requires_grad_(True) for t in qkv(b=1, h=2, n=2048, d=16, dtype=torch.float32))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        effattn.attention(q, k, v, name, seed=0)
+    # q, k, v, out, lse of the blocks (4 q) and the small global pieces; was 23x, 29x, 50x.
+    assert sum(saved.values()) <= 10 * q.nbytes

@@ -6,7 +6,7 @@ from conftest import padding, qkv
 
 import effattn
 from effattn import reference as R
-from effattn.sparse import blockwise, masked_partial
+from effattn.sparse import blockwise, masked_scores
 
 
 def _out_and_grads(fn, q, k, v):
@@ -105,11 +105,11 @@ def test_half_precision_keeps_dtype():
 def test_scores_never_n_by_n(monkeypatch):
     seen = []
 
-    def spy(q, k, v, allowed, scale):
+    def spy(q, k, allowed, scale):
         seen.append(q.shape[-2] * k.shape[-2] * q.shape[:-2].numel())
-        return masked_partial(q, k, v, allowed, scale)
+        return masked_scores(q, k, allowed, scale)
 
-    monkeypatch.setattr(blockwise, "masked_partial", spy)
+    monkeypatch.setattr(blockwise, "masked_scores", spy)
     q, k, v = qkv(b=1, h=1, n=2048, d=8)
     effattn.attention(q, k, v, "longformer", window=64, global_tokens=(0, 1000))
     # band (65 keys, at most 2.5x in blocks) + 2 global columns + 2 global rows

@@ -110,9 +110,11 @@ def fixed_attention(
     s = min(default_stride(n) if stride is None else stride, n)
     c = min(c, s)
     rows = -(-n // s)
+    # Causal within the own block: key j <= query a, the same in every block.
+    earlier = torch.ones(s, s, dtype=torch.bool, device=q.device).tril() if causal else None
     own = block_gather_attention(
         q, k, v, torch.arange(rows, device=q.device)[:, None], block_size=s, scale=scale,
-        key_mask=key_padding_mask, rule=(lambda i, j: j <= i) if causal else None,
+        key_mask=key_padding_mask, pattern=earlier,
     )
     if rows == 1:
         return own[0]

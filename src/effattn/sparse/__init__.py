@@ -9,6 +9,7 @@ from effattn.sparse.blockwise import (
     block_gather_attention,
     dense_partial,
     masked_partial,
+    masked_scores,
     merge_partials,
 )
 
@@ -18,5 +19,6 @@ __all__ = [
     "block_gather_attention",
     "dense_partial",
     "masked_partial",
+    "masked_scores",
     "merge_partials",
 ]

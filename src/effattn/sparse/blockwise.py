@@ -5,8 +5,8 @@ A sparse pattern is computed as a union of disjoint pieces, each an exact softma
 the keys that returns its normalised output and its log-sum-exp:
 
 - :func:`block_gather_attention`: queries in blocks of C attend to a few key blocks listed in an
-  index tensor (window, global, random blocks), with a per-element rule on positions applied on
-  the fly; the key blocks are gathered, so the work is O(N K C D) for K blocks per query block.
+  index tensor (window, global, random blocks), with a per-element pattern within the blocks
+  (causality); the key blocks are gathered, so the work is O(N K C D) for K blocks per query block.
 - :func:`banded_attention`: a band ``-right <= i - j <= left`` (optionally dilated) on top of it.
 - :func:`dense_partial`: a dense piece whose key set is small (global keys, strided columns).
 - :func:`merge_partials`: softmax over a disjoint union from the pieces' (out, lse):
@@ -22,18 +22,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# Position rule: rule(i, j) -> bool allowed, for broadcasting long tensors of query positions i
-# and key positions j.
-Rule = Callable[[Tensor, Tensor], Tensor]
-
 # Scores are built in slices of about this many elements: large enough for efficient batched
 # matmuls, small enough that the temporaries of a forward pass stay cache-sized.
 SLICE_ELEMENTS = 1 << 21
+
+
+def masked_scores(q: Tensor, k: Tensor, allowed: Tensor, scale: float) -> Tensor:
+    """Scores scale q.k of q (..., n, D) against k (..., m, D), -inf where ``allowed``
+    (broadcastable bool) is False: (..., n, m). Every score of the engine is built here."""
+    return torch.matmul(q, k.transpose(-2, -1)).mul_(scale).masked_fill_(~allowed, float("-inf"))
 
 
 def masked_partial(
@@ -44,7 +47,7 @@ def masked_partial(
     ``allowed`` is bool, broadcastable to (..., n, m). Returns out (..., n, Dv) and
     lse (..., n) = log sum_allowed exp(scale q.k); rows without an allowed key give 0 and -inf.
     """
-    scores = (q @ k.transpose(-2, -1)).mul_(scale).masked_fill_(~allowed, float("-inf"))
+    scores = masked_scores(q, k, allowed, scale)
     # The row max only stabilises the exponent; it cancels, so it carries no gradient.
     top = scores.detach().amax(-1, keepdim=True)
     top = top.masked_fill_(~torch.isfinite(top), 0.0)
@@ -121,6 +124,161 @@ def _pad_to(x: Tensor, length: int) -> Tensor:
     return F.pad(x, (0, 0, 0, length - x.shape[2])) if length > x.shape[2] else x
 
 
+@dataclass(frozen=True)
+class _Slices:
+    """Query blocks in a flat layout: R rows of C queries, row r of batch ``batch[r]`` attending
+    to the K key blocks ``keyblock[r]`` of its sequence (-1: unused slot), query a of the row to
+    key j of those K C only where ``pattern[a, j]`` (bool (C or 1, K C); None: all). Rows are
+    processed ``step`` at a time.
+
+    Keys and values are flat blocks (L, C, E). ``index`` (R, K) gives the flat blocks each row
+    gathers; None for a band: row r reads the K consecutive flat blocks r - back ..
+    r - back + K - 1 in place (an overlapping view, no copy; blocks outside 0 .. L - 1 are
+    zeros, masked by ``keyblock``).
+    """
+
+    keyblock: Tensor
+    batch: Tensor
+    ignore: Tensor
+    index: Tensor | None
+    back: int
+    pattern: Tensor | None
+    block_size: int
+    step: int
+
+    def window(self, x: Tensor, r0: int) -> Tensor:
+        """The keys (or values) of rows r0 .. r0 + step: (rows, K C, E) from flat blocks x."""
+        rows, slots = self.keyblock[r0 : r0 + self.step].shape
+        c, e = self.block_size, x.shape[-1]
+        if self.index is not None:
+            # index_select copies whole blocks, much faster than advanced indexing.
+            return x.index_select(0, self.index[r0 : r0 + rows].flatten()).view(rows, -1, e)
+        lo, hi = r0 - self.back, r0 - self.back + rows + slots - 1
+        span = x[max(lo, 0) : hi]
+        if lo < 0 or hi > x.shape[0]:
+            # Only the first and last slices reach past the ends: a slice-sized padded copy.
+            span = F.pad(span, (0, 0, 0, 0, max(-lo, 0), max(hi - x.shape[0], 0)))
+        return span.reshape(-1, e).unfold(0, slots * c, c).transpose(1, 2)
+
+    def scatter(self, dx: Tensor, grad: Tensor, r0: int) -> None:
+        """Add the gradient (rows, K C, E) of :meth:`window` (r0) into the flat blocks dx."""
+        rows, slots = self.keyblock[r0 : r0 + self.step].shape
+        c = self.block_size
+        if self.index is not None:
+            dx.index_add_(0, self.index[r0 : r0 + rows].flatten(), grad.view(-1, c, dx.shape[-1]))
+            return
+        for o in range(slots):
+            # Rows r0 + i, i in [first, last), have block r0 + i - back + o inside dx.
+            start = r0 - self.back + o
+            first, last = max(0, -start), min(rows, dx.shape[0] - start)
+            if first < last:
+                dx[start + first : start + last].add_(grad[first:last, o * c : (o + 1) * c])
+
+    def allowed(self, r0: int) -> Tensor:
+        """Bool (rows, C or 1, K C): query a of row r may see key slot j of its window."""
+        c = self.block_size
+        blocks = self.keyblock[r0 : r0 + self.step]
+        offsets = torch.arange(c, device=blocks.device)
+        kpos = (blocks[..., None] * c + offsets).flatten(-2)
+        batch = self.batch[r0 : r0 + self.step, None]
+        ok = (blocks >= 0).repeat_interleave(c, -1) & ~self.ignore[batch, kpos.clamp(min=0)]
+        return ok[:, None, :] if self.pattern is None else ok[:, None, :] & self.pattern
+
+
+class _BlockAttention(torch.autograd.Function):
+    """Softmax of every query block over its K key blocks, ``step`` rows at a time.
+
+    Autograd would keep, for every slice, the gathered keys and values (K times the size of k
+    and v) and the scores and probabilities (N K C per head): hundreds of MiB at N = 16384,
+    allocated fresh on every call. As in FlashAttention (Dao et al. 2022), the forward keeps only
+    q, k, v, out and lse and the backward recomputes each slice's probabilities
+    p = exp(s - lse); with dp = do v^T, ds = p (dp - rowsum(do * out) + dlse) gives
+    dq = scale ds k, dk = scale ds^T q, dv = p^T do. Temporaries are slice-sized.
+
+    qf: (R, C, D); kf, vf: flat blocks (L, C, D), (L, C, Dv) (see :class:`_Slices`).
+    Returns out (R, C, Dv) and lse (R, C).
+    """
+
+    @staticmethod
+    def forward(ctx, qf: Tensor, kf: Tensor, vf: Tensor, plan: _Slices,
+                scale: float) -> tuple[Tensor, Tensor]:
+        out = qf.new_empty(*qf.shape[:2], vf.shape[-1])
+        lse = qf.new_empty(qf.shape[:2])
+        for r0 in range(0, qf.shape[0], plan.step):
+            r1 = r0 + plan.step
+            p = masked_scores(qf[r0:r1], plan.window(kf, r0), plan.allowed(r0), scale)
+            # The row max only stabilises the exponent; rows with no allowed key keep -inf
+            # scores, so exp gives 0 there and lse = -inf.
+            top = p.amax(-1, keepdim=True)
+            top.masked_fill_(torch.isinf(top), 0.0)
+            total = p.sub_(top).exp_().sum(-1, keepdim=True)
+            torch.matmul(p, plan.window(vf, r0), out=out[r0:r1])
+            out[r0:r1].div_(total.clamp_min(torch.finfo(total.dtype).tiny))
+            lse[r0:r1] = top.add_(total.log_()).squeeze(-1)
+        ctx.save_for_backward(qf, kf, vf, out, lse)
+        ctx.plan, ctx.scale = plan, scale
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout: Tensor, dlse: Tensor) -> tuple[Tensor | None, ...]:
+        qf, kf, vf, out, lse = ctx.saved_tensors
+        plan, scale = ctx.plan, ctx.scale
+        # An expanded gradient (of a sum) would send every matmul down a per-matrix path.
+        dout = dout.contiguous()
+        # p = exp(s - lse) must be 0 in rows without keys (s = lse = -inf).
+        lse = lse.masked_fill(torch.isinf(lse), 0.0)[..., None]
+        shift = (dout * out).sum(-1, keepdim=True).sub_(dlse[..., None])
+        dq = torch.empty_like(qf)
+        dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+        for r0 in range(0, qf.shape[0], plan.step):
+            r1 = r0 + plan.step
+            qs, do, kg = qf[r0:r1], dout[r0:r1], plan.window(kf, r0)
+            p = masked_scores(qs, kg, plan.allowed(r0), scale).sub_(lse[r0:r1]).exp_()
+            ds = torch.matmul(do, plan.window(vf, r0).transpose(-2, -1))
+            ds.sub_(shift[r0:r1]).mul_(p).mul_(scale)
+            torch.matmul(ds, kg, out=dq[r0:r1])
+            plan.scatter(dk, torch.matmul(ds.transpose(-2, -1), qs), r0)
+            plan.scatter(dv, torch.matmul(p.transpose(-2, -1), do), r0)
+        return dq, dk, dv, None, None
+
+
+def _block_attention(
+    q: Tensor,
+    kf: Tensor,
+    vf: Tensor,
+    keyblock: Tensor,
+    index: Tensor | None,
+    *,
+    back: int = 0,
+    rows_per_sequence: int,
+    block_size: int,
+    scale: float,
+    ignore: Tensor,
+    pattern: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """Runs :class:`_BlockAttention` on q (B, H, N, D) cut into ``rows_per_sequence`` blocks per
+    (batch, head) (the tail zero-padded); returns out (B, H, N, Dv) and lse (B, H, N)."""
+    b, h, n, d = q.shape
+    c, per = block_size, rows_per_sequence
+    qf = _pad_to(q, per * c).reshape(-1, c, d)
+    batch = torch.arange(b, device=q.device).repeat_interleave(h * per)
+    step = max(1, SLICE_ELEMENTS // (c * keyblock.shape[-1] * c))
+    plan = _Slices(keyblock, batch, ignore, index, back, pattern, c, step)
+    out, lse = _BlockAttention.apply(qf, kf, vf, plan, scale)
+    out = out.view(b, h, per * c, -1)[:, :, :n]
+    return out, lse.view(b, h, per * c)[:, :, :n]
+
+
+def _key_ignore(
+    key_mask: Tensor | None, b: int, m: int, length: int, device: torch.device
+) -> Tensor:
+    """Bool (B, length): padding beyond the M keys, and ``key_mask`` (B, M), are ignored."""
+    ignore = torch.ones(b, length, dtype=torch.bool, device=device)
+    ignore[:, :m] = False if key_mask is None else key_mask
+    return ignore
+
+
 def block_gather_attention(
     q: Tensor,
     k: Tensor,
@@ -130,7 +288,7 @@ def block_gather_attention(
     block_size: int,
     scale: float,
     key_mask: Tensor | None = None,
-    rule: Rule | None = None,
+    pattern: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Query block b (positions b*C .. b*C + C - 1) attends to key blocks ``key_blocks[..., b, :]``.
 
@@ -141,9 +299,11 @@ def block_gather_attention(
             entries index key blocks (0 .. ceil(M / C) - 1), or are -1 for an unused slot. The K
             blocks of a row must be distinct (a repeated block would be counted twice).
         key_mask: bool (B, M), True for keys to ignore (padding).
-        rule: optional per-element rule(i, j) on query/key positions (window, causality).
+        pattern: optional bool (C, K C): query a of every block may only see the keys j of
+            its K gathered blocks where ``pattern[a, j]`` (causality within a block).
 
-    Returns out (B, H, N, Dv) and lse (B, H, N). Cost O(N K C D) time and O(N K C) memory.
+    Returns out (B, H, N, Dv) and lse (B, H, N). Cost O(N K C D) time; memory O(N D) kept for
+    the backward and O(SLICE_ELEMENTS) temporaries (the backward recomputes the scores).
     """
     b, h, n, d = q.shape
     m, c = k.shape[2], block_size
@@ -155,50 +315,15 @@ def block_gather_attention(
             f"key_blocks must have shape (nq, K) or (H, nq, K) with nq={nq}, H={h}, "
             f"got {tuple(key_blocks.shape)}"
         )
-    qb = _pad_to(q, nq * c).reshape(b, h, nq, c, d)
-    kb = _pad_to(k, nk * c).reshape(b, h, nk, c, d)
-    vb = _pad_to(v, nk * c).reshape(b, h, nk, c, v.shape[-1])
-    ignore = torch.ones(b, nk * c, dtype=torch.bool, device=q.device)
-    ignore[:, :m] = False if key_mask is None else key_mask
-    per_head = key_blocks.shape[0] == h and h > 1
-    valid = key_blocks >= 0
-    safe = key_blocks.clamp(min=0)
-    if per_head:
-        # Per-head blocks index the (H * nk) blocks of all heads at once.
-        kb, vb = kb.reshape(b, h * nk, c, d), vb.reshape(b, h * nk, c, -1)
-        flat = safe + torch.arange(h, device=q.device)[:, None, None] * nk
-    offsets = torch.arange(c, device=q.device)
-    nkeys = key_blocks.shape[-1] * c
-    step = max(1, SLICE_ELEMENTS // (b * h * c * nkeys))
-    outs, lses = [], []
-    for s0 in range(0, nq, step):
-        ids = safe[:, s0 : s0 + step]
-        rows = ids.shape[1]
-        # index_select copies whole blocks, much faster than advanced indexing.
-        if per_head:
-            kg = kb.index_select(1, flat[:, s0 : s0 + step].flatten())
-            vg = vb.index_select(1, flat[:, s0 : s0 + step].flatten())
-        else:
-            kg = kb.index_select(2, ids.flatten())
-            vg = vb.index_select(2, ids.flatten())
-        kpos = (ids[..., None] * c + offsets).reshape(-1, rows, nkeys)
-        ok = ~ignore[:, kpos] & valid[:, s0 : s0 + step].repeat_interleave(c, -1)
-        ok = ok[:, :, :, None, :]
-        if rule is not None:
-            qpos = (torch.arange(s0, s0 + rows, device=q.device)[:, None] * c + offsets)
-            ok = ok & rule(qpos[None, :, :, None], kpos[:, :, None, :])
-        o, lse = masked_partial(
-            qb[:, :, s0 : s0 + rows],
-            kg.reshape(b, h, rows, nkeys, d),
-            vg.reshape(b, h, rows, nkeys, -1),
-            ok,
-            scale,
-        )
-        outs.append(o)
-        lses.append(lse)
-    out = torch.cat(outs, 2).reshape(b, h, nq * c, -1)[:, :, :n]
-    lse = torch.cat(lses, 2).reshape(b, h, nq * c)[:, :, :n]
-    return out, lse
+    keyblock = key_blocks.expand(b, h, -1, -1)
+    sequence = torch.arange(b * h, device=q.device).view(b, h, 1, 1)
+    index = keyblock.clamp(min=0) + sequence * nk
+    return _block_attention(
+        q, _pad_to(k, nk * c).reshape(-1, c, d), _pad_to(v, nk * c).reshape(-1, c, v.shape[-1]),
+        keyblock.reshape(-1, keyblock.shape[-1]), index.reshape(-1, keyblock.shape[-1]),
+        rows_per_sequence=nq, block_size=c, scale=scale,
+        ignore=_key_ignore(key_mask, b, m, nk * c, q.device), pattern=pattern,
+    )
 
 
 def band_block_size(reach: int) -> int:
@@ -241,8 +366,7 @@ def banded_attention(
     dilation = min(dilation, n)
     if dilation > 1:
         length = -(-n // dilation) * dilation
-        ignore = torch.ones(b, length, dtype=torch.bool, device=q.device)
-        ignore[:, :n] = False if key_mask is None else key_mask
+        ignore = _key_ignore(key_mask, b, n, length, q.device)
 
         def fold(x: Tensor) -> Tensor:
             # (B, H, L, D) -> (B * d, H, L / d, D): one sequence per residue class.
@@ -262,15 +386,21 @@ def banded_attention(
     c = block_size or band_block_size(max(left, right))
     nq = -(-n // c)
     back, ahead = -(-left // c), -(-right // c)
-    blocks = torch.arange(nq, device=q.device)[:, None] + torch.arange(
-        -back, ahead + 1, device=q.device
+    # Query block r of the flat blocks of all sequences reads flat key blocks r - back ..
+    # r + ahead in place; blocks of a neighbouring sequence are masked as out of range.
+    row = torch.arange(nq, device=q.device)[:, None]
+    keyblock = row + torch.arange(-back, ahead + 1, device=q.device)
+    keyblock = keyblock.masked_fill((keyblock < 0) | (keyblock >= nq), -1)
+    # i - j of query a and slot j is the same in every block: (back c + a) - j.
+    offset = back * c + torch.arange(c, device=q.device)[:, None] - torch.arange(
+        keyblock.shape[1] * c, device=q.device
     )
-    blocks = blocks.masked_fill((blocks < 0) | (blocks >= nq), -1)
 
-    def band(i: Tensor, j: Tensor) -> Tensor:
-        offset = i - j
-        return (offset <= left) & (offset >= -right)
+    def flat(x: Tensor) -> Tensor:
+        return _pad_to(x, nq * c).reshape(-1, c, x.shape[-1])
 
-    return block_gather_attention(
-        q, k, v, blocks, block_size=c, scale=scale, key_mask=key_mask, rule=band
+    return _block_attention(
+        q, flat(k), flat(v), keyblock.repeat(b * h, 1), None, back=back, rows_per_sequence=nq,
+        block_size=c, scale=scale, ignore=_key_ignore(key_mask, b, n, nq * c, q.device),
+        pattern=(offset <= left) & (offset >= -right),
     )
