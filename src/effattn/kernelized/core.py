@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,36 @@ FeatureFn = Callable[..., tuple[Tensor, "Tensor | None"]]
 def _shared_max(log_scale: Tensor, dim: int) -> Tensor:
     with torch.no_grad():
         return log_scale.amax(dim=dim, keepdim=True).clamp_min(LOG_FLOOR)
+
+
+class _KeyValueProducts(torch.autograd.Function):
+    """φ(K)^T W (..., F, Dv + 1) whose backward hands φ(K) a contiguous (..., M, F) gradient.
+
+    Autograd's matmul of the transposed view gives φ(K) the transpose of a (..., F, M) product, so
+    every elementwise pass of the feature map's backward (exp2's grad · result, the projection's
+    input) would walk an M x F tensor across its strides; here the product is formed as
+    W dKV^T, in the layout of φ(K).
+    """
+
+    @staticmethod
+    def forward(phi_k: Tensor, w: Tensor) -> Tensor:
+        return phi_k.transpose(-2, -1) @ w
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor], output: Tensor) -> None:
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        phi_k, w = ctx.saved_tensors
+        grad_phi = w @ grad.transpose(-2, -1) if ctx.needs_input_grad[0] else None
+        grad_w = phi_k @ grad if ctx.needs_input_grad[1] else None
+        return grad_phi, grad_w
+
+
+def _key_value_products(phi_k: Tensor, w: Tensor) -> Tensor:
+    """Σ_j φ(k_j) w_j^T: phi_k (..., M, F), w (..., M, Dv + 1) -> (..., F, Dv + 1)."""
+    return _KeyValueProducts.apply(phi_k, w)
 
 
 def _with_ones(v: Tensor) -> Tensor:
@@ -208,7 +239,7 @@ def accumulate_keys(
             key_log_scale = key_log_scale.masked_fill(pad, float("-inf"))
         scale = torch.maximum(state.log_scale, _shared_max(key_log_scale, -2))
         v1 = v1 * torch.exp(key_log_scale - scale)
-    kv = state.kv * torch.exp(state.log_scale - scale) + phi_k.transpose(-2, -1) @ v1
+    kv = state.kv * torch.exp(state.log_scale - scale) + _key_value_products(phi_k, v1)
     return RecurrentState(kv, scale, state.position + phi_k.shape[2])
 
 
@@ -361,7 +392,7 @@ def _causal_group(
     scores = q_c @ k_c.transpose(-1, -2)  # (B, H, nc, C, C)
     if log_weight is None:
         intra = scores.tril_() @ v_c  # (B, H, nc, C, Dv + 1)
-        deltas = k_c.transpose(-1, -2) @ v_c  # (B, H, nc, F, Dv + 1), at scale chunk_max
+        deltas = _key_value_products(k_c, v_c)  # (B, H, nc, F, Dv + 1), at scale chunk_max
     else:
         upper = torch.ones(chunk, chunk, dtype=torch.bool, device=scores.device).triu_(1)
         log2_weight = log_weight * LOG2E  # exp2 on the C x C weights (see features.LOG2E)
@@ -372,7 +403,7 @@ def _causal_group(
         scores = scores * weight if weight.requires_grad else scores.mul_(weight)
         intra = scores @ v_c
         to_end = torch.exp(log_weight[..., -1:] - log_weight)[..., None]  # exp(a_last - a_j)
-        deltas = k_c.transpose(-1, -2) @ (v_c * to_end)
+        deltas = _key_value_products(k_c, v_c * to_end)
     chunk_log_decay = None if log_gate is None else cum[..., -1]  # (B, H, nc)
 
     states, state_scale, final = _chunk_scan(state, deltas, chunk_max[..., 0, 0], chunk_log_decay)
