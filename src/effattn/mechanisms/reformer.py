@@ -129,13 +129,20 @@ def lsh_buckets(x: Tensor, rotations: Tensor) -> Tensor:
     rounds, half = rotations.shape[1], rotations.shape[-1]
     if half == 0:
         return torch.zeros(b, h, rounds, length, dtype=torch.long, device=x.device)
-    flat = rotations.to(x.dtype).permute(0, 2, 1, 3).reshape(h, d, rounds * half)
-    proj = torch.matmul(x.detach(), flat).view(b, h, length, rounds, half)
-    # The argmax over [p, -p] without building it: the top of p or the bottom of p, the +p half
-    # winning a tie as it comes first.
-    top, arg_top = proj.max(dim=-1)
-    low, arg_low = proj.min(dim=-1)
-    return torch.where(top >= -low, arg_top, arg_low + half).transpose(-1, -2).contiguous()
+    rotations = rotations.to(x.dtype)
+    x = x.detach()
+    out = []
+    # One (B, L, n_buckets/2) projection per head and round: all at once would be a fresh
+    # R·H·L·n_buckets/2 buffer (268 MB at N = 16384), slower to touch than to compute.
+    for head in range(h):
+        for r in range(rounds):
+            proj = torch.matmul(x[:, head], rotations[head, r])
+            # The argmax over [p, -p] without building it: the top of p or the bottom of p,
+            # the +p half winning a tie as it comes first.
+            top, arg_top = proj.max(dim=-1)
+            low, arg_low = proj.min(dim=-1)
+            out.append(torch.where(top >= -low, arg_top, arg_low + half))
+    return torch.stack(out, dim=1).view(b, h, rounds, length)
 
 
 @dataclass
@@ -258,48 +265,18 @@ def _layout(
     return _Layout(rows, q_slot, cols, ok, q_code, k_bucket * stride + k_rank, width)
 
 
-def _gather_rounds(x: Tensor, index: Tensor) -> Tensor:
-    """x (B, H, L, E) at indices (B, H, R, n, K) (-1 allowed) -> (R, B·H·n, K, E), contiguous
-    so that every round's groups of chunks are plain slices."""
-    b, h, length, e = x.shape
-    offset = (torch.arange(b * h, device=x.device) * length).view(b, h, 1, 1, 1)
-    flat = (index.clamp_min(0) + offset).movedim(2, 0).reshape(-1)
-    return x.reshape(-1, e).index_select(0, flat).view(index.shape[2], -1, index.shape[-1], e)
-
-
 def _at(table: Tensor, index: Tensor) -> Tensor:
     """table (B, H, L) at indices (B, H, n, K) (-1 allowed) -> (B·H·n, K)."""
     flat = index.clamp_min(0).flatten(-2)
     return table.gather(-1, flat).view(-1, index.shape[-1])
 
 
-def _take(x: Tensor, index: Tensor) -> Tensor:
-    """x (B, H, L, E) at per-(batch, head) indices (B, H, N) -> (B, H, N, E)."""
-    b, h, length, e = x.shape
-    offset = (torch.arange(b * h, device=x.device) * length).view(b, h, 1)
-    return x.reshape(-1, e).index_select(0, (index + offset).reshape(-1)).view(b, h, -1, e)
-
-
-def _exp_clamped(x: Tensor) -> Tensor:
-    """exp of x clamped to [-80, 0]: exp of values that underflow (and of -inf) takes a slow
-    path on CPU (3-10x); e^-80 is below float64 resolution next to the row maximum, e^0 = 1. The
-    caller zeroes masked entries and guarantees kept ones are <= 0."""
-    return x.clamp(-80.0, 0.0).exp()
-
-
-def _chunks(
-    q_rows: Tensor,
-    k_cols: Tensor,
-    v_cols: Tensor,
-    col_ok: Tensor,
-    masks: list[Tensor],
-    earlier: list[tuple[Tensor, Tensor, Tensor]],
-) -> tuple[Tensor, Tensor, Tensor]:
-    """One group of g chunks of a round: queries (g, C, D), keys (g, W, D), values (g, W, Dv),
-    col_ok (g, 1, W), extra (g or 1, C, W) masks to keep, and for every earlier round the
-    (low, high) query codes (g, C, 1) and key codes (g, 1, W) of its pairs to drop. Returns the
-    stabilised numerator (g, C, Dv), denominator and row max (g, C, 1)."""
-    scores = torch.bmm(q_rows, k_cols.transpose(1, 2))
+def _keep(
+    col_ok: Tensor, masks: list[Tensor], earlier: list[tuple[Tensor, Tensor, Tensor]]
+) -> Tensor:
+    """Which (query, key) pairs of g chunks count in this round: col_ok (g, 1, W), extra masks
+    (g or 1, C, W) to keep, and for every earlier round the (low, high) query codes (g, C, 1)
+    and key codes (g, 1, W) of its pairs, to drop."""
     keep = col_ok
     for mask in masks:
         keep = keep & mask
@@ -308,12 +285,78 @@ def _chunks(
     for low, high, code in earlier:
         seen = (code >= low).logical_and_(code < high)
         keep = keep & seen.logical_not_()
-    drop = keep.logical_not()
-    top = scores.detach().masked_fill(drop, float("-inf")).amax(dim=-1, keepdim=True)
-    weights = _exp_clamped(scores - torch.where(torch.isfinite(top), top, 0.0)).masked_fill(
-        drop, 0.0
-    )
-    return torch.bmm(weights, v_cols), weights.sum(-1, keepdim=True), top
+    return keep.expand(col_ok.shape[0], -1, -1) if keep.shape[1] == 1 else keep
+
+
+class _RoundChunks(torch.autograd.Function):
+    """One round's chunks, a group at a time, with the gathers inside: q_src (B·H·N + 1, D)
+    scaled queries (last row a dummy for empty slots), keys (B·H·M, D), v (B·H·M, Dv); rows
+    (G, C) and cols (G, W) flat indices into them; drop (G, C, W) pairs to ignore. Returns the
+    stabilised numerator (B·H·N + 1, Dv), denominator and (non-differentiable) row max
+    (B·H·N + 1) of every query's candidates.
+
+    Scores are clamped to [-80, 0] below the row max before exp: exp of values that underflow
+    (and of -inf) takes a slow path on CPU (3-10x); e^-80 is below float64 resolution next to
+    the row maximum. Written as a function so that nothing of size G·W·D is ever kept or
+    zero-filled: a gather per group under autograd would give every group's backward a
+    full-size gradient, and gathering a whole round at once allocates (R·N·W·D) buffers whose
+    first touch costs more than the arithmetic. The backward recomputes each group's weights
+    from the saved row max.
+    """
+
+    @staticmethod
+    def forward(ctx, q_src, keys, v, rows, cols, drop, group):
+        num = q_src.new_zeros(q_src.shape[0], v.shape[-1])
+        den = q_src.new_zeros(q_src.shape[0])
+        top = q_src.new_zeros(q_src.shape[0])
+        for start in range(0, rows.shape[0], group):
+            r_i, c_i = rows[start:start + group], cols[start:start + group]
+            q_g, k_g, v_g = _gather_group(q_src, keys, v, r_i, c_i)
+            dropped = drop[start:start + group]
+            # In place: no autograd here, and the group's buffers stay in cache.
+            scores = torch.bmm(q_g, k_g.transpose(1, 2)).masked_fill_(dropped, float("-inf"))
+            best = scores.amax(dim=-1, keepdim=True)
+            best = torch.where(torch.isfinite(best), best, 0.0)
+            weights = scores.sub_(best).clamp_(-80.0, 0.0).exp_().masked_fill_(dropped, 0.0)
+            flat = r_i.reshape(-1)
+            num.index_copy_(0, flat, torch.bmm(weights, v_g).flatten(0, 1))
+            den.index_copy_(0, flat, weights.sum(-1).flatten())
+            top.index_copy_(0, flat, best.flatten())
+        ctx.save_for_backward(q_src, keys, v, rows, cols, drop, top)
+        ctx.group = group
+        ctx.mark_non_differentiable(top)
+        return num, den, top
+
+    @staticmethod
+    def backward(ctx, grad_num, grad_den, _grad_top):
+        q_src, keys, v, rows, cols, drop, top = ctx.saved_tensors
+        grad_q, grad_k, grad_v = (torch.zeros_like(t) for t in (q_src, keys, v))
+        for start in range(0, rows.shape[0], ctx.group):
+            r_i, c_i = rows[start:start + ctx.group], cols[start:start + ctx.group]
+            q_g, k_g, v_g = _gather_group(q_src, keys, v, r_i, c_i)
+            flat, cflat = r_i.reshape(-1), c_i.reshape(-1)
+            best = top.index_select(0, flat).view(*r_i.shape, 1)
+            weights = torch.bmm(q_g, k_g.transpose(1, 2)).sub_(best).clamp_(-80.0, 0.0).exp_()
+            weights.masked_fill_(drop[start:start + ctx.group], 0.0)
+            g_num = grad_num.index_select(0, flat).view(*r_i.shape, -1)
+            g_w = torch.bmm(g_num, v_g.transpose(1, 2))
+            g_w += grad_den.index_select(0, flat).view(*r_i.shape, 1)
+            g_s = g_w.mul_(weights)
+            grad_q.index_add_(0, flat, torch.bmm(g_s, k_g).flatten(0, 1))
+            grad_k.index_add_(0, cflat, torch.bmm(g_s.transpose(1, 2), q_g).flatten(0, 1))
+            grad_v.index_add_(0, cflat, torch.bmm(weights.transpose(1, 2), g_num).flatten(0, 1))
+        return grad_q, grad_k, grad_v, None, None, None, None
+
+
+def _gather_group(
+    q_src: Tensor, keys: Tensor, v: Tensor, rows: Tensor, cols: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Queries (g, C, D), keys (g, W, D) and values (g, W, Dv) of g chunks."""
+    g, c = rows.shape
+    w = cols.shape[1]
+    q_g = q_src.index_select(0, rows.reshape(-1)).view(g, c, -1)
+    k_g = keys.index_select(0, cols.reshape(-1)).view(g, w, -1)
+    return q_g, k_g, v.index_select(0, cols.reshape(-1)).view(g, w, -1)
 
 
 def reformer_attention(
@@ -351,12 +394,14 @@ def reformer_attention(
     width = layout.cols.shape[-1]
     span = layout.span
 
-    # All rounds gathered at once, round-major: groups are contiguous slices, and autograd
-    # scatters each input's gradient once (a gather per group would zero-fill a full-size
-    # gradient for every group).
-    q_rows = _gather_rounds(q * scale, layout.rows)  # (R, B·H·n, C, D)
-    k_cols = _gather_rounds(keys, layout.cols)  # (R, B·H·n, W, D)
-    v_cols = _gather_rounds(v, layout.cols)
+    bh = b * h
+    # Flat indices into (B·H·N + 1) query rows, the last one a dummy for empty slots, and into
+    # (B·H·M) key rows.
+    base = torch.arange(bh, device=q.device).view(b, h, 1, 1, 1)
+    q_index = torch.where(layout.rows >= 0, layout.rows + base * n, bh * n)
+    k_index = layout.cols + base * m
+    q_src = torch.cat([(q * scale).reshape(bh * n, d), q.new_zeros(1, d)])
+    keys_flat, v_flat = keys.reshape(bh * m, d), v.reshape(bh * m, -1)
     not_self = None
     if shared_qk:
         # Query slot u of chunk c holds the same token as window column C + u: the diagonal.
@@ -373,29 +418,29 @@ def reformer_attention(
         for e in range(r + 1):
             low = _at(layout.q_code[:, :, e], rows).unsqueeze(-1)
             codes.append((low, low + span, _at(layout.k_code[:, :, e], cols).unsqueeze(-2)))
-        masks: list[list[Tensor]] = []
+        masks: list[Tensor] = []
         if causal:
             # The round's own rule: non-causal windows hold exactly the candidates, causal
             # ones also hold keys of other buckets and, without shared QK, later keys.
             low, high, code = codes[r]
-            masks.append(list((code >= low).logical_and_(code < high).split(group)))
+            masks.append((code >= low).logical_and_(code < high))
             if not shared_qk:
-                order = cols.reshape(-1, 1, width) <= rows.reshape(-1, chunk, 1)
-                masks.append(list(order.split(group)))
-        if not_self is not None:
-            masks.append([not_self] * -(-col_ok.shape[0] // group))
-        pieces = [t.split(group) for t in (q_rows[r], k_cols[r], v_cols[r], col_ok)]
-        earlier = [[t.split(group) for t in c] for c in codes[:r]]
-        parts = [
-            _chunks(*tensors, [mk[i] for mk in masks],
-                    [(lo[i], hi[i], co[i]) for lo, hi, co in earlier])
-            for i, tensors in enumerate(zip(*pieces, strict=True))
-        ]
-        num, den, top = (torch.cat(t) if len(t) > 1 else t[0] for t in zip(*parts, strict=True))
-        slot = layout.q_slot[:, :, r]  # (B, H, N): every query back to its own position
-        nums.append(_take(num.view(b, h, n_chunks * chunk, -1), slot))
-        dens.append(_take(den.view(b, h, -1, 1), slot).squeeze(-1))
-        tops.append(_take(top.view(b, h, -1, 1), slot).squeeze(-1))
+                masks.append(cols.reshape(-1, 1, width) <= rows.reshape(-1, chunk, 1))
+        drop = torch.cat([
+            _keep(col_ok[i:i + group],
+                  [mk if mk.shape[0] == 1 else mk[i:i + group] for mk in masks]
+                  + ([not_self] if not_self is not None else []),
+                  [(lo[i:i + group], hi[i:i + group], co[i:i + group]) for lo, hi, co in
+                   codes[:r]]).logical_not()
+            for i in range(0, col_ok.shape[0], group)
+        ])
+        num, den, top = _RoundChunks.apply(
+            q_src, keys_flat, v_flat, q_index[:, :, r].reshape(-1, chunk),
+            k_index[:, :, r].reshape(-1, width), drop, group,
+        )
+        nums.append(num[:-1].view(b, h, n, -1))
+        dens.append(den[:-1].view(b, h, n))
+        tops.append(top[:-1].view(b, h, n))
 
     if causal and not shared_qk:
         # Key i joins the union of query i (once: unless a round already has it), so that a
@@ -408,11 +453,16 @@ def reformer_attention(
         tops.append(own.masked_fill(~fresh, float("-inf")))
 
     # Round stabilisers are detached; any finite shift cancels between numerator and denominator.
-    top_r = torch.stack(tops, dim=2)  # (B, H, R, N)
-    best = top_r.detach().amax(dim=2, keepdim=True)
-    rescale = torch.exp(top_r - torch.where(torch.isfinite(best), best, 0.0))
-    num = (torch.stack(nums, dim=2) * rescale[..., None]).sum(2)
-    den = (torch.stack(dens, dim=2) * rescale).sum(2)
+    best = torch.stack(tops).detach().amax(dim=0)  # (B, H, N)
+    best = torch.where(torch.isfinite(best), best, 0.0)
+    # Accumulated in place: every (B, H, N, Dv) temporary is a fresh allocation, whose first
+    # touch costs more than the arithmetic.
+    rescale = [torch.exp(top_r - best) for top_r in tops]
+    num = nums[0] * rescale[0][..., None]
+    den = dens[0] * rescale[0]
+    for num_r, den_r, scale_r in zip(nums[1:], dens[1:], rescale[1:], strict=True):
+        num = num.addcmul_(num_r, scale_r[..., None])
+        den = den.addcmul_(den_r, scale_r)
     out = num / torch.where(den > 0, den, 1.0)[..., None]
     if shared_qk:
         alone = (den == 0) & ~pad[:, None, :]
