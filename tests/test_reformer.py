@@ -128,14 +128,17 @@ def test_number_of_buckets_rule():
         F.draw_rotations(1, 1, 4, 3)
 
 
-def test_chunk_size_rule():
-    assert F.chunk_size(1000, 1000, 64, shared_qk=False) == 128
-    assert F.chunk_size(1000, 1000, 64, shared_qk=True) == 64
-    # Capped at the items sorted: N (shared QK) or N + M.
-    assert F.chunk_size(143, 143, 4096, shared_qk=False) == 286
-    assert F.chunk_size(143, 143, 4096, shared_qk=True) == 143
-    assert F.chunk_size(5, 77, 64, shared_qk=False) == 82  # 2 buckets, one chunk
-    assert F.chunk_size(1, 1, 1, shared_qk=False) == 2
+def test_block_size_rule():
+    assert F.block_sizes(1000, 1000, 64, shared_qk=False) == (64, 128)
+    assert F.block_sizes(1000, 1000, 64, shared_qk=True) == (64, 128)
+    # Cross-attention: about one bucket of queries per chunk, two buckets of keys per window.
+    assert F.block_sizes(250, 1000, 64, shared_qk=False) == (16, 128)
+    assert F.block_sizes(1000, 250, 64, shared_qk=False) == (64, 32)
+    # Capped at what there is.
+    assert F.block_sizes(143, 143, 4096, shared_qk=False) == (143, 143)
+    assert F.block_sizes(143, 143, 4096, shared_qk=True) == (143, 286)
+    assert F.block_sizes(5, 77, 64, shared_qk=False) == (5, 77)
+    assert F.block_sizes(1, 1, 1, shared_qk=False) == (1, 1)
 
 
 @pytest.mark.parametrize(
@@ -144,8 +147,8 @@ def test_chunk_size_rule():
 )
 @pytest.mark.parametrize("causal", [False, True])
 def test_bucket_size_past_the_sequence_is_capped(n, m, shared, bucket_size, causal):
-    """The layout uses the capped chunk (never 2·bucket_size slots for a short sequence) and the
-    result is the reference's, which chunks by the uncapped rule."""
+    """A bucket_size past the sequence gives one chunk of every query and one window of every
+    key (never 2·bucket_size columns for a short sequence), and the reference's result."""
     if causal and n != m:
         pytest.skip("causal needs N == M")
     q, k, v = _inputs(n, m, shared)
@@ -154,9 +157,9 @@ def test_bucket_size_past_the_sequence_is_capped(n, m, shared, bucket_size, caus
         3, 2, 21, F.num_buckets(n, m, bucket_size), generator=torch.Generator().manual_seed(0)
     ).double()
     layout = F._layout(q, k, rotations, mask, bucket_size, causal, shared)
-    items = n if shared else n + m
-    assert layout.chunk == F.chunk_size(n, m, bucket_size, shared) == items
-    assert layout.q_at.shape[-1] == items  # one chunk, no empty slots
+    chunk, width = F.block_sizes(n, m, bucket_size, shared)
+    assert layout.rows.shape[-2:] == (1, n) and chunk == n
+    assert layout.cols.shape[-1] == width == (2 * n if shared else m)
     kw = dict(bucket_size=bucket_size, causal=causal, key_padding_mask=mask, shared_qk=shared)
     out = F.reformer_attention(q, k, v, rotations, **kw)
     torch.testing.assert_close(out, R.reformer_attention(q, k, v, rotations, **kw),

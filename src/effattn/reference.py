@@ -357,11 +357,23 @@ def reformer_candidates(
     """(B, H, N, M) bool: the union over rounds of the keys each query sees in Reformer.
 
     Written from the rule of ``mechanisms/reformer.py``: per round, bucket = argmax([x R; -x R])
-    (one bucket when R has no columns), padded keys in bucket n_buckets; items ordered by
-    (bucket, position[, key before query]); an item's slot is the number of items with a smaller
-    code. Not causal: key chunk = query chunk or the one before (chunk = slot // C). Causal:
-    same bucket, 0 <= slot_q - slot_k <= C, and j <= i; without shared QK key i is added. Padded
-    keys and, with shared QK, the diagonal (unless it is the only candidate) are removed.
+    (one bucket when R has no columns), padded keys in bucket n_buckets; queries and keys are
+    each ordered by (bucket, position); rank = number of items of its kind with a smaller code.
+
+    Shared QK (one sequence, C = min(bucket_size, N)): not causal, key chunk (rank // C) = query
+    chunk or the one before; causal, same bucket and 0 <= rank_i - rank_j <= C.
+
+    Otherwise, with C = min(N, ceil(bucket_size·N/L)) and W = min(M, 2·ceil(bucket_size·M/L))
+    (L = max(N, M)) and kappa_i = number of keys at or before query i in (bucket, position):
+    not causal, queries are cut by rank into chunks of C; a chunk's window starts at
+    (kappa of its first query + kappa of its last) // 2 - W // 2, kept within
+    [0, max(M_real - W, 0)] (M_real: unpadded keys), and query i sees the keys ranked in
+    [start, start + W). Causal, each bucket's queries are cut (in position order) into chunks of
+    C; with a = max(keys of the bucket at or before the chunk's first query - W // 2, 0), query
+    i sees the keys j <= i of its bucket that have between a and a + W - 1 earlier keys in it;
+    key i is added.
+
+    Padded keys and, with shared QK, the diagonal (unless it is the only candidate) are removed.
     """
     b, h, n, _ = q.shape
     m = k.shape[2]
@@ -378,6 +390,10 @@ def reformer_candidates(
             rounds.append(torch.cat([proj, -proj], dim=-1).argmax(dim=-1))
         return torch.stack(rounds, dim=2)  # (B, H, R, L)
 
+    def before(a: Tensor, c: Tensor) -> Tensor:
+        """(..., len(a)) count of entries of c below each entry of a."""
+        return (c[..., None, :] < a[..., :, None]).sum(-1)
+
     padded = (
         torch.zeros(b, 1, 1, m, dtype=torch.bool)
         if key_padding_mask is None
@@ -385,26 +401,47 @@ def reformer_candidates(
     )
     pos_q, pos_k = torch.arange(n), torch.arange(m)
     if shared_qk:
-        q_bucket = k_bucket = buckets(q).masked_fill(padded, n_buckets)
-        q_code = k_code = every = q_bucket * n + pos_q
-        chunk = bucket_size
+        bucket = buckets(q).masked_fill(padded, n_buckets)
+        code = bucket * n + pos_q
+        rank = before(code, code)  # (B, H, R, N)
+        chunk = min(bucket_size, n)
+        lag = rank[..., :, None] - rank[..., None, :]
+        if causal:
+            same = bucket[..., :, None] == bucket[..., None, :]
+            seen = same & (lag >= 0) & (lag <= chunk)
+        else:
+            lag = rank[..., :, None] // chunk - rank[..., None, :] // chunk
+            seen = (lag == 0) | (lag == 1)
     else:
         length = max(n, m)
+        chunk = min(n, -(-bucket_size * n // length))
+        width = min(m, 2 * -(-bucket_size * m // length))
         q_bucket = buckets(q)
         k_bucket = buckets(k).masked_fill(padded, n_buckets)
-        q_code = (q_bucket * length + pos_q) * 2 + 1
-        k_code = (k_bucket * length + pos_k) * 2
-        every = torch.cat([q_code, k_code], dim=-1)
-        chunk = 2 * bucket_size
-    q_slot = (every[..., None, :] < q_code[..., :, None]).sum(-1)  # (B, H, R, N)
-    k_slot = (every[..., None, :] < k_code[..., :, None]).sum(-1)  # (B, H, R, M)
-    if causal:
-        lag = q_slot[..., :, None] - k_slot[..., None, :]
-        same = q_bucket[..., :, None] == k_bucket[..., None, :]
-        seen = same & (lag >= 0) & (lag <= chunk)
-    else:
-        lag = q_slot[..., :, None] // chunk - k_slot[..., None, :] // chunk
-        seen = (lag == 0) | (lag == 1)
+        q_code = q_bucket * length + pos_q
+        k_code = k_bucket * length + pos_k
+        kappa = before(q_code + 1, k_code)  # keys at or before each query
+        if not causal:
+            q_chunk = before(q_code, q_code) // chunk
+            same_chunk = q_chunk[..., :, None] == q_chunk[..., None, :]
+            first = kappa[..., None, :].masked_fill(~same_chunk, m).amin(-1)
+            last = kappa[..., None, :].masked_fill(~same_chunk, -1).amax(-1)
+            real = (~padded).sum(-1, keepdim=True)  # (B, 1, 1, 1)
+            start = ((first + last) // 2 - width // 2).clamp_min(0)
+            start = torch.minimum(start, (real - width).clamp_min(0))
+            k_rank = before(k_code, k_code)[..., None, :]
+            seen = (k_rank >= start[..., None]) & (k_rank < start[..., None] + width)
+        else:
+            same_q = q_bucket[..., :, None] == q_bucket[..., None, :]
+            q_within = (same_q & (pos_q[None, :] < pos_q[:, None])).sum(-1)
+            lead = same_q & (q_within[..., None, :] == (q_within // chunk * chunk)[..., :, None])
+            same = q_bucket[..., :, None] == k_bucket[..., None, :]  # (B, H, R, N, M)
+            # Keys of its bucket at or before the chunk's first query.
+            upto = (same & (pos_k <= pos_q[:, None])).sum(-1)
+            low = ((lead * upto[..., None, :]).sum(-1) - width // 2).clamp_min(0)
+            k_same = k_bucket[..., :, None] == k_bucket[..., None, :]
+            k_within = (k_same & (pos_k[None, :] < pos_k[:, None])).sum(-1)[..., None, :]
+            seen = same & (k_within >= low[..., None]) & (k_within < low[..., None] + width)
     union = seen.any(dim=2)
     if causal and not shared_qk:
         union = union | torch.eye(n, m, dtype=torch.bool)  # key i is always a candidate of i

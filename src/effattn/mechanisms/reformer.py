@@ -9,29 +9,38 @@ bucket, nothing is hashed), else 2·ceil(max(N, M) / (2·bucket_size)), so that 
 about bucket_size keys. Padded keys go to an extra bucket n_buckets, after every real one, so
 their values can never move a real item.
 
-Sorting and chunks. Items are sorted by (bucket, position) and the sorted sequence is cut into
-chunks of C slots (the last one filled up with empty slots):
+Sorting, chunks and windows. Queries and keys are each sorted by (bucket, position); a chunk of
+C consecutive queries meets a window of W consecutive keys (:func:`block_sizes`), one batched
+(C, W) score block per chunk.
 - shared_qk=True (the paper's shared-QK attention, self-attention only): token t is both the
-  query q_t and the key k_t/|k_t| (k must equal q); C = min(bucket_size, N).
-- shared_qk=False: queries and keys are hashed with the same rotations and sorted *together*
-  (N + M items; at equal bucket and position the key comes first); C = min(2·bucket_size, N + M),
-  so a chunk holds about bucket_size of each.
-C is capped at the number of items (:func:`chunk_size`): a chunk that holds every item already
-gives every query all its candidates under both rules below, so a larger one would change
-nothing but the cost (2C slots per chunk: a bucket_size of 4096 at N = 143 meant 8192 x 16384
-score blocks). Sorting them apart and pairing query chunk c with key chunk c
-  (a common shortcut) misaligns the two whenever their bucket populations differ, which the
-  paper names as the reason for shared QK; the joint sort keeps every query next to the keys of
-  its own bucket, and it also makes cross-attention (N != M) well defined.
+  query q_t and the key k_t/|k_t| (k must equal q), so the two orders are one; C =
+  min(bucket_size, N), and chunk c meets the window of chunks c - 1 and c (W = 2C).
+- shared_qk=False: a bucket holds about bucket_size·N/L queries and bucket_size·M/L keys
+  (L = max(N, M)); C = min(N, ceil(bucket_size·N/L)), W = min(M, 2·ceil(bucket_size·M/L)).
+  kappa_i, the number of keys at or before query i in the (bucket, position) order (a key first
+  on ties), places the query among the keys, so a window follows its queries however the two
+  bucket populations differ (pairing query chunk c with key chunk c misaligns them, the reason
+  the paper gives for shared QK).
+  Why not one joint sort of queries and keys cut into chunks of 2·bucket_size items: with
+  fixed-size blocks every (C, 2C) block would spend about 3/4 of its scores on pairs it masks
+  away (key rows, query columns); the windows compute only query-key pairs.
 
-Candidates S_r(i) of query i in round r (ρ: slot in the sorted order, chunk = ρ // C):
-- not causal: the keys in the query's chunk and in the chunk before it (no wrap-around);
-- causal: the keys j <= i of the query's own bucket with ρ_i - C <= ρ_j <= ρ_i, i.e. the most
-  recent items of its bucket. Masking the chunk pair by position alone (as public code does)
-  leaks: a future token changes the ranks, hence which past keys share a chunk. Within one
-  bucket the order is by position, so this set depends on tokens <= i only. With
-  shared_qk=False key i is a candidate of query i as well (its bucket may hold no earlier key;
-  without it such a query would output 0).
+Candidates S_r(i) of query i in round r (rank: position in its own sorted order):
+- shared QK, not causal: the keys in the query's chunk and in the chunk before it (rank // C;
+  no wrap-around); causal: the keys j <= i of the query's own bucket with
+  rank_i - C <= rank_j <= rank_i, i.e. the most recent items of its bucket;
+- not shared, not causal: queries are cut by rank into chunks of C; the chunk's window is the
+  W keys ranked from (kappa_first + kappa_last) // 2 - W // 2 (first and last query of the
+  chunk), kept within [0, max(M_real - W, 0)] (M_real: unpadded keys);
+- not shared, causal: each bucket's queries are cut (in position order) into chunks of C, so
+  a chunk never straddles buckets and a query's chunk depends on tokens <= i only; the window
+  starts W // 2 keys before the chunk's first query, not before its bucket's first key, and
+  query i sees the keys j <= i of its own bucket in it (every term counts items of its bucket
+  at or before the first query: no future token moves it). Key i is a candidate of query i as
+  well (its bucket may hold no earlier key; without it such a query would output 0). Chunks are
+  laid out bucket by bucket, so there are up to (N - e) // C + e of them (e = min(n_buckets, N)).
+Masking a chunk pair by position alone (as public code does) leaks: a future token changes the
+ranks, hence which past keys share a chunk; both causal rules depend on tokens <= i only.
 Padded keys are never candidates. With shared QK a token does not attend to itself unless it
 has no other candidate in any round (then its output is v_i).
 
@@ -41,12 +50,12 @@ union U_i = ∪_r S_r(i): out_i = Σ_{j in U_i} exp(s_ij) v_j / Σ_{j in U_i} ex
 U_i gives 0). That is what is computed, counting each pair once (in the first round that has
 it) instead of dividing by c_ij: the same result with half the pairwise round checks.
 
-Exact limit: when max(N, M) <= bucket_size there is one bucket and one chunk, and the result is
-exact softmax attention (causal or not) with shared_qk=False; with shared_qk=True it is softmax of
-q against k/|k| with the diagonal removed.
+Exact limit: when max(N, M) <= bucket_size there is one bucket, one chunk of every query and a
+window of every key, and the result is exact softmax attention (causal or not) with
+shared_qk=False; with shared_qk=True it is softmax of q against k/|k| with the diagonal removed.
 
-Cost per round: (N + M)·2C scores in chunks, never N x M: O(R (N + M) bucket_size D) time,
-O((N + M) bucket_size) memory per round (autograd keeps each round's chunks).
+Cost per round: N·W scores in chunks (up to twice that causal, chunks being per bucket), never
+N x M: O(R N bucket_size D) time and memory (autograd keeps each round's chunks).
 """
 
 from __future__ import annotations
@@ -81,12 +90,19 @@ def num_buckets(n: int, m: int, bucket_size: int) -> int:
     return 2 * math.ceil(length / (2 * bucket_size))
 
 
-def chunk_size(n: int, m: int, bucket_size: int, shared_qk: bool) -> int:
-    """Slots per chunk C for N queries and M keys: min(bucket_size, N) with shared QK (N items),
-    else min(2·bucket_size, N + M) (N + M items); see the module doc."""
+def block_sizes(n: int, m: int, bucket_size: int, shared_qk: bool) -> tuple[int, int]:
+    """(C, W): queries per chunk and keys per window for N queries and M keys.
+
+    Shared QK: C = min(bucket_size, N), W = 2C (the chunk before and the own one). Otherwise a
+    bucket holds about bucket_size·N/L queries and bucket_size·M/L keys (L = max(N, M)):
+    C = min(N, ceil(bucket_size·N/L)) and W = min(M, 2·ceil(bucket_size·M/L)), about two
+    buckets of keys; both are capped at what there is (see the module doc).
+    """
     if shared_qk:
-        return min(bucket_size, n)
-    return min(2 * bucket_size, n + m)
+        chunk = min(bucket_size, n)
+        return chunk, 2 * chunk
+    length = max(n, m)
+    return min(n, -(-bucket_size * n // length)), min(m, 2 * -(-bucket_size * m // length))
 
 
 def draw_rotations(
@@ -107,52 +123,62 @@ def draw_rotations(
 
 
 def lsh_buckets(x: Tensor, rotations: Tensor) -> Tensor:
-    """Angular LSH bucket of every vector: x (B, H, L, D) -> (B, H, R, L) in [0, n_buckets)."""
-    b, h, length, _ = x.shape
-    if rotations.shape[-1] == 0:
-        return torch.zeros(b, h, rotations.shape[1], length, dtype=torch.long, device=x.device)
-    proj = torch.einsum("bhld,hrdk->bhrlk", x.detach(), rotations.to(x.dtype))
-    return torch.cat([proj, -proj], dim=-1).argmax(dim=-1)
+    """Angular LSH bucket of every vector: x (B, H, L, D) -> (B, H, R, L) in [0, n_buckets),
+    argmax([x R_r ; -x R_r]) with the first maximum on ties."""
+    b, h, length, d = x.shape
+    rounds, half = rotations.shape[1], rotations.shape[-1]
+    if half == 0:
+        return torch.zeros(b, h, rounds, length, dtype=torch.long, device=x.device)
+    rotations = rotations.to(x.dtype)
+    x = x.detach()
+    out = []
+    # One (B, L, n_buckets/2) projection per head and round: all at once would be a fresh
+    # R·H·L·n_buckets/2 buffer (268 MB at N = 16384), slower to touch than to compute.
+    for head in range(h):
+        for r in range(rounds):
+            proj = torch.matmul(x[:, head], rotations[head, r])
+            # The argmax over [p, -p] without building it: the top of p or the bottom of p,
+            # the +p half winning a tie as it comes first.
+            top, arg_top = proj.max(dim=-1)
+            low, arg_low = proj.min(dim=-1)
+            out.append(torch.where(top >= -low, arg_top, arg_low + half))
+    return torch.stack(out, dim=1).view(b, h, rounds, length)
 
 
 @dataclass
 class _Layout:
-    """Where every query and key sits in each round's sorted, chunked order.
+    """Every round's chunks of queries and windows of keys (n chunks per round).
 
-    q_at, k_at: (B, H, R, P) query / key index held by each of the P = n_chunks·C slots, -1 if
-    none; q_slot (B, H, R, N): slot of each query. q_key (B, H, R, N), k_key (B, H, R, M): int32
-    codes such that key j is a candidate of query i in round r (hash part of the rule) iff
-    d = q_key - k_key satisfies: not causal, d in {0, 1} (chunk ids); causal, 0 <= d <= C
-    (bucket·stride + slot, so a different bucket is always far away).
+    rows (B, H, R, n, C): query held by each chunk slot, -1 if none; q_slot (B, H, R, N): slot
+    (chunk·C + row) of each query. cols (B, H, R, n, W): key in each window column, col_ok
+    whether that column holds a real (in range, unpadded) key. q_code (B, H, R, N) and
+    k_code (B, H, R, M), int64: key j is a candidate of query i in round r by the hash part of
+    the rule iff 0 <= k_code - q_code < span (positions and padding aside).
     """
 
-    chunk: int
-    q_at: Tensor
-    k_at: Tensor
+    rows: Tensor
     q_slot: Tensor
-    q_key: Tensor
-    k_key: Tensor
+    cols: Tensor
+    col_ok: Tensor
+    q_code: Tensor
+    k_code: Tensor
+    span: int
 
 
-def _sort(codes: Tensor, item_q: Tensor, item_k: Tensor, chunk: int) -> tuple[Tensor, ...]:
-    """Sort items by their (distinct) codes (B, H, R, I); returns slot->query, slot->key
-    (padded to a multiple of ``chunk`` with -1) and item->slot."""
-    perm = codes.argsort(dim=-1)
-    items = codes.shape[-1]
-    slot = torch.empty_like(perm).scatter_(
-        -1, perm, torch.arange(items, device=codes.device).expand_as(perm)
-    )
-    fill = -items % chunk
-    q_at = torch.nn.functional.pad(item_q[perm], (0, fill), value=-1)
-    k_at = torch.nn.functional.pad(item_k[perm], (0, fill), value=-1)
-    return q_at, k_at, slot
+def _ranks(perm: Tensor) -> Tensor:
+    """The inverse permutation along the last dimension: rank of each item."""
+    ranks = torch.arange(perm.shape[-1], device=perm.device).expand_as(perm)
+    return torch.empty_like(perm).scatter_(-1, perm, ranks)
 
 
-def _relation_key(bucket: Tensor, slot: Tensor, chunk: int, causal: bool) -> Tensor:
-    if not causal:
-        return slot.div(chunk, rounding_mode="floor").int()
-    stride = slot.shape[-1] + 2 * chunk + 1
-    return (bucket * stride + slot).int()
+def _window(start: Tensor, width: int, k_perm: Tensor, key_ok: Tensor) -> tuple[Tensor, Tensor]:
+    """Sorted keys start + [0, W) of every chunk (B, H, R, n): their indices, and whether each
+    column is a real key (rank in range, not padded)."""
+    m = k_perm.shape[-1]
+    ranks = start[..., None] + torch.arange(width, device=start.device)
+    cols = k_perm.gather(-1, ranks.clamp(0, m - 1).flatten(-2)).view_as(ranks)
+    ok = key_ok.gather(-1, cols.flatten(-2)).view_as(ranks) & (ranks >= 0) & (ranks < m)
+    return cols, ok
 
 
 def _layout(
@@ -164,111 +190,173 @@ def _layout(
     causal: bool,
     shared_qk: bool,
 ) -> _Layout:
-    n, m = q.shape[2], k.shape[2]
+    b, h, n, _ = q.shape
+    m = k.shape[2]
+    rounds = rotations.shape[1]
     n_buckets = max(1, 2 * rotations.shape[-1])
     dev = q.device
     padded = pad[:, None, None, :]
+    key_ok = (~padded).expand(b, h, rounds, m)
+    chunk, width = block_sizes(n, m, bucket_size, shared_qk)
     if shared_qk:
         bucket = lsh_buckets(q, rotations).masked_fill(padded, n_buckets)
-        tokens = torch.arange(n, device=dev)
-        chunk = chunk_size(n, m, bucket_size, shared_qk)
-        q_at, k_at, slot = _sort(bucket * n + tokens, tokens, tokens, chunk)
-        key = _relation_key(bucket, slot, chunk, causal)
-        return _Layout(chunk, q_at, k_at, slot, key, key)
+        perm = (bucket * n + torch.arange(n, device=dev)).argsort(dim=-1)
+        rank = _ranks(perm)
+        n_chunks = -(-n // chunk)
+        rows = torch.nn.functional.pad(perm, (0, n_chunks * chunk - n), value=-1)
+        start = ((torch.arange(n_chunks, device=dev) - 1) * chunk).expand(b, h, rounds, -1)
+        cols, ok = _window(start, width, perm, key_ok)
+        if causal:
+            stride = n + 2 * chunk + 2  # a different bucket is always out of reach
+            k_code = bucket * stride + rank
+            q_code, span = k_code - chunk, chunk + 1
+        else:
+            k_code = rank
+            q_code, span = (rank // chunk - 1) * chunk, width
+        return _Layout(rows.unflatten(-1, (n_chunks, chunk)), rank, cols, ok, q_code, k_code, span)
+
     length = max(n, m)
     q_bucket = lsh_buckets(q, rotations)
     k_bucket = lsh_buckets(k, rotations).masked_fill(padded, n_buckets)
-    # (bucket, position, kind): keys (kind 0) sort before the query at the same position.
-    q_codes = (q_bucket * length + torch.arange(n, device=dev)) * 2 + 1
-    k_codes = (k_bucket * length + torch.arange(m, device=dev)) * 2
-    none_n = torch.full((n,), -1, dtype=torch.long, device=dev)
-    none_m = torch.full((m,), -1, dtype=torch.long, device=dev)
-    item_q = torch.cat([none_m, torch.arange(n, device=dev)])
-    item_k = torch.cat([torch.arange(m, device=dev), none_n])
-    chunk = chunk_size(n, m, bucket_size, shared_qk)
-    q_at, k_at, slot = _sort(torch.cat([k_codes, q_codes], -1), item_q, item_k, chunk)
-    q_slot, k_slot = slot[..., m:], slot[..., :m]
-    return _Layout(
-        chunk,
-        q_at,
-        k_at,
-        q_slot,
-        _relation_key(q_bucket, q_slot, chunk, causal),
-        _relation_key(k_bucket, k_slot, chunk, causal),
+    q_sorted, q_perm = (q_bucket * length + torch.arange(n, device=dev)).sort(dim=-1)
+    k_sorted, k_perm = (k_bucket * length + torch.arange(m, device=dev)).sort(dim=-1)
+    k_rank = _ranks(k_perm)
+    # Keys at or before each (sorted) query in the (bucket, position) order, a key first on ties.
+    kappa = torch.searchsorted(k_sorted, q_sorted, right=True)
+    if not causal:
+        n_chunks = -(-n // chunk)
+        rows = torch.nn.functional.pad(q_perm, (0, n_chunks * chunk - n), value=-1)
+        q_slot = _ranks(q_perm)
+        last = ((torch.arange(n_chunks, device=dev) + 1) * chunk - 1).clamp_max(n - 1)
+        center = (kappa[..., ::chunk] + kappa.index_select(-1, last)) // 2
+        real = (~pad).sum(-1).view(b, 1, 1, 1)
+        start = torch.minimum((center - width // 2).clamp_min(0), (real - width).clamp_min(0))
+        cols, ok = _window(start, width, k_perm, key_ok)
+        q_code = start.gather(-1, q_slot // chunk)
+        return _Layout(rows.unflatten(-1, (n_chunks, chunk)), q_slot, cols, ok, q_code, k_rank,
+                       width)
+
+    # Causal: chunks never straddle buckets, so a query's chunk (its rank among its bucket's
+    # queries, // C) and its window depend on tokens <= it only.
+    edges = (torch.arange(n_buckets, device=dev) * length).expand(b, h, rounds, -1).contiguous()
+    q_first = torch.searchsorted(q_sorted, edges)  # (B, H, R, n_buckets)
+    k_first = torch.searchsorted(k_sorted, edges)
+    count = torch.diff(q_first, append=torch.full_like(q_first[..., :1], n))
+    chunks = (count + chunk - 1) // chunk
+    chunk0 = chunks.cumsum(-1) - chunks
+    sorted_bucket = q_sorted // length
+    slot_sorted = (chunk0.gather(-1, sorted_bucket) * chunk + torch.arange(n, device=dev)
+                   - q_first.gather(-1, sorted_bucket))
+    # With e non-empty buckets, sum(ceil(count / C)) = sum(floor((count - 1) / C)) + e
+    # <= (N - e) // C + e, which grows with e <= min(n_buckets, N).
+    busy = min(n_buckets, n)
+    n_chunks = (n - busy) // chunk + busy
+    rows = torch.full((b, h, rounds, n_chunks * chunk), -1, dtype=torch.long, device=dev)
+    rows = rows.scatter_(-1, slot_sorted, q_perm).unflatten(-1, (n_chunks, chunk))
+    q_slot = torch.empty_like(q_perm).scatter_(-1, q_perm, slot_sorted)
+    lead = rows[..., 0].clamp_min(0)  # first query of each chunk (any query if none)
+    kappa_q = torch.empty_like(kappa).scatter_(-1, q_perm, kappa)
+    start = torch.maximum(
+        kappa_q.gather(-1, lead) - width // 2, k_first.gather(-1, q_bucket.gather(-1, lead))
     )
+    cols, ok = _window(start, width, k_perm, key_ok)
+    stride = m + width + 1  # a different bucket is always out of reach
+    q_code = q_bucket * stride + start.gather(-1, q_slot // chunk)
+    return _Layout(rows, q_slot, cols, ok, q_code, k_bucket * stride + k_rank, width)
 
 
-def _take(x: Tensor, index: Tensor) -> Tensor:
-    """x (B, H, L, E) at per-(batch, head) indices (B, H, ...) (-1 allowed) -> (B, H, ..., E)."""
-    b, h, length, e = x.shape
-    offset = (torch.arange(b * h, device=x.device) * length).view(b, h, *[1] * (index.dim() - 2))
-    flat = (index.clamp_min(0) + offset).reshape(-1)
-    return x.reshape(b * h * length, e).index_select(0, flat).view(*index.shape, e)
+def _at(table: Tensor, index: Tensor) -> Tensor:
+    """table (B, H, L) at indices (B, H, n, K) (-1 allowed) -> (B·H·n, K)."""
+    flat = index.clamp_min(0).flatten(-2)
+    return table.gather(-1, flat).view(-1, index.shape[-1])
 
 
-def _take1(x: Tensor, index: Tensor) -> Tensor:
-    """:func:`_take` for per-item tables x (B, H, L)."""
-    return _take(x.unsqueeze(-1), index).squeeze(-1)
-
-
-def _related(
-    layout: _Layout, r: int, rows: Tensor, cols: Tensor, causal: bool, *, negate: bool = False
+def _keep(
+    col_ok: Tensor, masks: list[Tensor], earlier: list[tuple[Tensor, Tensor, Tensor]]
 ) -> Tensor:
-    """(B, H, n, C, 2C) bool: is key ``cols`` a candidate of query ``rows`` in round r (by the
-    hash-dependent part of the rule)? ``negate`` gives the complement in as many passes."""
-    d = _take1(layout.q_key[:, :, r], rows)[..., :, None] - _take1(
-        layout.k_key[:, :, r], cols
-    )[..., None, :]
-    if causal:
-        inside = (d >= 0).logical_and_(d <= layout.chunk)
-        return inside.logical_not_() if negate else inside
-    near = torch.bitwise_right_shift(d, 1)  # 0 iff d in {0, 1}
-    return near != 0 if negate else near == 0
-
-
-def _exp_clamped(x: Tensor) -> Tensor:
-    """exp of x clamped to [-80, 0]: exp of values that underflow (and of -inf) takes a slow
-    path on CPU (3-10x); e^-80 is below float64 resolution next to the row maximum, e^0 = 1. The
-    caller zeroes masked entries and guarantees kept ones are <= 0."""
-    return x.clamp(-80.0, 0.0).exp()
-
-
-def _round_chunks(
-    layout: _Layout,
-    r: int,
-    rows: Tensor,
-    cols: Tensor,
-    q_rows: Tensor,
-    k_cols: Tensor,
-    v_cols: Tensor,
-    key_ok: Tensor,
-    causal: bool,
-    not_self: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Round r over a group of g chunks: rows (B, H, g, C) query slots, cols (B, H, g, 2C) key
-    slots, and the (scaled) queries (B, H, g, C, D), keys (B, H, g, 2C, D) and values
-    (B, H, g, 2C, Dv) they hold. Returns the stabilised numerator (B, H, g, C, Dv), denominator
-    and row max (B, H, g, C, 1) of every slot's candidates."""
-    scores = torch.einsum("bhncd,bhnkd->bhnck", q_rows, k_cols)
-    keep = ((cols >= 0) & _take1(key_ok, cols))[..., None, :]
-    if causal:
-        # Same bucket, within C slots before: keys j <= i only (the bucket is in position
-        # order), chosen among tokens <= i only.
-        keep = keep & _related(layout, r, rows, cols, causal=True)
-    if not_self is not None:
-        keep = keep & not_self
-    keep = keep.expand_as(scores).clone() if keep.shape != scores.shape else keep
+    """Which (query, key) pairs of g chunks count in this round: col_ok (g, 1, W), extra masks
+    (g or 1, C, W) to keep, and for every earlier round the (low, high) query codes (g, C, 1)
+    and key codes (g, 1, W) of its pairs, to drop."""
+    keep = col_ok
+    for mask in masks:
+        keep = keep & mask
     # A pair seen in an earlier round is dropped: each key of the union counts once (the
     # paper's duplicate correction).
-    for earlier in range(r):
-        keep.logical_and_(_related(layout, earlier, rows, cols, causal, negate=True))
-    drop = keep.logical_not_()
-    top = scores.detach().masked_fill(drop, float("-inf")).amax(dim=-1, keepdim=True)
-    weights = _exp_clamped(scores - torch.where(torch.isfinite(top), top, 0.0)).masked_fill(
-        drop, 0.0
-    )
-    num = torch.einsum("bhnck,bhnke->bhnce", weights, v_cols)
-    return num, weights.sum(-1, keepdim=True), top
+    for low, high, code in earlier:
+        seen = (code >= low).logical_and_(code < high)
+        keep = keep & seen.logical_not_()
+    return keep.expand(col_ok.shape[0], -1, -1) if keep.shape[1] == 1 else keep
+
+
+class _RoundChunks(torch.autograd.Function):
+    """One round's chunks, a group at a time, with the gathers inside: q_src (B·H·N + 1, D)
+    scaled queries (last row a dummy for empty slots), keys (B·H·M, D), v (B·H·M, Dv); rows
+    (G, C) and cols (G, W) flat indices into them; drop (G, C, W) pairs to ignore. Returns the
+    stabilised numerator (B·H·N + 1, Dv), denominator and (non-differentiable) row max
+    (B·H·N + 1) of every query's candidates.
+
+    Scores are clamped to [-80, 0] below the row max before exp: exp of values that underflow
+    (and of -inf) takes a slow path on CPU (3-10x); e^-80 is below float64 resolution next to
+    the row maximum. Written as a function so that nothing of size G·W·D is ever kept or
+    zero-filled: a gather per group under autograd would give every group's backward a
+    full-size gradient, and gathering a whole round at once allocates (R·N·W·D) buffers whose
+    first touch costs more than the arithmetic. The backward recomputes each group's weights
+    from the saved row max.
+    """
+
+    @staticmethod
+    def forward(ctx, q_src, keys, v, rows, cols, drop, group):
+        num = q_src.new_zeros(q_src.shape[0], v.shape[-1])
+        den = q_src.new_zeros(q_src.shape[0])
+        top = q_src.new_zeros(q_src.shape[0])
+        for start in range(0, rows.shape[0], group):
+            r_i, c_i = rows[start:start + group], cols[start:start + group]
+            q_g, k_g, v_g = _gather_group(q_src, keys, v, r_i, c_i)
+            dropped = drop[start:start + group]
+            # In place: no autograd here, and the group's buffers stay in cache.
+            scores = torch.bmm(q_g, k_g.transpose(1, 2)).masked_fill_(dropped, float("-inf"))
+            best = scores.amax(dim=-1, keepdim=True)
+            best = torch.where(torch.isfinite(best), best, 0.0)
+            weights = scores.sub_(best).clamp_(-80.0, 0.0).exp_().masked_fill_(dropped, 0.0)
+            flat = r_i.reshape(-1)
+            num.index_copy_(0, flat, torch.bmm(weights, v_g).flatten(0, 1))
+            den.index_copy_(0, flat, weights.sum(-1).flatten())
+            top.index_copy_(0, flat, best.flatten())
+        ctx.save_for_backward(q_src, keys, v, rows, cols, drop, top)
+        ctx.group = group
+        ctx.mark_non_differentiable(top)
+        return num, den, top
+
+    @staticmethod
+    def backward(ctx, grad_num, grad_den, _grad_top):
+        q_src, keys, v, rows, cols, drop, top = ctx.saved_tensors
+        grad_q, grad_k, grad_v = (torch.zeros_like(t) for t in (q_src, keys, v))
+        for start in range(0, rows.shape[0], ctx.group):
+            r_i, c_i = rows[start:start + ctx.group], cols[start:start + ctx.group]
+            q_g, k_g, v_g = _gather_group(q_src, keys, v, r_i, c_i)
+            flat, cflat = r_i.reshape(-1), c_i.reshape(-1)
+            best = top.index_select(0, flat).view(*r_i.shape, 1)
+            weights = torch.bmm(q_g, k_g.transpose(1, 2)).sub_(best).clamp_(-80.0, 0.0).exp_()
+            weights.masked_fill_(drop[start:start + ctx.group], 0.0)
+            g_num = grad_num.index_select(0, flat).view(*r_i.shape, -1)
+            g_w = torch.bmm(g_num, v_g.transpose(1, 2))
+            g_w += grad_den.index_select(0, flat).view(*r_i.shape, 1)
+            g_s = g_w.mul_(weights)
+            grad_q.index_add_(0, flat, torch.bmm(g_s, k_g).flatten(0, 1))
+            grad_k.index_add_(0, cflat, torch.bmm(g_s.transpose(1, 2), q_g).flatten(0, 1))
+            grad_v.index_add_(0, cflat, torch.bmm(weights.transpose(1, 2), g_num).flatten(0, 1))
+        return grad_q, grad_k, grad_v, None, None, None, None
+
+
+def _gather_group(
+    q_src: Tensor, keys: Tensor, v: Tensor, rows: Tensor, cols: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Queries (g, C, D), keys (g, W, D) and values (g, W, Dv) of g chunks."""
+    g, c = rows.shape
+    w = cols.shape[1]
+    q_g = q_src.index_select(0, rows.reshape(-1)).view(g, c, -1)
+    k_g = keys.index_select(0, cols.reshape(-1)).view(g, w, -1)
+    return q_g, k_g, v.index_select(0, cols.reshape(-1)).view(g, w, -1)
 
 
 def reformer_attention(
@@ -302,56 +390,79 @@ def reformer_attention(
     )
     keys = k / k.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(k.dtype).tiny) if shared_qk else k
     layout = _layout(q, k, rotations, pad, bucket_size, causal, shared_qk)
-    chunk = layout.chunk
-    key_ok = ~pad[:, None, :].expand(b, h, m)
+    n_chunks, chunk = layout.rows.shape[-2:]
+    width = layout.cols.shape[-1]
+    span = layout.span
+
+    bh = b * h
+    # Flat indices into (B·H·N + 1) query rows, the last one a dummy for empty slots, and into
+    # (B·H·M) key rows.
+    base = torch.arange(bh, device=q.device).view(b, h, 1, 1, 1)
+    q_index = torch.where(layout.rows >= 0, layout.rows + base * n, bh * n)
+    k_index = layout.cols + base * m
+    q_src = torch.cat([(q * scale).reshape(bh * n, d), q.new_zeros(1, d)])
+    keys_flat, v_flat = keys.reshape(bh * m, d), v.reshape(bh * m, -1)
     not_self = None
     if shared_qk:
-        # Query slot u of a chunk holds the same token as key column C + u: the diagonal.
+        # Query slot u of chunk c holds the same token as window column C + u: the diagonal.
         u = torch.arange(chunk, device=q.device)
-        not_self = u[:, None] + chunk != torch.arange(2 * chunk, device=q.device)[None, :]
-
-    # Chunks are processed in groups of about GROUP_ELEMENTS scores: the dozen masked
-    # elementwise passes over a group's (C, 2C) blocks then run in cache, not in memory.
-    per_chunk = b * h * chunk * 2 * chunk
-    group = max(1, GROUP_ELEMENTS // per_chunk)
-    q_scaled = q * scale
+        not_self = (u[:, None] + chunk != torch.arange(width, device=q.device))[None]
+    # Chunks are processed in groups of about GROUP_ELEMENTS scores: the masked elementwise
+    # passes over a group's (C, W) blocks then run in cache, not in memory.
+    group = max(1, GROUP_ELEMENTS // (chunk * width))
     nums, dens, tops = [], [], []
     for r in range(rotations.shape[1]):
-        rows = layout.q_at[:, :, r].unflatten(-1, (-1, chunk))  # (B, H, n, C)
-        own = layout.k_at[:, :, r].unflatten(-1, (-1, chunk))
-        before = torch.nn.functional.pad(own[:, :, :-1], (0, 0, 1, 0), value=-1)
-        cols = torch.cat([before, own], dim=-1)  # (B, H, n, 2C): previous chunk, own chunk
-        # Gathered once per round and cut with split: a gather or a narrow per group would
-        # give every group's backward a full-size zero-filled gradient.
-        pieces = [t.split(group, dim=2) for t in
-                  (rows, cols, _take(q_scaled, rows), _take(keys, cols), _take(v, cols))]
-        parts = [_round_chunks(layout, r, *group_tensors, key_ok, causal, not_self)
-                 for group_tensors in zip(*pieces, strict=True)]
-        num, den, top = (torch.cat(t, dim=2) if len(t) > 1 else t[0]
-                         for t in zip(*parts, strict=True))
-        slot = layout.q_slot[:, :, r]  # (B, H, N): every query back to its own position
-        nums.append(_take(num.flatten(2, 3), slot))
-        dens.append(_take1(den.flatten(2, 4), slot))
-        tops.append(_take1(top.flatten(2, 4), slot))
+        rows, cols = layout.rows[:, :, r], layout.cols[:, :, r]
+        col_ok = layout.col_ok[:, :, r].reshape(-1, 1, width)
+        codes = []
+        for e in range(r + 1):
+            low = _at(layout.q_code[:, :, e], rows).unsqueeze(-1)
+            codes.append((low, low + span, _at(layout.k_code[:, :, e], cols).unsqueeze(-2)))
+        masks: list[Tensor] = []
+        if causal:
+            # The round's own rule: non-causal windows hold exactly the candidates, causal
+            # ones also hold keys of other buckets and, without shared QK, later keys.
+            low, high, code = codes[r]
+            masks.append((code >= low).logical_and_(code < high))
+            if not shared_qk:
+                masks.append(cols.reshape(-1, 1, width) <= rows.reshape(-1, chunk, 1))
+        drop = torch.cat([
+            _keep(col_ok[i:i + group],
+                  [mk if mk.shape[0] == 1 else mk[i:i + group] for mk in masks]
+                  + ([not_self] if not_self is not None else []),
+                  [(lo[i:i + group], hi[i:i + group], co[i:i + group]) for lo, hi, co in
+                   codes[:r]]).logical_not()
+            for i in range(0, col_ok.shape[0], group)
+        ])
+        num, den, top = _RoundChunks.apply(
+            q_src, keys_flat, v_flat, q_index[:, :, r].reshape(-1, chunk),
+            k_index[:, :, r].reshape(-1, width), drop, group,
+        )
+        nums.append(num[:-1].view(b, h, n, -1))
+        dens.append(den[:-1].view(b, h, n))
+        tops.append(top[:-1].view(b, h, n))
 
     if causal and not shared_qk:
         # Key i joins the union of query i (once: unless a round already has it), so that a
         # query whose bucket holds no earlier key still attends to its own token.
         own = scale * (q * k).sum(-1)  # (B, H, N)
-        fresh = ~pad[:, None, :]
-        for r in range(rotations.shape[1]):
-            lag = layout.q_key[:, :, r] - layout.k_key[:, :, r]
-            fresh = fresh & ((lag < 0) | (lag > chunk))
+        gap = layout.k_code - layout.q_code  # (B, H, R, N): query i against key i
+        fresh = ~pad[:, None, :] & ((gap < 0) | (gap >= span)).all(dim=2)
         nums.append(v)
         dens.append(torch.ones_like(own))
         tops.append(own.masked_fill(~fresh, float("-inf")))
 
     # Round stabilisers are detached; any finite shift cancels between numerator and denominator.
-    top_r = torch.stack(tops, dim=2)  # (B, H, R, N)
-    best = top_r.detach().amax(dim=2, keepdim=True)
-    rescale = torch.exp(top_r - torch.where(torch.isfinite(best), best, 0.0))
-    num = (torch.stack(nums, dim=2) * rescale[..., None]).sum(2)
-    den = (torch.stack(dens, dim=2) * rescale).sum(2)
+    best = torch.stack(tops).detach().amax(dim=0)  # (B, H, N)
+    best = torch.where(torch.isfinite(best), best, 0.0)
+    # Accumulated in place: every (B, H, N, Dv) temporary is a fresh allocation, whose first
+    # touch costs more than the arithmetic.
+    rescale = [torch.exp(top_r - best) for top_r in tops]
+    num = nums[0] * rescale[0][..., None]
+    den = dens[0] * rescale[0]
+    for num_r, den_r, scale_r in zip(nums[1:], dens[1:], rescale[1:], strict=True):
+        num = num.addcmul_(num_r, scale_r[..., None])
+        den = den.addcmul_(den_r, scale_r)
     out = num / torch.where(den > 0, den, 1.0)[..., None]
     if shared_qk:
         alone = (den == 0) & ~pad[:, None, :]
