@@ -228,6 +228,37 @@ def test_banded_gradients_of_out_and_lse_match_dense_in_any_slicing(
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("slice_elements", [1, 1000, 1 << 21])
+@pytest.mark.parametrize("left, right, tokens", [(3, 3, (0,)), (9, 4, (60, 2, 30)), (5, 0, (7,))])
+def test_banded_with_global_tokens_matches_dense_in_any_slicing(
+    monkeypatch, slice_elements, left, right, tokens
+):
+    monkeypatch.setattr(blockwise, "SLICE_ELEMENTS", slice_elements)
+    q, k, v = qkv(b=3, n=61, dv=5)
+    mask = padding(3, 61)
+    mask[0, tokens[0]] = True  # a padded global token is no key, but still a global row
+    mask[1] = True  # a sequence without keys: out 0, lse -inf, zero gradients
+    i, j = torch.arange(61)[:, None], torch.arange(61)[None, :]
+    is_global = torch.zeros(61, dtype=torch.bool)
+    is_global[list(tokens)] = True
+    allowed = (i - j <= left) & (j - i <= right) | is_global[:, None] | is_global[None, :]
+    allowed = allowed & ~mask[:, None, None]
+    fast, dense = _engine_vs_dense(
+        lambda q, k, v: banded_attention(q, k, v, left=left, right=right, scale=0.3,
+                                         key_mask=mask, global_tokens=torch.tensor(tokens)),
+        allowed, q, k, v,
+    )
+    for a, b in zip(fast, dense, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_global_tokens_need_an_undilated_band():
+    q, k, v = qkv(n=20)
+    with pytest.raises(ValueError, match="global_tokens only with dilation=1"):
+        banded_attention(q, k, v, left=4, right=4, dilation=2, scale=0.3,
+                         global_tokens=torch.tensor([0]))
+
+
 @pytest.mark.parametrize("slice_elements", [1, 1 << 21])
 def test_gathered_blocks_with_per_head_blocks_and_pattern_match_dense(monkeypatch, slice_elements):
     monkeypatch.setattr(blockwise, "SLICE_ELEMENTS", slice_elements)

@@ -3,10 +3,11 @@
 Query i attends to key j when ``|i - j| <= window // 2``, or i is a global token (it attends to
 every key), or j is a global token (every query attends to it). ``global_tokens`` are positions.
 
-Computed as disjoint softmax pieces merged by their log-sum-exp
-(:func:`effattn.sparse.merge_partials`): the band over the non-global keys, plus every query
-against the G global keys; the G global queries then get a dense row over all keys.
-O(N (window + G) D) time and memory; no N x N mask.
+Computed by the band engine with global tokens (:func:`effattn.sparse.banded_attention`): each
+row's softmax over its band (global keys excluded) and the G global keys is merged by log-sum-exp
+in place, and the G global rows are replaced by their dense row over all keys; the backward
+recomputes the probabilities (FlashAttention-style) and adds the global pieces' gradients in
+place. O(N (window + G) D) time and memory; no N x N mask.
 q, k: (B, H, N, D), v: (B, H, N, Dv) -> (B, H, N, Dv).
 """
 
@@ -20,7 +21,7 @@ from torch import Tensor
 from effattn import reference
 from effattn.base import AttentionMethod, check_positive_int, compute_dtype
 from effattn.registry import Budget, MethodSpec, register
-from effattn.sparse import banded_attention, dense_partial, merge_partials
+from effattn.sparse import banded_attention
 
 
 def check_global_tokens(global_tokens: object, n: int | None = None) -> tuple[int, ...]:
@@ -52,31 +53,14 @@ def longformer_attention(
     """Window + global attention (see the module docstring); non-causal only."""
     if causal:
         raise ValueError("longformer_attention is bidirectional: causal=True is not supported")
-    b, _, n, _ = q.shape
+    n = q.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     tokens = check_global_tokens(global_tokens, n)
-    if not tokens:
-        out, _ = banded_attention(
-            q, k, v, left=window // 2, right=window // 2, key_mask=key_padding_mask, scale=scale
-        )
-        return out
-    idx = torch.tensor(tokens, device=q.device)
-    pad = torch.zeros(b, n, dtype=torch.bool, device=q.device)
-    if key_padding_mask is not None:
-        pad = key_padding_mask
-    not_band = pad.clone()
-    not_band[:, idx] = True
-    band = banded_attention(
-        q, k, v, left=window // 2, right=window // 2, key_mask=not_band, scale=scale
+    out, _ = banded_attention(
+        q, k, v, left=window // 2, right=window // 2, key_mask=key_padding_mask, scale=scale,
+        global_tokens=torch.tensor(tokens, device=q.device) if tokens else None,
     )
-    global_ok = ~pad[:, idx][:, None, None, :]
-    to_globals = dense_partial(
-        q, k[:, :, idx], v[:, :, idx], lambda r0, r1: global_ok, scale=scale
-    )
-    out, _ = merge_partials([band, to_globals])
-    every_ok = ~pad[:, None, None, :]
-    from_globals, _ = dense_partial(q[:, :, idx], k, v, lambda r0, r1: every_ok, scale=scale)
-    return out.index_copy(2, idx, from_globals)
+    return out
 
 
 class LongformerAttention(AttentionMethod):

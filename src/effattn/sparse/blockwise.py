@@ -185,6 +185,63 @@ class _Slices:
         return ok[:, None, :] if self.pattern is None else ok[:, None, :] & self.pattern
 
 
+def _block_forward(qf: Tensor, kf: Tensor, vf: Tensor, plan: _Slices,
+                   scale: float) -> tuple[Tensor, Tensor]:
+    """Softmax of every query block over its K key blocks: out (R, C, Dv), lse (R, C)."""
+    out = qf.new_empty(*qf.shape[:2], vf.shape[-1])
+    lse = qf.new_empty(qf.shape[:2])
+    for r0 in range(0, qf.shape[0], plan.step):
+        r1 = r0 + plan.step
+        p = masked_scores(qf[r0:r1], plan.window(kf, r0), plan.allowed(r0), scale)
+        # The row max only stabilises the exponent; rows with no allowed key keep -inf
+        # scores, so exp gives 0 there and lse = -inf.
+        top = p.amax(-1, keepdim=True)
+        top.masked_fill_(torch.isinf(top), 0.0)
+        total = p.sub_(top).exp_().sum(-1, keepdim=True)
+        torch.matmul(p, plan.window(vf, r0), out=out[r0:r1])
+        out[r0:r1].div_(total.clamp_min(torch.finfo(total.dtype).tiny))
+        lse[r0:r1] = top.add_(total.log_()).squeeze(-1)
+    return out, lse
+
+
+def _block_backward(
+    qf: Tensor, kf: Tensor, vf: Tensor, plan: _Slices, scale: float,
+    dout: Tensor, shift: Tensor, lse: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv) of the block softmax, from p = exp(s - lse) and
+    ds = p (do v^T - shift) (see :class:`_BlockAttention`).
+
+    dout (R, C, Dv) contiguous; shift, lse (R, C, 1), lse finite or +inf (rows whose p is 0).
+    """
+    dq = torch.empty_like(qf)
+    dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+    # One buffer for every slice's key-side gradient: a fresh (step, K C, E) result per slice
+    # (16 MiB at the default slice size) costs page faults comparable to the matmul itself.
+    slots = plan.keyblock.shape[-1] * plan.block_size
+    work = qf.new_empty(min(plan.step, qf.shape[0]) * slots * max(kf.shape[-1], vf.shape[-1]))
+    for r0 in range(0, qf.shape[0], plan.step):
+        r1 = r0 + plan.step
+        qs, do, kg = qf[r0:r1], dout[r0:r1], plan.window(kf, r0)
+        p = masked_scores(qs, kg, plan.allowed(r0), scale).sub_(lse[r0:r1]).exp_()
+        ds = torch.matmul(do, plan.window(vf, r0).transpose(-2, -1))
+        ds.sub_(shift[r0:r1]).mul_(p).mul_(scale)
+        torch.matmul(ds, kg, out=dq[r0:r1])
+        for grad, x, y in ((dk, ds, qs), (dv, p, do)):
+            part = work[: x.shape[0] * slots * y.shape[-1]].view(x.shape[0], slots, y.shape[-1])
+            plan.scatter(grad, torch.matmul(x.transpose(-2, -1), y, out=part), r0)
+    return dq, dk, dv
+
+
+def _shift(dout: Tensor, out: Tensor, dlse: Tensor, step: int) -> Tensor:
+    """rowsum(dout * out) - dlse of (R, C, Dv), (R, C): (R, C, 1), ``step`` rows at a time (the
+    product of whole tensors would be one more full-size temporary)."""
+    shift = torch.empty_like(dlse)
+    for r0 in range(0, out.shape[0], step):
+        r1 = r0 + step
+        torch.sum(dout[r0:r1] * out[r0:r1], -1, out=shift[r0:r1])
+    return shift.sub_(dlse)[..., None]
+
+
 class _BlockAttention(torch.autograd.Function):
     """Softmax of every query block over its K key blocks, ``step`` rows at a time.
 
@@ -202,19 +259,7 @@ class _BlockAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qf: Tensor, kf: Tensor, vf: Tensor, plan: _Slices,
                 scale: float) -> tuple[Tensor, Tensor]:
-        out = qf.new_empty(*qf.shape[:2], vf.shape[-1])
-        lse = qf.new_empty(qf.shape[:2])
-        for r0 in range(0, qf.shape[0], plan.step):
-            r1 = r0 + plan.step
-            p = masked_scores(qf[r0:r1], plan.window(kf, r0), plan.allowed(r0), scale)
-            # The row max only stabilises the exponent; rows with no allowed key keep -inf
-            # scores, so exp gives 0 there and lse = -inf.
-            top = p.amax(-1, keepdim=True)
-            top.masked_fill_(torch.isinf(top), 0.0)
-            total = p.sub_(top).exp_().sum(-1, keepdim=True)
-            torch.matmul(p, plan.window(vf, r0), out=out[r0:r1])
-            out[r0:r1].div_(total.clamp_min(torch.finfo(total.dtype).tiny))
-            lse[r0:r1] = top.add_(total.log_()).squeeze(-1)
+        out, lse = _block_forward(qf, kf, vf, plan, scale)
         ctx.save_for_backward(qf, kf, vf, out, lse)
         ctx.plan, ctx.scale = plan, scale
         return out, lse
@@ -223,24 +268,129 @@ class _BlockAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout: Tensor, dlse: Tensor) -> tuple[Tensor | None, ...]:
         qf, kf, vf, out, lse = ctx.saved_tensors
-        plan, scale = ctx.plan, ctx.scale
         # An expanded gradient (of a sum) would send every matmul down a per-matrix path.
         dout = dout.contiguous()
+        shift = _shift(dout, out, dlse, ctx.plan.step)
         # p = exp(s - lse) must be 0 in rows without keys (s = lse = -inf).
         lse = lse.masked_fill(torch.isinf(lse), 0.0)[..., None]
-        shift = (dout * out).sum(-1, keepdim=True).sub_(dlse[..., None])
-        dq = torch.empty_like(qf)
-        dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
-        for r0 in range(0, qf.shape[0], plan.step):
-            r1 = r0 + plan.step
-            qs, do, kg = qf[r0:r1], dout[r0:r1], plan.window(kf, r0)
-            p = masked_scores(qs, kg, plan.allowed(r0), scale).sub_(lse[r0:r1]).exp_()
-            ds = torch.matmul(do, plan.window(vf, r0).transpose(-2, -1))
-            ds.sub_(shift[r0:r1]).mul_(p).mul_(scale)
-            torch.matmul(ds, kg, out=dq[r0:r1])
-            plan.scatter(dk, torch.matmul(ds.transpose(-2, -1), qs), r0)
-            plan.scatter(dv, torch.matmul(p.transpose(-2, -1), do), r0)
+        dq, dk, dv = _block_backward(qf, kf, vf, ctx.plan, ctx.scale, dout, shift, lse)
         return dq, dk, dv, None, None
+
+
+def _spans(total: int, per: int) -> list[tuple[int, int]]:
+    """[start, end) ranges of at most ``per`` (at least 1) covering 0 .. total."""
+    per = max(1, per)
+    return [(a, min(total, a + per)) for a in range(0, total, per)]
+
+
+@dataclass(frozen=True)
+class _Globals:
+    """Global positions ``tokens`` (G,), distinct, of sequences of ``length`` L in ``heads`` H:
+    each attends to every key, and every query attends to each; ``ignore`` (B, L) masks padding
+    only (the band's own ``ignore`` also excludes the tokens, so no key is counted twice)."""
+
+    tokens: Tensor
+    ignore: Tensor
+    heads: int
+    length: int
+
+    def seq(self, x: Tensor) -> Tensor:
+        """Flat (R, C, E) or (R, C) -> (B, H, L, E) or (B, H, L), a view."""
+        return x.view(-1, self.heads, self.length, *x.shape[2:])
+
+    def batched(self, x: Tensor) -> Tensor:
+        """(B, H, n, E) -> (B H, n, E) for the in-place batched matmuls."""
+        return x.reshape(-1, *x.shape[2:])
+
+
+class _BandGlobalAttention(torch.autograd.Function):
+    """:class:`_BlockAttention` of a band, plus global tokens (see :class:`_Globals`).
+
+    Every row's softmax is over its band keys and the G global keys: the forward merges the
+    global piece into the band's (out, lse) in place, ``lse = log(exp(lse_band) + exp(lse_g))``,
+    ``out = exp(lse_band - lse) out_band + exp(s_g - lse) v_g``, then overwrites the G global
+    rows with their dense softmax over all keys. The backward is FlashAttention's on the merged
+    (out, lse): the band engine recomputes its p = exp(s - lse) with the merged lse (+inf on the
+    global rows, whose p there is 0), and the global pieces add their dq, dk, dv in place, so no
+    full-size temporary is allocated beyond dq, dk and dv. Work O(N (band + G) D).
+    """
+
+    @staticmethod
+    def forward(ctx, qf: Tensor, kf: Tensor, vf: Tensor, plan: _Slices, glob: _Globals,
+                scale: float) -> tuple[Tensor, Tensor]:
+        out, lse = _block_forward(qf, kf, vf, plan, scale)
+        q, k, v, out4, lse4 = (glob.seq(x) for x in (qf, kf, vf, out, lse))
+        b, h, length, _ = q.shape
+        tokens = glob.tokens
+        kg, vg = k.index_select(2, tokens), v.index_select(2, tokens)
+        key_ok = ~glob.ignore[:, None, None, :]
+        token_ok = key_ok.index_select(-1, tokens)
+        out3 = glob.batched(out4)
+        # Bounded by Dv too: the global piece's (rows, Dv) output is added slice by slice.
+        per = SLICE_ELEMENTS // (b * h * max(tokens.numel(), vf.shape[-1]))
+        for r0, r1 in _spans(length, per):
+            s = masked_scores(q[:, :, r0:r1], kg, token_ok, scale)
+            band = lse4[:, :, r0:r1]
+            total = torch.logaddexp(band, torch.logsumexp(s, -1))
+            # Rows with no key at all stay 0 with lse = -inf.
+            safe = total.masked_fill(torch.isinf(total), 0.0)
+            out4[:, :, r0:r1].mul_(band.sub(safe).exp_()[..., None])
+            p = s.sub_(safe[..., None]).exp_()
+            out3[:, r0:r1].baddbmm_(glob.batched(p), glob.batched(vg))
+            band.copy_(total)
+        for t0, t1 in _spans(tokens.numel(), SLICE_ELEMENTS // (b * h * length)):
+            rows = tokens[t0:t1]
+            o, lse_rows = masked_partial(q.index_select(2, rows), k, v, key_ok, scale)
+            out4.index_copy_(2, rows, o)
+            lse4.index_copy_(2, rows, lse_rows)
+        ctx.save_for_backward(qf, kf, vf, out, lse)
+        ctx.plan, ctx.glob, ctx.scale = plan, glob, scale
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout: Tensor, dlse: Tensor) -> tuple[Tensor | None, ...]:
+        qf, kf, vf, out, lse = ctx.saved_tensors
+        plan, glob, scale = ctx.plan, ctx.glob, ctx.scale
+        dout = dout.contiguous()
+        shift = _shift(dout, out, dlse, plan.step)
+        lse = lse.masked_fill(torch.isinf(lse), 0.0)
+        tokens = glob.tokens
+        # The global rows' gradient comes from their dense row alone: elsewhere their p is 0.
+        others = lse.clone()
+        glob.seq(others).index_fill_(2, tokens, float("inf"))
+        dq, dk, dv = _block_backward(qf, kf, vf, plan, scale, dout, shift, others[..., None])
+        q, k, v, do, dq4, dk4, dv4 = (glob.seq(x) for x in (qf, kf, vf, dout, dq, dk, dv))
+        shift, others, lse = glob.seq(shift), glob.seq(others), glob.seq(lse)
+        b, h, length, _ = q.shape
+        kg, vg = k.index_select(2, tokens), v.index_select(2, tokens)
+        key_ok = ~glob.ignore[:, None, None, :]
+        token_ok = key_ok.index_select(-1, tokens)
+        dkg, dvg = torch.zeros_like(kg), torch.zeros_like(vg)
+        dq3 = glob.batched(dq4)
+        per = SLICE_ELEMENTS // (b * h * max(tokens.numel(), vf.shape[-1]))
+        for r0, r1 in _spans(length, per):
+            qs, dos = q[:, :, r0:r1], do[:, :, r0:r1]
+            p = masked_scores(qs, kg, token_ok, scale).sub_(others[:, :, r0:r1, None]).exp_()
+            ds = torch.matmul(dos, vg.transpose(-2, -1))
+            ds.sub_(shift[:, :, r0:r1]).mul_(p).mul_(scale)
+            dq3[:, r0:r1].baddbmm_(glob.batched(ds), glob.batched(kg))
+            dkg.add_(torch.matmul(ds.transpose(-2, -1), qs))
+            dvg.add_(torch.matmul(p.transpose(-2, -1), dos))
+        dk4.index_add_(2, tokens, dkg)
+        dv4.index_add_(2, tokens, dvg)
+        dk3, dv3 = glob.batched(dk4), glob.batched(dv4)
+        for t0, t1 in _spans(tokens.numel(), SLICE_ELEMENTS // (b * h * length)):
+            rows = tokens[t0:t1]
+            qt, dot = q.index_select(2, rows), do.index_select(2, rows)
+            p = masked_scores(qt, k, key_ok, scale)
+            p.sub_(lse.index_select(2, rows)[..., None]).exp_()
+            ds = torch.matmul(dot, v.transpose(-2, -1))
+            ds.sub_(shift.index_select(2, rows)).mul_(p).mul_(scale)
+            dq4.index_add_(2, rows, torch.matmul(ds, k))
+            dk3.baddbmm_(glob.batched(ds).transpose(1, 2), glob.batched(qt))
+            dv3.baddbmm_(glob.batched(p).transpose(1, 2), glob.batched(dot))
+        return dq, dk, dv, None, None, None
 
 
 def _block_attention(
@@ -256,16 +406,23 @@ def _block_attention(
     scale: float,
     ignore: Tensor,
     pattern: Tensor | None,
+    tokens: Tensor | None = None,
+    token_ignore: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Runs :class:`_BlockAttention` on q (B, H, N, D) cut into ``rows_per_sequence`` blocks per
-    (batch, head) (the tail zero-padded); returns out (B, H, N, Dv) and lse (B, H, N)."""
+    (batch, head) (the tail zero-padded); returns out (B, H, N, Dv) and lse (B, H, N).
+    With ``tokens``, :class:`_BandGlobalAttention` instead (``token_ignore``: its padding)."""
     b, h, n, d = q.shape
     c, per = block_size, rows_per_sequence
     qf = _pad_to(q, per * c).reshape(-1, c, d)
     batch = torch.arange(b, device=q.device).repeat_interleave(h * per)
     step = max(1, SLICE_ELEMENTS // (c * keyblock.shape[-1] * c))
     plan = _Slices(keyblock, batch, ignore, index, back, pattern, c, step)
-    out, lse = _BlockAttention.apply(qf, kf, vf, plan, scale)
+    if tokens is None:
+        out, lse = _BlockAttention.apply(qf, kf, vf, plan, scale)
+    else:
+        glob = _Globals(tokens, token_ignore, h, per * c)
+        out, lse = _BandGlobalAttention.apply(qf, kf, vf, plan, glob, scale)
     out = out.view(b, h, per * c, -1)[:, :, :n]
     return out, lse.view(b, h, per * c)[:, :, :n]
 
@@ -346,11 +503,16 @@ def banded_attention(
     dilation: int = 1,
     key_mask: Tensor | None = None,
     block_size: int | None = None,
+    global_tokens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Query i attends to keys j with ``-right <= i - j <= left`` and ``(i - j) % dilation == 0``.
 
     q, k, v: (B, H, N, D), (B, H, N, D), (B, H, N, Dv) (aligned positions, N == M);
     key_mask: bool (B, N), True = ignore. Returns (out (B, H, N, Dv), lse (B, H, N)).
+
+    ``global_tokens`` (long (G,), distinct positions; dilation 1 only): besides the band, query i
+    also attends to every key j when i is global, and to key j when j is global; O(N G D) more
+    work, merged inside the engine (:class:`_BandGlobalAttention`).
 
     A dilated band is d undilated bands: positions with the same residue mod d form a
     subsequence, and i - j = d (i' - j') there, so each subsequence gets the band
@@ -363,6 +525,8 @@ def banded_attention(
             f"got left={left}, right={right}, dilation={dilation}"
         )
     b, h, n, _ = q.shape
+    if global_tokens is not None and dilation > 1:
+        raise ValueError("banded_attention supports global_tokens only with dilation=1")
     dilation = min(dilation, n)
     if dilation > 1:
         length = -(-n // dilation) * dilation
@@ -399,8 +563,12 @@ def banded_attention(
     def flat(x: Tensor) -> Tensor:
         return _pad_to(x, nq * c).reshape(-1, c, x.shape[-1])
 
+    ignore = token_ignore = _key_ignore(key_mask, b, n, nq * c, q.device)
+    if global_tokens is not None:
+        # The band skips the global keys: the global piece holds them.
+        ignore = token_ignore.index_fill(1, global_tokens, True)
     return _block_attention(
         q, flat(k), flat(v), keyblock.repeat(b * h, 1), None, back=back, rows_per_sequence=nq,
-        block_size=c, scale=scale, ignore=_key_ignore(key_mask, b, n, nq * c, q.device),
-        pattern=(offset <= left) & (offset >= -right),
+        block_size=c, scale=scale, ignore=ignore, pattern=(offset <= left) & (offset >= -right),
+        tokens=global_tokens, token_ignore=token_ignore,
     )
