@@ -52,8 +52,7 @@ LOG_GATE_FLOOR = -30.0
 # would exceed that. A memory-bound step costs its passes over the state, so this saves one per
 # step (two with a gate); e^20 of headroom leaves fp32 ~1e29 of range.
 RESCALE_MARGIN = 20.0
-# A causal block is processed in groups of at most this many chunks: the group's C x C weights
-# and per-chunk outputs stay cache-sized.
+# The chunk scan of a causal block runs over at most this many chunks at a time.
 SCAN_CHUNKS = 16
 # A slice holds about this many feature values (B * H * S * F): 4 MiB in fp32, cache-sized.
 SLICE_ELEMENTS = 1 << 20
@@ -275,8 +274,8 @@ def causal_block(
     """Causal attention over a block of L tokens that follows ``state``, chunkwise.
 
     Inside each chunk of C tokens a masked C x C product, weighted by exp(a_i - a_j) (gate decay
-    and stabiliser prefix max, see :func:`_causal_group`); across chunks the running state, carried
-    from chunk to chunk by one rank-C GEMM update each (:func:`_chunk_recurrence`). Per-key
+    and stabiliser prefix max, see :func:`_causal_group`); across chunks the running state, found
+    for up to ``SCAN_CHUNKS`` chunks at a time by one small GEMM (:func:`_chunk_scan`). Per-key
     scalars (stabiliser scale, 1 - g, padding, decay to the chunk end) multiply the rows of
     [V, 1] (width Dv + 1), per-query ones multiply output rows: the only work on L x F data is
     GEMMs. Returns the output (B, H, L, Dv) and the state after the block.
@@ -393,7 +392,7 @@ def _causal_group(
     scores = q_c @ k_c.transpose(-1, -2)  # (B, H, nc, C, C)
     if log_weight is None:
         intra = scores.tril_() @ v_c  # (B, H, nc, C, Dv + 1)
-        rows = v_c  # the rows of each chunk's state delta, at scale chunk_max
+        deltas = _key_value_products(k_c, v_c)  # (B, H, nc, F, Dv + 1), at scale chunk_max
     else:
         upper = torch.ones(chunk, chunk, dtype=torch.bool, device=scores.device).triu_(1)
         log2_weight = log_weight * LOG2E  # exp2 on the C x C weights (see features.LOG2E)
@@ -403,18 +402,17 @@ def _causal_group(
         # In place when the weights carry no gradient (no gate): mul then keeps only them.
         scores = scores * weight if weight.requires_grad else scores.mul_(weight)
         intra = scores @ v_c
-        rows = v_c * torch.exp(log_weight[..., -1:] - log_weight)[..., None]  # exp(a_last - a_j)
+        to_end = torch.exp(log_weight[..., -1:] - log_weight)[..., None]  # exp(a_last - a_j)
+        deltas = _key_value_products(k_c, v_c * to_end)
     chunk_log_decay = None if log_gate is None else cum[..., -1]  # (B, H, nc)
 
-    inter, state_scale, final = _chunk_recurrence(
-        state, q_c, k_c, rows, chunk_max[..., 0, 0], chunk_log_decay
-    )
+    states, state_scale, final = _chunk_scan(state, deltas, chunk_max[..., 0, 0], chunk_log_decay)
     common = torch.maximum(prefix, state_scale)  # (B, H, nc, C, 1): query i's output scale
     inter_weight = torch.exp(state_scale - common)
     if log_gate is not None:
         inter_weight = inter_weight * cum.exp()[..., None]  # decay of the entering state to i
-    # In place on fresh outputs (stack and bmm keep their inputs, not their output, for backward).
-    out = inter.mul_(inter_weight).add_(intra.mul_(torch.exp(prefix - common)))
+    # In place on fresh GEMM outputs (bmm keeps its inputs, not its output, for backward).
+    out = (q_c @ states).mul_(inter_weight).add_(intra.mul_(torch.exp(prefix - common)))
     final.position = state.position + n
     out_scale = common.reshape(b, h, nc * chunk, 1)[:, :, :n]
     out = out.reshape(b, h, nc * chunk, dv1)[:, :, :n]
@@ -423,45 +421,43 @@ def _causal_group(
     return _ratio(out, eps, out_scale), final, lost
 
 
-def _chunk_recurrence(
-    state: RecurrentState,
-    q_c: Tensor,
-    k_c: Tensor,
-    rows: Tensor,
-    chunk_max: Tensor,
-    chunk_log_decay: Tensor | None,
+def _chunk_scan(
+    state: RecurrentState, deltas: Tensor, chunk_max: Tensor, chunk_log_decay: Tensor | None
 ) -> tuple[Tensor, Tensor, RecurrentState]:
-    """φ(Q_c) S_c for every chunk c, with S_c the state entering it, and the state after the last.
+    """States before each chunk and after the last, as one GEMM over the chunk axis.
 
-    With r_c the scale of chunk c's delta K_c^T rows_c, a_c its total gate and the incoming state
-    S_0 at scale R_0 = s, the state entering chunk c + 1 is kept at R_{c+1} = max(R_c, r_c):
+    With ΔS_c at log-scale r_c, a_c the total gate of chunk c (L_c = Σ_{l<c} log a_l) and the
+    incoming state S_in at scale s, the state before chunk c, kept at scale
+    R_c = max(s, r_0, ..., r_{c-1}), is
 
-        S_{c+1} = exp(R_c - R_{c+1} + log a_c) S_c + K_c^T (exp(r_c - R_{c+1}) rows_c).
+        S_c = exp(s - R_c + L_c) S_in + Σ_{c'<c} exp(r_{c'} - R_c + L_c - L_{c'+1}) ΔS_{c'}.
 
-    Every exponent is <= 0, so nothing overflows and no large partial sums are subtracted. One
-    GEMM-shaped update per chunk (``baddbmm`` form) and one read-out: no (nc, F, Dv + 1) tensor of
-    all states is formed, which a batched scan writes and reads back from memory.
-    q_c, k_c (B, H, nc, C, F), rows (B, H, nc, C, Dv + 1), chunk_max and chunk_log_decay
-    (B, H, nc). Returns (B, H, nc, C, Dv + 1), the scales R_c (B, H, nc, 1, 1) and the state.
+    Every exponent is <= 0: nothing overflows, and no subtraction of large partial sums can cancel
+    (unlike an exclusive cumsum formed as cumsum - ΔS). Rows c = 0..nc; row nc is the final state.
+    Costs 2·nc²·F·(Dv + 1) per (B, H), small for the <= SCAN_CHUNKS chunks of a group.
     """
-    b, h, nc = chunk_max.shape
+    b, h, nc = deltas.shape[:3]
     scales = torch.cat([state.log_scale.reshape(b, h, 1), chunk_max], -1)  # (B, H, nc + 1)
-    running = torch.cummax(scales, -1).values  # R_0 .. R_nc
-    log_keep = running[..., :-1] - running[..., 1:]
-    if chunk_log_decay is not None:
-        log_keep = log_keep + chunk_log_decay
-    keep = torch.exp(log_keep)[..., None, None]  # (B, H, nc, 1, 1)
-    rows = rows * torch.exp(chunk_max - running[..., 1:])[..., None, None]
-    kv = state.kv.to(q_c.dtype)
-    outs = []
-    # unbind, not indexing: the backward of nc selected views would allocate nc zero tensors of
-    # the whole group's size, that of one unbind is a single stack.
-    for q, k, r, a in zip(q_c.unbind(2), k_c.unbind(2), rows.unbind(2), keep.unbind(2),
-                          strict=True):
-        outs.append(q @ kv)
-        kv = torch.addcmul(_key_value_products(k, r), kv, a)
+    running = torch.cummax(scales, -1).values  # R_c, c = 0..nc
+    if chunk_log_decay is None:
+        decay = torch.zeros_like(scales)
+    else:
+        decay = F.pad(chunk_log_decay.cumsum(-1), (1, 0))  # L_c, c = 0..nc
+    # Column j = 0 is S_in (scale s, decaying from L_0 = 0); column j > 0 is ΔS_{j-1} (scale
+    # r_{j-1}, decaying from L_j): the exponent of (row c, column j) is scales_j - R_c + L_c - L_j.
+    exponent = (scales - decay)[..., None, :] + (decay - running)[..., :, None]
+    rows = torch.arange(nc + 1, device=deltas.device)
+    visible = rows[None, :] <= rows[:, None]  # column j feeds row c when j <= c (S_in: always)
+    weights = torch.exp(exponent.masked_fill(~visible, float("-inf")))  # (B, H, nc + 1, nc + 1)
+    # The incoming state's rank-1 term is added in place to the fresh GEMM output: one pass, no
+    # concatenated copy of the deltas and no full-size temporary.
+    mixed = (weights[..., 1:] @ deltas.reshape(b, h, nc, -1)).addcmul_(
+        weights[..., :1], state.kv.reshape(b, h, 1, -1).to(deltas.dtype)
+    )
+    mixed = mixed.reshape(b, h, nc + 1, *deltas.shape[3:])
     scale = running[..., None, None]
-    return torch.stack(outs, 2), scale[:, :, :nc], RecurrentState(kv, scale[:, :, nc])
+    final = RecurrentState(mixed[:, :, nc], scale[:, :, nc])
+    return mixed[:, :, :nc], scale[:, :, :nc], final
 
 
 def linear_attention(
@@ -514,7 +510,7 @@ def flops(problem: Problem, *, projections: int, feature_dim: int, chunk_size: i
     maps), then, non-causal, φ(K)^T [V, 1] and φ(Q) times that, 2·(N + M)·F·(Dv + 1). Causal, per
     chunk of C tokens (the last one padded): the masked C x C scores 2·C²·F and their product with
     [V, 1] 2·C²·(Dv + 1), the chunk's state delta and the queries against the state entering it,
-    2·2·C·F·(Dv + 1) (the state update between chunks is elementwise).
+    2·2·C·F·(Dv + 1), and the chunk scan, 2·nc·g·F·(Dv + 1) for nc chunks in groups of g.
     """
     b, h, n, m, d, dv = (problem.batch, problem.heads, problem.n, problem.m, problem.head_dim,
                          problem.value_dim)
@@ -525,7 +521,7 @@ def flops(problem: Problem, *, projections: int, feature_dim: int, chunk_size: i
     nc = -(-n // chunk_size)
     padded = nc * chunk_size
     intra = padded * chunk_size * (f + dv + 1)
-    state = 2 * padded * f * (dv + 1)
+    state = 2 * padded * f * (dv + 1) + nc * min(nc, SCAN_CHUNKS) * f * (dv + 1)
     return 2.0 * b * h * (features + intra + state)
 
 
@@ -644,7 +640,7 @@ def kernelized_causal(
         raise ValueError(f"causal needs N == M, got {n} and {k.shape[2]}")
     if gate is not None and gate.shape != (b, h, n):
         raise ValueError(f"gate must be (B, H, N) = {(b, h, n)}, got {tuple(gate.shape)}")
-    # At most one chunk group per slice: the features of a slice are fresh contiguous tensors,
+    # At most one scan group per slice: the features of a slice are fresh contiguous tensors,
     # while a group cut out of a longer slice is a strided view that every batched GEMM of the
     # group would copy.
     step = min(slice_tokens(b * h, feature_dim, chunk_size, slice_elements),
