@@ -23,8 +23,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
-from effattn.tools.bench.results import write_json
 from effattn.integrations import transformers as hf
+from effattn.tools.bench.results import write_json
 
 
 def make_model(impl: str, args: argparse.Namespace, max_len: int) -> Any:

@@ -82,8 +82,8 @@ def peers(lengths: list[int], repeats: int, slow_repeats: int) -> list[dict[str,
     try:
         from performer_pytorch import FastAttention
     except ImportError:
-        print("peers: performer-pytorch is not installed (pip install --no-deps "
-              "performer-pytorch einops local-attention==1.4.4): section skipped")
+        print("peers: performer-pytorch is not installed (pip install --no-deps performer-pytorch "
+              "einops local-attention==1.4.4 axial-positional-embedding): section skipped")
         return []
     records = []
     print(f"\n{'pass':>7} {'N':>6} {'effattn ms':>11} {'performer-pytorch':>18} {'sdpa':>14}")
