@@ -292,6 +292,47 @@ def test_gathered_blocks_with_per_head_blocks_and_pattern_match_dense(monkeypatc
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("slice_elements", [1, 1000, 1 << 21])
+def test_gathered_blocks_with_global_tokens_match_dense(monkeypatch, slice_elements):
+    # Global tokens inside listed key blocks are counted once; a padded global token is no key
+    # but still a global row; a sequence without keys gives 0, -inf and zero gradients.
+    monkeypatch.setattr(blockwise, "SLICE_ELEMENTS", slice_elements)
+    c, n, h, tokens = 4, 21, 3, [0, 1, 9, 20]
+    q, k, v = qkv(b=3, h=h, n=n, dv=5)
+    mask = padding(3, n)
+    mask[0, 9] = True
+    mask[2] = True
+    g = torch.Generator().manual_seed(5)
+    nb = -(-n // c)
+    own = torch.arange(nb).expand(h, nb)
+    other = (own + torch.randint(1, nb, (h, nb), generator=g)) % nb
+    other = other.masked_fill(torch.rand(h, nb, generator=g) < 0.3, -1)
+    key_blocks = torch.stack([own, other], -1)
+    qblock, kblock = torch.arange(n)[:, None] // c, torch.arange(n)[None, :] // c
+    is_global = torch.zeros(n, dtype=torch.bool)
+    is_global[tokens] = True
+    allowed = torch.zeros(h, n, n, dtype=torch.bool)
+    for head in range(h):
+        listed = (kblock == qblock) | (kblock == other[head][qblock])
+        allowed[head] = listed | is_global[:, None] | is_global[None, :]
+    allowed = allowed[None] & ~mask[:, None, None, :]
+    fast, dense = _engine_vs_dense(
+        lambda q, k, v: blockwise.block_gather_attention(
+            q, k, v, key_blocks, block_size=c, scale=0.3, key_mask=mask,
+            global_tokens=torch.tensor(tokens)),
+        allowed, q, k, v,
+    )
+    for a, b in zip(fast, dense, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_gathered_global_tokens_need_aligned_positions():
+    q, k, v = qkv(n=8)
+    with pytest.raises(ValueError, match="global_tokens need aligned positions"):
+        blockwise.block_gather_attention(q, k[:, :, :4], v[:, :, :4], torch.zeros(2, 1).long(),
+                                         block_size=4, scale=0.3, global_tokens=torch.tensor([0]))
+
+
 @pytest.mark.parametrize("name", ["local", "longformer", "bigbird"])
 def test_backward_keeps_inputs_sized_tensors_not_scores(name):
     # Autograd of the slices would keep the gathered keys and values and the scores and

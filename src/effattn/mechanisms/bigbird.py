@@ -14,8 +14,10 @@ in training mode the module generator draws new ones on every call (the sequence
 fixed by the seed). ``seed=None`` draws the seed from the global RNG at construction, so an
 eval-mode module still uses the same blocks on every call.
 
-Computed by gathering each query block's key blocks (:func:`effattn.sparse.block_gather_attention`)
-and dense rows for the global queries: O(N (3 + g + r) block_size D) time and memory.
+Computed by gathering each query block's window and random key blocks
+(:func:`effattn.sparse.block_gather_attention`), with the global blocks' positions as the engine's
+global tokens (dense rows for the global queries, one more key piece for every query, merged in
+place): O(N (3 + g + r) block_size D) time, O(N D) memory kept for the backward.
 q, k: (B, H, N, D), v: (B, H, N, Dv) -> (B, H, N, Dv).
 """
 
@@ -33,7 +35,7 @@ from effattn.base import (
     uniform,
 )
 from effattn.registry import Budget, MethodSpec, register
-from effattn.sparse import block_gather_attention, dense_partial
+from effattn.sparse import block_gather_attention
 
 
 def check_count(name: str, value: object) -> int:
@@ -91,7 +93,7 @@ def bigbird_attention(
     """BigBird attention with the given random blocks (H, nb, r) (see the module docstring)."""
     if causal:
         raise ValueError("bigbird_attention is bidirectional: causal=True is not supported")
-    b, h, n, _ = q.shape
+    h, n = q.shape[1:3]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     nb = -(-n // block_size)
     g = min(num_global_blocks, nb)
@@ -100,29 +102,20 @@ def bigbird_attention(
             f"random_blocks must have shape (H, nb, r) = ({h}, {nb}, r), "
             f"got {tuple(random_blocks.shape)}"
         )
-    pad = torch.zeros(b, n, dtype=torch.bool, device=q.device)
-    if key_padding_mask is not None:
-        pad = key_padding_mask
-    parts = []
-    if g > 0:
-        every_ok = ~pad[:, None, None, :]
-        parts.append(dense_partial(q[:, :, : g * block_size], k, v, lambda r0, r1: every_ok,
-                                   scale=scale)[0])
-    if g < nb:
-        a = torch.arange(g, nb, device=q.device)[:, None]
-        window = a + torch.arange(-1, 2, device=q.device)
-        window = window.masked_fill((window < 0) | (window >= nb), -1)
-        # Global blocks already in the window are listed once.
-        globals_ = torch.arange(g, device=q.device).expand(nb - g, -1)
-        globals_ = globals_.masked_fill((globals_ - a).abs() <= 1, -1)
-        shared = torch.cat([window, globals_], 1).expand(h, -1, -1)
-        key_blocks = torch.cat([shared, random_blocks[:, g:].to(q.device)], 2)
-        out, _ = block_gather_attention(
-            q[:, :, g * block_size :], k, v, key_blocks, block_size=block_size,
-            scale=scale, key_mask=key_padding_mask,
-        )
-        parts.append(out)
-    return torch.cat(parts, 2)
+    # Global rows and keys are the engine's global tokens: they are merged into the block
+    # rows' output in place, with no full-size concatenation or per-piece gradient.
+    a = torch.arange(nb, device=q.device)[:, None]
+    window = a + torch.arange(-1, 2, device=q.device)
+    window = window.masked_fill((window < g) | (window >= nb), -1)
+    key_blocks = torch.cat([window.expand(h, -1, -1), random_blocks.to(q.device)], 2)
+    # Global query blocks take their dense rows from the global piece alone.
+    key_blocks[:, :g] = -1
+    tokens = torch.arange(min(g * block_size, n), device=q.device) if g > 0 else None
+    out, _ = block_gather_attention(
+        q, k, v, key_blocks, block_size=block_size, scale=scale, key_mask=key_padding_mask,
+        global_tokens=tokens,
+    )
+    return out
 
 
 class BigBirdAttention(RandomizedAttention):

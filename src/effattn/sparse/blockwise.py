@@ -304,7 +304,8 @@ class _Globals:
 
 
 class _BandGlobalAttention(torch.autograd.Function):
-    """:class:`_BlockAttention` of a band, plus global tokens (see :class:`_Globals`).
+    """:class:`_BlockAttention` of a band or of gathered blocks, plus global tokens (see
+    :class:`_Globals`); the block piece must exclude the global keys (its ``ignore``).
 
     Every row's softmax is over its band keys and the G global keys: the forward merges the
     global piece into the band's (out, lse) in place, ``lse = log(exp(lse_band) + exp(lse_g))``,
@@ -446,6 +447,7 @@ def block_gather_attention(
     scale: float,
     key_mask: Tensor | None = None,
     pattern: Tensor | None = None,
+    global_tokens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Query block b (positions b*C .. b*C + C - 1) attends to key blocks ``key_blocks[..., b, :]``.
 
@@ -458,6 +460,11 @@ def block_gather_attention(
         key_mask: bool (B, M), True for keys to ignore (padding).
         pattern: optional bool (C, K C): query a of every block may only see the keys j of
             its K gathered blocks where ``pattern[a, j]`` (causality within a block).
+        global_tokens: optional long (G,), distinct positions (aligned positions, N == M):
+            besides its blocks, query i also attends to every key j when i is global, and to key
+            j when j is global (the blocks' copies of global keys are skipped, so a key is never
+            counted twice); O(N G D) more work, merged inside the engine
+            (:class:`_BandGlobalAttention`).
 
     Returns out (B, H, N, Dv) and lse (B, H, N). Cost O(N K C D) time; memory O(N D) kept for
     the backward and O(SLICE_ELEMENTS) temporaries (the backward recomputes the scores).
@@ -472,14 +479,20 @@ def block_gather_attention(
             f"key_blocks must have shape (nq, K) or (H, nq, K) with nq={nq}, H={h}, "
             f"got {tuple(key_blocks.shape)}"
         )
+    if global_tokens is not None and n != m:
+        raise ValueError(f"global_tokens need aligned positions (N == M), got N={n}, M={m}")
     keyblock = key_blocks.expand(b, h, -1, -1)
     sequence = torch.arange(b * h, device=q.device).view(b, h, 1, 1)
     index = keyblock.clamp(min=0) + sequence * nk
+    ignore = token_ignore = _key_ignore(key_mask, b, m, nk * c, q.device)
+    if global_tokens is not None:
+        # The blocks skip the global keys: the global piece holds them.
+        ignore = token_ignore.index_fill(1, global_tokens, True)
     return _block_attention(
         q, _pad_to(k, nk * c).reshape(-1, c, d), _pad_to(v, nk * c).reshape(-1, c, v.shape[-1]),
         keyblock.reshape(-1, keyblock.shape[-1]), index.reshape(-1, keyblock.shape[-1]),
-        rows_per_sequence=nq, block_size=c, scale=scale,
-        ignore=_key_ignore(key_mask, b, m, nk * c, q.device), pattern=pattern,
+        rows_per_sequence=nq, block_size=c, scale=scale, ignore=ignore, pattern=pattern,
+        tokens=global_tokens, token_ignore=token_ignore,
     )
 
 
