@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,17 +51,50 @@ def _sin_cos(x: Tensor, w: Tensor) -> Tensor:
 LOG2E = 1.0 / math.log(2.0)
 
 
-def _exp_normalised(u: Tensor) -> tuple[Tensor, Tensor]:
-    """exp(u - rowmax) in place on u, a projection made in base 2 (u = log2(e) w x, see
-    :func:`_base2`), and the row max in natural log (detached: it cancels)."""
-    with torch.no_grad():
+class _Exp2Projection(torch.autograd.Function):
+    """φ = exp(w x - rowmax), or of [w x, -w x] (``pair``), computed as exp2 of log2(e) w x.
+
+    Forward: one GEMM, then the row max and exp2 in place on its output. Backward, with
+    g = dφ ⊙ φ (exp's derivative is itself; the max is a constant that cancels):
+    dx = g w and dw = g^T x (for a pair, g_+ - g_-), one elementwise pass over the N x F
+    gradient against autograd's three to five (exp2's grad · result · ln 2 in two, the negation
+    and the sum of the pair's halves). x (..., L, D), w (F, D) -> φ (..., L, F or 2F), and the
+    row max in natural log (..., L, 1).
+    """
+
+    @staticmethod
+    def forward(x: Tensor, w: Tensor, pair: bool) -> tuple[Tensor, Tensor]:
+        u = project(x, w * LOG2E)
+        if pair:
+            u = torch.cat([u, -u], -1)
         m = u.amax(-1, keepdim=True)
-    return u.sub_(m).exp2_(), m * math.log(2.0)
+        return u.sub_(m).exp2_(), m * math.log(2.0)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor, bool], output: Features) -> None:
+        x, w, ctx.pair = inputs
+        ctx.save_for_backward(x, w, output[0])
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_phi: Tensor, _: Tensor
+    ) -> tuple[Tensor | None, Tensor | None, None]:
+        x, w, phi = ctx.saved_tensors
+        g = grad_phi * phi
+        if ctx.pair:
+            g_plus, g_minus = g.chunk(2, -1)
+            g = g_plus - g_minus
+        grad_x = g @ w if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = g.reshape(-1, g.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+        return grad_x, grad_w, None
 
 
-def _base2(x: Tensor, w: Tensor) -> Tensor:
-    """log2(e) w x: the exponential of a projection is then an in-place exp2 on the GEMM output."""
-    return project(x, w * LOG2E)
+def _exp_projection(x: Tensor, w: Tensor, *, pair: bool = False) -> tuple[Tensor, Tensor]:
+    """exp(w x - m) with m the row max (see :class:`_Exp2Projection`), and m (detached)."""
+    return _Exp2Projection.apply(x, w, pair)
 
 
 def _half_sq_norm(x: Tensor) -> Tensor:
@@ -69,14 +103,13 @@ def _half_sq_norm(x: Tensor) -> Tensor:
 
 def positive(x: Tensor, w: Tensor, *, is_query: bool) -> Features:
     """FAVOR+ positive features: φ(x) = F^(-1/2) exp(w x - |x|²/2)  (Choromanski et al. 2020)."""
-    phi, m = _exp_normalised(_base2(x, w))
+    phi, m = _exp_projection(x, w)
     return (phi, None) if is_query else (phi, m - _half_sq_norm(x))
 
 
 def hyperbolic(x: Tensor, w: Tensor, *, is_query: bool) -> Features:
     """φ(x) = (2F)^(-1/2) exp(-|x|²/2) [exp(w x), exp(-w x)]: antithetic positive features."""
-    u = _base2(x, w)  # one F-wide GEMM; the antithetic half is its negation
-    phi, m = _exp_normalised(torch.cat([u, -u], -1))
+    phi, m = _exp_projection(x, w, pair=True)  # one F-wide GEMM; the antithetic half negates it
     return (phi, None) if is_query else (phi, m - _half_sq_norm(x))
 
 
