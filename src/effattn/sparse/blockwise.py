@@ -408,21 +408,23 @@ def _block_attention(
     ignore: Tensor,
     pattern: Tensor | None,
     tokens: Tensor | None = None,
-    token_ignore: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Runs :class:`_BlockAttention` on q (B, H, N, D) cut into ``rows_per_sequence`` blocks per
     (batch, head) (the tail zero-padded); returns out (B, H, N, Dv) and lse (B, H, N).
-    With ``tokens``, :class:`_BandGlobalAttention` instead (``token_ignore``: its padding)."""
+    With global ``tokens``, :class:`_BandGlobalAttention` instead: the blocks then skip the
+    global keys (``ignore`` holds the padding alone), as the global piece holds them."""
     b, h, n, d = q.shape
     c, per = block_size, rows_per_sequence
     qf = _pad_to(q, per * c).reshape(-1, c, d)
     batch = torch.arange(b, device=q.device).repeat_interleave(h * per)
     step = max(1, SLICE_ELEMENTS // (c * keyblock.shape[-1] * c))
-    plan = _Slices(keyblock, batch, ignore, index, back, pattern, c, step)
     if tokens is None:
+        plan = _Slices(keyblock, batch, ignore, index, back, pattern, c, step)
         out, lse = _BlockAttention.apply(qf, kf, vf, plan, scale)
     else:
-        glob = _Globals(tokens, token_ignore, h, per * c)
+        blocks_ignore = ignore.index_fill(1, tokens, True)
+        plan = _Slices(keyblock, batch, blocks_ignore, index, back, pattern, c, step)
+        glob = _Globals(tokens, ignore, h, per * c)
         out, lse = _BandGlobalAttention.apply(qf, kf, vf, plan, glob, scale)
     out = out.view(b, h, per * c, -1)[:, :, :n]
     return out, lse.view(b, h, per * c)[:, :, :n]
@@ -484,15 +486,12 @@ def block_gather_attention(
     keyblock = key_blocks.expand(b, h, -1, -1)
     sequence = torch.arange(b * h, device=q.device).view(b, h, 1, 1)
     index = keyblock.clamp(min=0) + sequence * nk
-    ignore = token_ignore = _key_ignore(key_mask, b, m, nk * c, q.device)
-    if global_tokens is not None:
-        # The blocks skip the global keys: the global piece holds them.
-        ignore = token_ignore.index_fill(1, global_tokens, True)
     return _block_attention(
         q, _pad_to(k, nk * c).reshape(-1, c, d), _pad_to(v, nk * c).reshape(-1, c, v.shape[-1]),
         keyblock.reshape(-1, keyblock.shape[-1]), index.reshape(-1, keyblock.shape[-1]),
-        rows_per_sequence=nq, block_size=c, scale=scale, ignore=ignore, pattern=pattern,
-        tokens=global_tokens, token_ignore=token_ignore,
+        rows_per_sequence=nq, block_size=c, scale=scale,
+        ignore=_key_ignore(key_mask, b, m, nk * c, q.device), pattern=pattern,
+        tokens=global_tokens,
     )
 
 
@@ -576,12 +575,8 @@ def banded_attention(
     def flat(x: Tensor) -> Tensor:
         return _pad_to(x, nq * c).reshape(-1, c, x.shape[-1])
 
-    ignore = token_ignore = _key_ignore(key_mask, b, n, nq * c, q.device)
-    if global_tokens is not None:
-        # The band skips the global keys: the global piece holds them.
-        ignore = token_ignore.index_fill(1, global_tokens, True)
     return _block_attention(
         q, flat(k), flat(v), keyblock.repeat(b * h, 1), None, back=back, rows_per_sequence=nq,
-        block_size=c, scale=scale, ignore=ignore, pattern=(offset <= left) & (offset >= -right),
-        tokens=global_tokens, token_ignore=token_ignore,
+        block_size=c, scale=scale, ignore=_key_ignore(key_mask, b, n, nq * c, q.device),
+        pattern=(offset <= left) & (offset >= -right), tokens=global_tokens,
     )
