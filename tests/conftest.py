@@ -6,6 +6,18 @@ import pytest
 import torch
 
 
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def device(request):
+    """The device a reference comparison runs on: the CPU, and CUDA when one is present.
+
+    Without a GPU the CUDA case is skipped and says so; ``pytest -m cuda`` (benchmarks/gpu.sh)
+    runs only the CUDA cases.
+    """
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("CUDA case: no CUDA device on this machine")
+    return torch.device(request.param)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

@@ -85,16 +85,17 @@ def test_every_method_declares_a_reference():
 
 
 @pytest.mark.parametrize("name, options, mode", list(_cases()))
-def test_module_equals_its_reference(name, options, mode):
+def test_module_equals_its_reference(name, options, mode, device):
     causal, padded, cross = MODES[mode]
     spec = effattn.spec(name)
-    module = _build(name, options)
-    q, k, v = qkv(b=B, h=H, n=N, m=M_CROSS if cross else N, d=D, dv=DV)
-    mask = padding(B, k.shape[2]) if padded else None
+    module = _build(name, options).to(device)
+    q, k, v = (t.to(device) for t in qkv(b=B, h=H, n=N, m=M_CROSS if cross else N, d=D, dv=DV))
+    mask = padding(B, k.shape[2]).to(device) if padded else None
     call = {}
     if spec.layer.gated({**spec.options, **options}):
-        call["gate"] = torch.rand(B, H, N, dtype=torch.float64,
-                                  generator=torch.Generator().manual_seed(1)) * 0.6 + 0.2
+        call["gate"] = (torch.rand(B, H, N, dtype=torch.float64,
+                                   generator=torch.Generator().manual_seed(1)) * 0.6 + 0.2
+                        ).to(device)
     inputs = [t.requires_grad_() for t in (q, k, v, *call.values())]
     params = [p for p in module.parameters() if p.requires_grad]
 
@@ -103,7 +104,8 @@ def test_module_equals_its_reference(name, options, mode):
     tol = TOLERANCE.get(name, 1e-10)
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
 
-    probe = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(2))
+    probe = torch.randn(out.shape, dtype=out.dtype,
+                        generator=torch.Generator().manual_seed(2)).to(device)
     wrt = inputs + params
     got = torch.autograd.grad((out * probe).sum(), wrt, allow_unused=True)
     want = torch.autograd.grad((ref * probe).sum(), wrt, allow_unused=True)

@@ -63,13 +63,14 @@ def kernel_weights(
     key_padding_mask: Tensor | None = None,
     gate: Tensor | None = None,
     dtype: torch.dtype = torch.float64,
+    device: torch.device | None = None,
 ) -> Tensor:
     """(B or 1, H or 1, N, M) weights w_ij of the kernelized sum, from their definition.
 
     Gated: the recurrence S_t = g_t S_{t-1} + (1 - g_t) φ(k_t) v_t^T unrolled one step at a time,
     so w_ij = (1 - g_j) Π_{j<l<=i} g_l. Padded keys get weight 0 and (gated) do not decay.
     """
-    w = dense_mask(n, m, causal=causal, key_padding_mask=key_padding_mask).to(dtype)
+    w = dense_mask(n, m, causal=causal, key_padding_mask=key_padding_mask, device=device).to(dtype)
     if gate is None:
         return w
     g = gate.to(dtype)
@@ -77,9 +78,9 @@ def kernel_weights(
         g = torch.where(key_padding_mask[:, None, :], torch.ones_like(g), g)
     b, h = g.shape[:2]
     rows = []
-    carry = torch.zeros(b, h, m, dtype=dtype)  # weight of each key in the state S_{t}
+    carry = torch.zeros(b, h, m, dtype=dtype, device=g.device)  # weight of key j in S_{t}
     for t in range(n):
-        inject = torch.zeros(b, h, m, dtype=dtype)
+        inject = torch.zeros(b, h, m, dtype=dtype, device=g.device)
         inject[:, :, t] = 1.0 - g[:, :, t]
         carry = g[:, :, t, None] * carry + inject
         rows.append(carry)
@@ -106,7 +107,7 @@ def kernel_attention(
     a = phi_q @ true_k.transpose(-2, -1)
     a = a * kernel_weights(
         phi_q.shape[2], phi_k.shape[2], causal=causal, key_padding_mask=key_padding_mask,
-        gate=gate, dtype=a.dtype,
+        gate=gate, dtype=a.dtype, device=a.device,
     )
     den = a.sum(-1, keepdim=True)
     den = torch.where(den >= 0, den.clamp_min(eps), den.clamp_max(-eps))
@@ -118,12 +119,12 @@ def _explicit(phi_q: Tensor, phi_k: Tensor, v: Tensor, causal: bool, key_padding
     a = phi_q @ phi_k.transpose(-2, -1)
     a = a * kernel_weights(
         phi_q.shape[2], phi_k.shape[2], causal=causal, key_padding_mask=key_padding_mask,
-        gate=gate, dtype=a.dtype,
+        gate=gate, dtype=a.dtype, device=a.device,
     )
     den = a.sum(-1, keepdim=True)
     sees_a_key = kernel_weights(
         phi_q.shape[2], phi_k.shape[2], causal=causal, key_padding_mask=key_padding_mask,
-        dtype=a.dtype,
+        dtype=a.dtype, device=a.device,
     ).sum(-1, keepdim=True) > 0
     # A query that sees no key at all (all padding) outputs 0, as in every fast path.
     return torch.where(sees_a_key, (a @ v) / torch.where(sees_a_key, den, 1.0), 0.0)
@@ -295,10 +296,11 @@ def nystrom_attention(
     b, n_heads, n, d = q.shape
     m = k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    keep_k = torch.ones(b, m, dtype=torch.bool) if key_padding_mask is None else ~key_padding_mask
+    keep_k = (torch.ones(b, m, dtype=torch.bool, device=q.device) if key_padding_mask is None
+              else ~key_padding_mask)
     outs = []
     for i in range(b):
-        keep_q = keep_k[i] if n == m else torch.ones(n, dtype=torch.bool)
+        keep_q = keep_k[i] if n == m else torch.ones(n, dtype=torch.bool, device=q.device)
         q_land, valid_q = _segment_means(q[i], keep_q, min(num_landmarks, n))
         k_land, valid_k = _segment_means(k[i], keep_k[i], min(num_landmarks, m))
         no_key = float("-inf")
@@ -314,14 +316,15 @@ def nystrom_attention(
             max_row = s2.sum(2).max(1).values
             max_col = s2.sum(1).max(1).values
             z = s2.transpose(-2, -1) / (max_row * max_col)[:, None, None]
-            eye = torch.eye(s2.shape[1], dtype=q.dtype)
+            eye = torch.eye(s2.shape[1], dtype=q.dtype, device=q.device)
             for _ in range(pinv_iterations):
                 kz = s2 @ z
                 z = z @ (13 * eye - kz @ (15 * eye - kz @ (7 * eye - kz))) / 4
             out = s1 @ z @ s3 @ v[i]
         if conv_weight is not None:
             r = conv_weight.shape[1] // 2
-            offset = torch.arange(m)[None, :] - torch.arange(n)[:, None] + r
+            offset = (torch.arange(m, device=q.device)[None, :]
+                      - torch.arange(n, device=q.device)[:, None] + r)
             inside = (offset >= 0) & (offset <= 2 * r)
             toeplitz = conv_weight[:, offset.clamp(0, 2 * r)] * inside
             out = out + toeplitz @ (v[i] * keep_k[i][:, None])
@@ -332,7 +335,7 @@ def nystrom_attention(
 def fnet_mixing(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """Re(W_N v W_Dv) with the explicit DFT matrices W_L[j, t] = exp(-2 pi i j t / L)."""
     def dft(length: int) -> Tensor:
-        j = torch.arange(length, dtype=torch.float64)
+        j = torch.arange(length, dtype=torch.float64, device=v.device)
         angle = -2 * math.pi * torch.outer(j, j).remainder(length) / length
         return torch.polar(torch.ones_like(angle), angle)
 
@@ -384,9 +387,9 @@ def reformer_candidates(
         rounds = []
         for r in range(n_rounds):
             if n_buckets == 1:
-                rounds.append(torch.zeros(b, h, x.shape[2], dtype=torch.long))
+                rounds.append(torch.zeros(b, h, x.shape[2], dtype=torch.long, device=x.device))
                 continue
-            proj = x @ rotations[None, :, r].to(x.dtype)  # (B, H, L, n_buckets/2)
+            proj = x @ rotations[None, :, r].to(x)  # (B, H, L, n_buckets/2)
             rounds.append(torch.cat([proj, -proj], dim=-1).argmax(dim=-1))
         return torch.stack(rounds, dim=2)  # (B, H, R, L)
 
@@ -395,11 +398,11 @@ def reformer_candidates(
         return (c[..., None, :] < a[..., :, None]).sum(-1)
 
     padded = (
-        torch.zeros(b, 1, 1, m, dtype=torch.bool)
+        torch.zeros(b, 1, 1, m, dtype=torch.bool, device=q.device)
         if key_padding_mask is None
         else key_padding_mask[:, None, None, :]
     )
-    pos_q, pos_k = torch.arange(n), torch.arange(m)
+    pos_q, pos_k = torch.arange(n, device=q.device), torch.arange(m, device=q.device)
     if shared_qk:
         bucket = buckets(q).masked_fill(padded, n_buckets)
         code = bucket * n + pos_q
@@ -444,10 +447,12 @@ def reformer_candidates(
             seen = same & (k_within >= low[..., None]) & (k_within < low[..., None] + width)
     union = seen.any(dim=2)
     if causal and not shared_qk:
-        union = union | torch.eye(n, m, dtype=torch.bool)  # key i is always a candidate of i
-    allowed = union & dense_mask(n, m, causal=causal, key_padding_mask=key_padding_mask)
+        # Key i is always a candidate of query i.
+        union = union | torch.eye(n, m, dtype=torch.bool, device=q.device)
+    allowed = union & dense_mask(n, m, causal=causal, key_padding_mask=key_padding_mask,
+                                 device=q.device)
     if shared_qk:
-        diagonal = torch.eye(n, m, dtype=torch.bool)
+        diagonal = torch.eye(n, m, dtype=torch.bool, device=q.device)
         others = (allowed & ~diagonal).any(dim=-1, keepdim=True)
         allowed = allowed & ~(diagonal & others)
     return allowed
@@ -501,8 +506,10 @@ def random_subset_attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     # Unused slots (-1) write into an extra column M that is cut off.
     column = torch.where(indices >= 0, indices.long(), m)
-    sampled = torch.zeros(h, n, m + 1, dtype=torch.bool).scatter_(-1, column, True)[..., :m]
-    allowed = sampled[None] & dense_mask(n, m, causal=causal, key_padding_mask=key_padding_mask)
+    sampled = torch.zeros(h, n, m + 1, dtype=torch.bool, device=q.device).scatter_(
+        -1, column.to(q.device), True)[..., :m]
+    allowed = sampled[None] & dense_mask(n, m, causal=causal, key_padding_mask=key_padding_mask,
+                                         device=q.device)
     scores = (scale * q @ k.transpose(-2, -1)).masked_fill(~allowed, float("-inf"))
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     return weights @ v
@@ -594,7 +601,7 @@ def bigbird_attention(
     a, b = _positions(nb, q.device)
     block_allowed = ((a - b).abs() <= 1) | (a < num_global_blocks) | (b < num_global_blocks)
     chosen = torch.zeros(heads, nb, nb + 1, dtype=torch.bool, device=q.device)
-    chosen.scatter_(2, random_blocks.masked_fill(random_blocks < 0, nb), True)
+    chosen.scatter_(2, random_blocks.to(q.device).masked_fill(random_blocks < 0, nb), True)
     block_allowed = block_allowed | chosen[:, :, :nb]
     pos_block = torch.arange(n, device=q.device) // block_size
     allowed = block_allowed[:, pos_block][:, :, pos_block]

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from effattn.registry import Problem, spec
-from effattn.tools.bench.timing import synchronizer, time_fn, time_once
+from effattn.tools.bench.timing import Clock, time_fn, time_once
 
 FWD_BWD_FACTOR = 3
 
@@ -64,27 +64,30 @@ def matmul_peak(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     *,
-    max_size: int = 2048,
+    max_size: int | None = None,
     min_call_s: float = 0.02,
     repeats: int = 10,
     budget_s: float = 0.5,
 ) -> float:
     """Best GFLOP/s, 2 n^3 / seconds, of (n, n) @ (n, n) matmuls in ``dtype``.
 
-    n doubles from 256 until one call takes at least ``min_call_s`` or n reaches ``max_size``, so
+    n doubles from 256 until one call takes at least ``min_call_s`` or n reaches ``max_size``
+    (default 2048 on the CPU, 8192 on a GPU, whose 2048^3 products last microseconds), so
     a dtype the CPU has no native instructions for (bf16 without AVX-512 BF16 or AMX runs at about
     1 GFLOP/s: 17 s for one 2048^3 product) is measured on a small matrix; then up to ``repeats``
     timed calls, stopping once ``budget_s`` seconds (the size search included) are spent. Each
     size's first call is a warm-up and its second decides whether to grow.
     """
+    if max_size is None:
+        max_size = 8192 if torch.device(device).type == "cuda" else 2048
     size = min(256, max_size)
-    sync = synchronizer(device)
+    clock = Clock(device)
     spent = 0.0
     while True:
         call = partial(torch.mm, *(torch.randn(size, size, device=device).to(dtype)
                                    for _ in range(2)))
-        spent += time_once(call, sync)
-        t = time_once(call, sync)
+        spent += time_once(call, clock)
+        t = time_once(call, clock)
         spent += t
         if t >= min_call_s or size >= max_size:
             break
@@ -93,7 +96,7 @@ def matmul_peak(
     for _ in range(repeats):
         if spent > budget_s:
             break
-        t = time_once(call, sync)
+        t = time_once(call, clock)
         best = min(best, t)
         spent += t
     return 2.0 * size**3 / best / 1e9
@@ -114,9 +117,9 @@ def reference_gemm(device: torch.device | str = "cpu") -> Callable[[], float]:
     a = torch.randn(REFERENCE_SIZE, REFERENCE_SIZE, device=device)
     b = torch.randn(REFERENCE_SIZE, REFERENCE_SIZE, device=device)
     out = torch.empty(REFERENCE_SIZE, REFERENCE_SIZE, device=device)
-    sync = synchronizer(device)
+    clock = Clock(device)
 
     def probe() -> float:
-        return time_fn(lambda: torch.mm(a, b, out=out), repeats=3, sync=sync).median * 1e3
+        return time_fn(lambda: torch.mm(a, b, out=out), repeats=3, clock=clock).median * 1e3
 
     return probe

@@ -85,14 +85,27 @@ def cpu_model_and_extensions() -> tuple[str | None, list[str]]:
     return model, extensions
 
 
-def machine_info() -> dict[str, Any]:
-    """The machine and software of a measurement (the ``machine`` entry of every summary)."""
+def gpu_info(device: torch.device | str) -> dict[str, Any]:
+    """Name, compute capability, memory and multiprocessors of the CUDA ``device``, and the CUDA
+    version torch was built with."""
+    props = torch.cuda.get_device_properties(device)
+    return {"name": props.name, "capability": f"{props.major}.{props.minor}",
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "multiprocessors": props.multi_processor_count, "cuda": torch.version.cuda}
+
+
+def machine_info(device: torch.device | str = "cpu") -> dict[str, Any]:
+    """The machine and software of a measurement (the ``machine`` entry of every summary); with
+    a CUDA ``device``, its GPU too (:func:`gpu_info`, under ``"gpu"``)."""
     model, extensions = cpu_model_and_extensions()
-    return {"cpu_model": model, "vector_extensions": extensions,
+    info = {"cpu_model": model, "vector_extensions": extensions,
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "platform": platform.platform(), "processor": platform.processor(),
             "python": platform.python_version(), "torch": torch.__version__,
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    if torch.device(device).type == "cuda":
+        info["gpu"] = gpu_info(device)
+    return info
 
 
 def cpu_label(info: Mapping[str, Any]) -> str:
@@ -102,10 +115,22 @@ def cpu_label(info: Mapping[str, Any]) -> str:
     return f"{model} ({', '.join(extensions)})" if extensions else model
 
 
+def gpu_label(info: Mapping[str, Any]) -> str | None:
+    """Short text of the GPU, e.g. ``"NVIDIA H100 80GB HBM3 (sm 9.0, 79.2 GiB, CUDA 13.0)"``, or
+    None when the measurement ran on the CPU."""
+    gpu = info.get("gpu")
+    if not gpu:
+        return None
+    return (f"{gpu['name']} (sm {gpu['capability']}, {gpu['memory_gib']} GiB, "
+            f"CUDA {gpu['cuda']})")
+
+
 def describe(info: Mapping[str, Any]) -> str:
-    """One line for the head of a printed summary: CPU, cores, threads and, when measured, the
-    matmul peaks and the reference GEMM's time."""
-    text = (f"machine: {cpu_label(info)}, {info.get('cpu_count')} cores, torch "
+    """One line for the head of a printed summary: the GPU if any, CPU, cores, threads and, when
+    measured, the matmul peaks and the reference GEMM's time."""
+    gpu = gpu_label(info)
+    text = (f"machine: {f'{gpu} on ' if gpu else ''}{cpu_label(info)}, "
+            f"{info.get('cpu_count')} cores, torch "
             f"{info.get('torch')} with {info.get('torch_threads')} threads")
     peaks = info.get("matmul_peak_gflops") or {}
     if peaks:

@@ -34,7 +34,7 @@ _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 CSV_FIELDS = (*KEY_FIELDS, "status", "median_ms", "iqr_ms", "peak_mib", "gflops", "flops",
               "samples", "calls_per_sample", "disturbed", "slowdown", "attempts", "cpu",
-              "timestamp")
+              "gpu", "timestamp")
 # Table marks: a measurement disturbed by other processes, a rate above the measured peak.
 DISTURBED = "*"
 # The values a disturbance falsifies (peak memory does not depend on the machine's load).

@@ -52,10 +52,17 @@ from effattn.tools.bench.flops import (
     pass_flops,
     reference_gemm,
 )
-from effattn.tools.bench.machine import cpu_label, machine_info
+from effattn.tools.bench.machine import cpu_label, gpu_label, machine_info
 from effattn.tools.bench.memory import MiB, PeakMemory, cap_memory, is_oom
 from effattn.tools.bench.results import ResultStore
-from effattn.tools.bench.timing import MAX_SLOWDOWN, judge, synchronizer, time_fn, time_once
+from effattn.tools.bench.timing import (
+    MAX_SLOWDOWN,
+    Clock,
+    judge,
+    synchronizer,
+    time_fn,
+    time_once,
+)
 
 DTYPES = {
     "float32": torch.float32,
@@ -189,10 +196,10 @@ def measure(cfg: Config, settings: Settings) -> dict[str, Any]:
     reference = reference_gemm(device)  # its matrices exist before the memory baseline
     if settings.max_memory_mib is not None:
         cap_memory(device, settings.max_memory_mib)
-    sync = synchronizer(device)
+    clock = Clock(device)
     try:
         with PeakMemory(device) as mem:
-            first = time_once(call, sync)
+            first = time_once(call, clock)
         result["peak_mib"] = mem.peak_bytes / MiB
         references = result["reference_ms"] = [reference()]
         if first > settings.max_seconds:
@@ -203,7 +210,7 @@ def measure(cfg: Config, settings: Settings) -> dict[str, Any]:
         # Between the samples too: a burst of load can slow all of them evenly (a small spread)
         # and be over before a probe after them.
         timing = time_fn(
-            call, repeats=settings.repeats, warmup=settings.warmup, sync=sync, estimate_s=first,
+            call, repeats=settings.repeats, warmup=settings.warmup, clock=clock, estimate_s=first,
             between=lambda: references.append(reference()),
         )
         references.append(reference())
@@ -239,7 +246,8 @@ def probe_machine(dtypes: Sequence[str], device: str, retries: int = 2) -> dict[
     if "float32" in peaks:
         peaks["float32"] = max(peaks["float32"], 2.0 * REFERENCE_SIZE**3 / (quiet_ms * 1e-3) / 1e9)
     return {"status": "ok",
-            "machine": machine_info() | {"matmul_peak_gflops": peaks, "reference_ms": quiet_ms}}
+            "machine": machine_info(device) | {"matmul_peak_gflops": peaks,
+                                               "reference_ms": quiet_ms}}
 
 
 def _worker(conn: Any, target: Callable[..., dict[str, Any]], args: tuple) -> None:
@@ -357,7 +365,7 @@ def _probe(configs: Sequence[Config], timeout: float, retries: int) -> dict[str,
     res = run_isolated(probe_machine, (dtypes, device, retries), timeout)
     if res["status"] != "ok":
         # Measure without the judge rather than not at all; the summary says why.
-        return machine_info() | {"probe_status": res["status"]}
+        return machine_info(device) | {"probe_status": res["status"]}
     return res["machine"]
 
 
@@ -377,11 +385,16 @@ def sweep(
     as skipped (a failed "fwd" also skips "fwdbwd" at L). They share one device, on which the
     machine is probed first (:func:`probe_machine`; ``SweepStats.machine``). When the quietest
     reference time seen during the sweep shows that the first probe was itself disturbed, the
-    peaks are measured again at the end and the higher ones kept.
+    peaks are measured again at the end and the higher ones kept. On a GPU no measurement is
+    judged (nor repeated).
     """
     stats = SweepStats(machine=_probe(configs, timeout, settings.retries))
     start_ms = quiet_ms = stats.machine.get("reference_ms")
-    cpu = cpu_label(stats.machine)
+    if "gpu" in stats.machine:
+        # The judge tells other processes competing for CPU cores. On a GPU the reference GEMM
+        # lasts microseconds and moves with the clock's boost, not with load: nothing is judged.
+        start_ms = quiet_ms = None
+    cpu, gpu = cpu_label(stats.machine), gpu_label(stats.machine)
     blocked: dict[tuple[str, str], str] = {}
     bar = tqdm(configs, desc="effattn bench", unit="config", disable=not progress,
                file=sys.stderr, dynamic_ncols=True)
@@ -403,7 +416,7 @@ def sweep(
                 stats.measured += 1
                 stats.retried += result.get("attempts", 1) - 1
                 stats.disturbed += bool(result.get("disturbed"))
-            record = make_record(fields, result | {"cpu": cpu})
+            record = make_record(fields, result | {"cpu": cpu, "gpu": gpu})
             store.add(record)
         status = record["status"]
         if status.startswith(BLOCKING):
@@ -426,7 +439,7 @@ def make_record(fields: dict[str, Any], result: dict[str, Any]) -> dict[str, Any
     the CPU and a timestamp."""
     record = {**fields, "status": result["status"]}
     for key in ("median_ms", "iqr_ms", "peak_mib", "flops", "samples", "calls_per_sample",
-                "disturbed", "slowdown", "attempts", "cpu"):
+                "disturbed", "slowdown", "attempts", "cpu", "gpu"):
         record[key] = result.get(key)
     flops, median = result.get("flops"), result.get("median_ms")
     record["gflops"] = flops / (median * 1e-3) / 1e9 if flops and median else None

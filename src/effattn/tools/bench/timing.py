@@ -2,8 +2,9 @@
 
 Each sample times a block of ``number`` back-to-back calls (``number`` grows until a block lasts at
 least ``min_block_s``), so very short calls are not dominated by timer overhead; a sample is the
-block time divided by ``number``. On CUDA the device is synchronised before and after each block,
-so the time covers the kernels and not only their launch.
+block time divided by ``number``. A :class:`Clock` measures a block: wall time on the CPU; on CUDA
+the time between two events recorded on the device's current stream around the block, after a
+synchronisation, so the time covers the kernels and not only their launch.
 
 A busy machine (other processes competing for the cores) can make every call of a measurement
 several times slower with a small spread, which the samples alone cannot reveal. :func:`judge`
@@ -50,13 +51,46 @@ def synchronizer(device: torch.device | str) -> Callable[[], None]:
     return lambda: None
 
 
-def time_once(fn: Callable[[], object], sync: Callable[[], None]) -> float:
+class Clock:
+    """Seconds of the work issued between :meth:`start` and :meth:`stop` on ``device``.
+
+    CPU: ``time.perf_counter``. CUDA: two timing events recorded on the device's current stream
+    (``torch.cuda.Event(enable_timing=True)``), the device synchronised before the first, so the
+    interval holds the block's kernels and none of the work queued before it.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.sync = synchronizer(self.device)
+        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        if self.device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True),
+                            torch.cuda.Event(enable_timing=True))
+        self._start = 0.0
+
+    def start(self) -> None:
+        self.sync()
+        if self._events is not None:
+            self._events[0].record(torch.cuda.current_stream(self.device))
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> float:
+        """Seconds since :meth:`start`, once the work issued since has finished."""
+        if self._events is not None:
+            first, last = self._events
+            last.record(torch.cuda.current_stream(self.device))
+            last.synchronize()
+            return first.elapsed_time(last) / 1e3
+        return time.perf_counter() - self._start
+
+
+def time_once(fn: Callable[[], object], clock: Clock | None = None) -> float:
     """Seconds taken by one call of ``fn``, including queued device work."""
-    sync()
-    start = time.perf_counter()
+    clock = clock or Clock()
+    clock.start()
     fn()
-    sync()
-    return time.perf_counter() - start
+    return clock.stop()
 
 
 def time_fn(
@@ -64,7 +98,7 @@ def time_fn(
     *,
     repeats: int,
     warmup: int = 1,
-    sync: Callable[[], None] = lambda: None,
+    clock: Clock | None = None,
     min_block_s: float = 2e-3,
     estimate_s: float | None = None,
     between: Callable[[], object] | None = None,
@@ -77,21 +111,20 @@ def time_fn(
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    clock = clock or Clock()
     for _ in range(warmup):
-        estimate_s = time_once(fn, sync)
+        estimate_s = time_once(fn, clock)
     if estimate_s is None:
-        estimate_s = time_once(fn, sync)
+        estimate_s = time_once(fn, clock)
     number = max(1, math.ceil(min_block_s / max(estimate_s, 1e-9)))
     samples = []
     for _ in range(repeats):
         if between is not None:
             between()
-        sync()
-        start = time.perf_counter()
+        clock.start()
         for _ in range(number):
             fn()
-        sync()
-        samples.append((time.perf_counter() - start) / number)
+        samples.append(clock.stop() / number)
     return Timing(tuple(samples), number)
 
 
