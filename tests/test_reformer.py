@@ -234,6 +234,32 @@ def test_fully_padded_rows_are_zero_and_causal_queries_never_empty(shared):
     assert torch.isfinite(out).all() and out[0].abs().max() == 0
 
 
+@pytest.mark.parametrize("bucket_size", [16, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_large_logits_give_no_zero_row_and_match_the_reference(bucket_size, dtype):
+    # Issue 19: causal, q and k entries ~50 at D = 16 (logits ~1e4), N = 143, two rounds. A
+    # query whose round had no new candidate reported a row max of 0 to the merge of rounds,
+    # where it outranked real maxima of -1e4: their exp underflowed and the row came out 0.
+    q, k, v = qkv(n=143, d=16, dv=5, scale=50.0)
+    attn = effattn.build(
+        "reformer", head_dim=16, heads=3, seed=0, n_hashes=2, bucket_size=bucket_size
+    ).eval()
+    rotations = attn.rotations(143, 143).double()
+    for mask in (None, padding(2, 143)):
+        kw = dict(bucket_size=bucket_size, causal=True, key_padding_mask=mask)
+        sees = R.reformer_candidates(q, k, rotations, **kw).any(-1)
+        out = attn(q.to(dtype), k.to(dtype), v.to(dtype), causal=True, key_padding_mask=mask)
+        zero = (out == 0).all(-1)
+        assert not zero[sees].any(), f"{int(zero[sees].sum())} zero rows of queries with keys"
+        assert torch.isfinite(out).all() and not out[~sees].any()
+        if dtype == torch.float64:
+            kw["rotations"] = rotations
+            fast = _grads(F.reformer_attention, q, k, v, False, **kw)
+            ref = _grads(R.reformer_attention, q, k, v, False, **kw)
+            for a, b in zip(fast, ref, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
 def test_causal_query_sees_its_own_key_when_its_bucket_has_no_past():
     # n_buckets = 16 for N = 63, bucket_size 4: query 0 rarely shares a bucket with key 0.
     q, k, v = qkv(n=63, dv=4)

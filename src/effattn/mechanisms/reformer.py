@@ -293,7 +293,9 @@ class _RoundChunks(torch.autograd.Function):
     scaled queries (last row a dummy for empty slots), keys (B·H·M, D), v (B·H·M, Dv); rows
     (G, C) and cols (G, W) flat indices into them; drop (G, C, W) pairs to ignore. Returns the
     stabilised numerator (B·H·N + 1, Dv), denominator and (non-differentiable) row max
-    (B·H·N + 1) of every query's candidates.
+    (B·H·N + 1) of every query's candidates, -inf for a query with none in the round: a finite
+    stand-in would outrank real row maxima below it when the rounds are merged (logits of
+    -1e4 are ordinary at entries ~50), and their exp would underflow to a zero row.
 
     Scores are clamped to [-80, 0] below the row max before exp: exp of values that underflow
     (and of -inf) takes a slow path on CPU (3-10x); e^-80 is below float64 resolution next to
@@ -316,8 +318,8 @@ class _RoundChunks(torch.autograd.Function):
             # In place: no autograd here, and the group's buffers stay in cache.
             scores = torch.bmm(q_g, k_g.transpose(1, 2)).masked_fill_(dropped, float("-inf"))
             best = scores.amax(dim=-1, keepdim=True)
-            best = torch.where(torch.isfinite(best), best, 0.0)
-            weights = scores.sub_(best).clamp_(-80.0, 0.0).exp_().masked_fill_(dropped, 0.0)
+            shift = torch.where(torch.isfinite(best), best, 0.0)
+            weights = scores.sub_(shift).clamp_(-80.0, 0.0).exp_().masked_fill_(dropped, 0.0)
             flat = r_i.reshape(-1)
             num.index_copy_(0, flat, torch.bmm(weights, v_g).flatten(0, 1))
             den.index_copy_(0, flat, weights.sum(-1).flatten())
@@ -336,6 +338,7 @@ class _RoundChunks(torch.autograd.Function):
             q_g, k_g, v_g = _gather_group(q_src, keys, v, r_i, c_i)
             flat, cflat = r_i.reshape(-1), c_i.reshape(-1)
             best = top.index_select(0, flat).view(*r_i.shape, 1)
+            best = torch.where(torch.isfinite(best), best, 0.0)  # the forward's shift
             weights = torch.bmm(q_g, k_g.transpose(1, 2)).sub_(best).clamp_(-80.0, 0.0).exp_()
             weights.masked_fill_(drop[start:start + ctx.group], 0.0)
             g_num = grad_num.index_select(0, flat).view(*r_i.shape, -1)
