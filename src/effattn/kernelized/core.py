@@ -375,7 +375,12 @@ def _causal_group(
     # exp(P_j - P_i) <= 1, a C x C factor of the same form as the gate's decay exp(cum_i - cum_j):
     # both are exp(a_i - a_j) with a = cum - P. The last prefix max is the chunk's max, the
     # scale of its delta for later chunks, which only see it complete.
-    log_weight = None  # a (B, H, nc, C), None when every a is 0
+    # Only differences of a enter, so its stabiliser part is taken from the chunk's max,
+    # P_last - P_j >= 0: the log-scales themselves can be large (|x̃|²/2 ~ 56 for trigonometric
+    # keys of norm 30 at D = 64), and -P_j * log2(e) rounded at that size put ~ε|P| of error into
+    # every weight exp2(a_i - a_j) (5e-6 at 56, 1e-4 at 1024), which decoding, subtracting
+    # log-scales first, does not have.
+    log_weight = None  # a up to a constant per chunk (B, H, nc, C), None when every a is 0
     if key_log_scale is None:
         prefix = v1.new_zeros(b, h, nc, chunk, 1)
     else:
@@ -383,7 +388,7 @@ def _causal_group(
         with torch.no_grad():
             prefix = torch.cummax(ls_c, -2).values.clamp_min_(LOG_FLOOR)  # P, (B, H, nc, C, 1)
         v_c = v_c * torch.exp(ls_c - prefix)
-        log_weight = -prefix[..., 0]
+        log_weight = prefix[..., -1:, 0] - prefix[..., 0]
     if log_gate is not None:
         cum = log_gate.reshape(b, h, nc, chunk).cumsum(-1)  # inclusive, within the chunk
         log_weight = cum if log_weight is None else cum + log_weight
