@@ -24,6 +24,33 @@ one slice are computed, consumed and dropped, so no N x F tensor is ever materia
 slice stays in cache. A slice hands a :class:`RecurrentState` to the next; decoding is the same
 state fed one token at a time.
 
+Precision of decoding. The causal forward (chunkwise GEMMs, and prefill, the same code) and
+:func:`linear_attention_step` (one token at a time) sum the same terms w_ij φ(q_i)·φ(k_j) [v_j, 1]
+with the same stabilisers (only differences of log-scales are ever formed), in different orders.
+Their rounding is amplified by the condition number of the normaliser::
+
+    κ_i = Σ_j w_ij Σ_f |φ_f(q_i) φ_f(k_j)| / |Σ_j w_ij φ(q_i)·φ(k_j)|  >= 1
+
+κ_i = 1 for non-negative maps. Signed ones (trigonometric, random-phase cosine, RFA's sin/cos)
+estimate a small kernel value as noise of either sign, so the sum cancels: for unit-variance q,
+k at D = 64 the median κ_i is 50-500 (it grows like √i: Σ_j |.| grows like i, the noise like
+√i) and the few queries whose estimate passes near 0 reach 1e4-1e6. Forward, prefill and step,
+each against the exact result and against each other, elementwise::
+
+    |o_i - o'_i| <= 4 ε κ_i (μ + √i + √F) (|o_i| + max_{j<=i} |v_j|)
+
+with ε the unit roundoff (2^-24 in fp32, 2^-53 in float64), i the position (from 1), F the
+width of φ and μ = 1 + the largest feature argument |w·x̃ + b| plus the largest log-scale
+|x̃|²/2 of q and k, whose absolute rounding is relative error of the features (μ ~ 25 for
+unit-variance entries at D = 64, ~110 for rows of norm 30). Over ~200 configurations measured
+(D 8-128, F 16-4096, up to 16,384 tokens, rows of norm up to 200) the worst was a quarter of
+it; tests/test_kernelized_trust.py holds every kernelized method to it. So in fp32, decoding
+and the forward with trigonometric or random-phase cosine features differ by 1e-4 to 1e-3
+relative on the queries of large κ_i, and by ~1e-6 where κ_i and μ are small; in float64 by
+~1e-12 relative.
+Not covered: products of positive features that approach fp32's underflow (see
+:class:`DenominatorUnderflowError`).
+
 Shapes: B batch, H heads, N queries, M keys, F features, Dv value dim, C chunk, S slice.
 """
 
