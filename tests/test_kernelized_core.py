@@ -139,6 +139,24 @@ def test_step_rescales_lazily_but_exactly(gated):
     torch.testing.assert_close(stepped, full, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("shift", [0.0, 56.0, 1024.0])
+def test_fp32_causal_forward_and_step_do_not_depend_on_the_size_of_the_log_scales(shift):
+    """A log-scale shared by every key cancels, whatever its size: trigonometric keys of norm 30
+    have |x̃|²/2 ~ 56 at D = 64, positive ones far more. With non-negative features (nothing
+    cancels) and log-scales on a 1/256 grid (shifted exactly in fp32) the fp32 forward and step
+    stay at fp32 rounding of the float64 result. The forward's in-chunk weights, once formed from
+    log-scales scaled by log2(e) before they were subtracted, each carried ~ε·|log-scale| of
+    error: 5e-6 at 56, 1e-4 at 1024 (this test failed at both)."""
+    phi_q, phi_k, v, ls, _ = features(n=100, f=16)
+    ls = (ls * 256).round() / 256
+    ref = linear_attention(phi_q, phi_k, v, key_log_scale=ls, causal=True, chunk_size=16)
+    f32 = [t.float() for t in (phi_q, phi_k, v, ls + shift)]
+    out = linear_attention(*f32[:3], key_log_scale=f32[3], causal=True, chunk_size=16)
+    stepped, _ = _steps(*f32, None)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(stepped.double(), ref, rtol=2e-6, atol=2e-6)
+
+
 def test_step_updates_in_place_without_autograd_and_not_with_it():
     phi_q, phi_k, v, ls, gate = features(n=6)
     with torch.no_grad():
