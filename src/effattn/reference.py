@@ -598,10 +598,11 @@ def bigbird_attention(
     """
     n = q.shape[2]
     heads, nb, _ = random_blocks.shape
+    random_blocks = random_blocks.to(q.device)
     a, b = _positions(nb, q.device)
     block_allowed = ((a - b).abs() <= 1) | (a < num_global_blocks) | (b < num_global_blocks)
     chosen = torch.zeros(heads, nb, nb + 1, dtype=torch.bool, device=q.device)
-    chosen.scatter_(2, random_blocks.to(q.device).masked_fill(random_blocks < 0, nb), True)
+    chosen.scatter_(2, random_blocks.masked_fill(random_blocks < 0, nb), True)
     block_allowed = block_allowed | chosen[:, :, :nb]
     pos_block = torch.arange(n, device=q.device) // block_size
     allowed = block_allowed[:, pos_block][:, :, pos_block]
