@@ -418,7 +418,8 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"`{result['command']}`",
         "",
-        f"{describe(result['machine'])}; {shape['device']}, B={shape['batch']}, "
+        f"{describe(result['machine'])}; {result['machine'].get('cuda_device', 'cpu')}, "
+        f"B={shape['batch']}, "
         f"H={shape['heads']}, D={shape['head_dim']}, {shape['dtype']}; load average at the start "
         f"{', '.join(f'{x:.1f}' for x in result['loadavg_start'])} (1, 5, 15 min).",
         "",
@@ -475,8 +476,8 @@ def main(argv: list[str] | None = None) -> None:
                  args.window)
     machine = machine_info()
     if cfg.device.type == "cuda":
-        machine["gpu"] = torch.cuda.get_device_name(cfg.device)
-    print(describe(machine) + (f"; {machine['gpu']}" if "gpu" in machine else ""))
+        machine["cuda_device"] = torch.cuda.get_device_name(cfg.device)
+    print(describe(machine) + (f"; {machine['cuda_device']}" if "cuda_device" in machine else ""))
     result: dict[str, Any] = {
         "command": " ".join(["flex.py", *(sys.argv[1:] if argv is None else argv)]),
         "shape": {"batch": 1, "heads": HEADS, "head_dim": HEAD_DIM, "dtype": args.dtype,
