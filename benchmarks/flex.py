@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
 import sys
 import time
@@ -486,11 +487,22 @@ def main(argv: list[str] | None = None) -> None:
         "block_sizes": args.block_sizes, "machine": machine, "loadavg_start": os.getloadavg(),
         "records": [],
     }
+    interrupted: list[int] = []
+
+    def on_interrupt(signum: int, frame: object) -> None:
+        # torch.compile can swallow the KeyboardInterrupt raised here (seen once while it
+        # compiled create_block_mask): the flag then drops the point and stops the run after it.
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_interrupt)
     try:
         for n in args.lengths:
             for method in args.methods:
                 for causal in CAUSAL[method]:
                     record = measure(method, causal, n, cfg)
+                    if interrupted:
+                        raise KeyboardInterrupt
                     result["records"].append(record)
                     write_json(args.out / "results.json", result)
                     atomic_write(args.out / "results.md", markdown(result))
