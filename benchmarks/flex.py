@@ -27,22 +27,27 @@ with its compilation, then the median of 3 calls, what a user pays once per shap
 compile warm-up of ``flex_attention`` (reported as ``compile_s``).
 
 Forward + backward: FlexAttention refuses gradients on the CPU (torch 2.13: ``NotImplementedError:
-FlexAttention does not support backward on CPU``, raised by the call itself when an input requires
-grad, compiled or not). The script tries it once per run and records the exact error; where it
-works (``--device cuda``, or a later torch on the CPU) forward + backward is timed as well. On
-CUDA the timing uses CUDA events and the peak ``torch.cuda.max_memory_allocated`` above the inputs
-is recorded per implementation and pass.
+FlexAttention does not support backward on CPU``, raised by flex_attention's input check when an
+input requires grad, compiled or not; compiled with fullgraph, dynamo reports it as
+``Unsupported: Observed exception``). The script tries it at every point and records the error's
+chain; where it works (``--device cuda``, or a later torch on the CPU) forward + backward is timed
+as well. On CUDA the timing uses CUDA events and the peak ``torch.cuda.max_memory_allocated``
+above the inputs is recorded per implementation and pass.
 
 B = 1, H = 8, D = 64, fp32 unless ``--dtype bfloat16`` (effattn computes in fp32 inside and
 returns the input dtype; flex computes in the input dtype). Writes ``results.json`` (with the
 machine and the load average at each point) and ``results.md`` into ``--out``, after every
 configuration; prints the tables.
 
-    PYTHONPATH=src python3 benchmarks/flex.py --threads 1 --repeats 7    # CPU, N 1024 4096 16384
+    PYTHONPATH=src python3 benchmarks/flex.py --threads 1 --repeats 9    # CPU, N 1024 4096 16384
     PYTHONPATH=src python3 benchmarks/flex.py --methods local --lengths 1024 --repeats 3  # a look
     PYTHONPATH=src python3 benchmarks/flex.py --device cuda --repeats 20 --out benchmarks/flex-cuda
     PYTHONPATH=src python3 benchmarks/flex.py --device cuda --dtype bfloat16 --repeats 20 \\
         --out benchmarks/flex-cuda-bf16
+
+On a GPU each point compiles flex's forward and backward kernels and create_block_mask for each
+block size (up to minutes for bigbird's per-head mask at N = 16384): ``--block-sizes 128`` halves
+that.
 """
 
 from __future__ import annotations
