@@ -41,9 +41,9 @@ configuration; prints the tables.
 
     PYTHONPATH=src python3 benchmarks/flex.py --threads 1 --repeats 9    # CPU, N 1024 4096 16384
     PYTHONPATH=src python3 benchmarks/flex.py --methods local --lengths 1024 --repeats 3  # a look
-    PYTHONPATH=src python3 benchmarks/flex.py --device cuda --repeats 20 --out benchmarks/flex-cuda
+    PYTHONPATH=src python3 benchmarks/flex.py --device cuda --repeats 20 --out benchmarks/gpu/flex-fp32
     PYTHONPATH=src python3 benchmarks/flex.py --device cuda --dtype bfloat16 --repeats 20 \\
-        --out benchmarks/flex-cuda-bf16
+        --out benchmarks/gpu/flex-bf16
 
 On a GPU each point compiles flex's forward and backward kernels and create_block_mask for each
 block size (up to minutes for bigbird's per-head mask at N = 16384): ``--block-sizes 128`` halves
