@@ -106,3 +106,14 @@ def test_the_tools_extra_is_what_the_cli_checks_for():
     assert [d.split(">")[0] for d in project["dependencies"]] == ["torch"]
     assert sorted(project["optional-dependencies"]["tools"]) == sorted(tools.REQUIRES)
     assert "effattn[tools,hf]" in project["optional-dependencies"]["dev"]
+
+
+def test_the_numeric_engines_import_no_registry():
+    # The kernelized core, its feature maps and the sparse engine are plain numerics: the FLOP
+    # model and the base classes that bind them to the contract live beside them.
+    numeric = [SRC / "kernelized" / f for f in ("core.py", "features.py", "projections.py")]
+    numeric += [SRC / "sparse" / "blockwise.py"]
+    offences = [f"{path.relative_to(SRC)}:{line} imports {module}"
+                for path in numeric for line, module, _ in _imports(path)
+                if module.startswith(("effattn.registry", "effattn.mechanisms"))]
+    assert not offences, "\n".join(offences)

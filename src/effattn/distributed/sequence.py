@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from effattn.base import AttentionMethod, RandomizedAttention, check_bool, compute_dtype
+from effattn.base import AttentionMethod, check_bool, compute_dtype
 from effattn.distributed.collectives import (
     Group,
     all_gather,
@@ -53,6 +53,7 @@ from effattn.distributed.collectives import (
     all_reduce_sum,
     gather_values,
 )
+from effattn.kernelized.base import KernelizedAttention
 from effattn.kernelized.core import (
     LOG_FLOOR,
     LOG_GATE_FLOOR,
@@ -62,9 +63,9 @@ from effattn.kernelized.core import (
     key_state,
     read_queries,
 )
-from effattn.kernelized.layer import KernelizedAttention
 from effattn.mechanisms.local import LocalAttention, local_attention
 from effattn.mechanisms.softmax import SoftmaxAttention
+from effattn.random import RandomizedAttention
 from effattn.registry import methods, spec
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

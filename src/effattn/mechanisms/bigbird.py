@@ -8,7 +8,7 @@ the output trimmed). Query block a attends to key block b when
 - b is one of the ``num_random_blocks`` random blocks of a, drawn per head and per query block,
   without replacement, among the blocks not already covered (fewer when fewer remain).
 
-Random blocks come from the module's random state (:class:`effattn.base.RandomizedAttention`,
+Random blocks come from the module's random state (:class:`effattn.random.RandomizedAttention`,
 saved with the state_dict): in eval mode they are a fixed function of (seed, number of blocks);
 in training mode the module generator draws new ones on every call (the sequence of draws is
 fixed by the seed). ``seed=None`` draws the seed from the global RNG at construction, so an
@@ -27,13 +27,8 @@ import torch
 from torch import Tensor
 
 from effattn import reference
-from effattn.base import (
-    RandomizedAttention,
-    RandomSource,
-    check_positive_int,
-    compute_dtype,
-    uniform,
-)
+from effattn.base import check_positive_int, compute_dtype
+from effattn.random import RandomizedAttention, RandomSource, uniform
 from effattn.registry import Budget, MethodSpec, register
 from effattn.sparse import block_gather_attention
 

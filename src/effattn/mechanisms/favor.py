@@ -25,12 +25,13 @@ from typing import Any
 from torch import Tensor
 
 from effattn import reference
-from effattn.base import TensorGenerator, check_bool, check_positive_int, uniform
-from effattn.kernelized import core
+from effattn.base import check_bool, check_positive_int
 from effattn.kernelized import features as fm
+from effattn.kernelized.base import KernelizedAttention
 from effattn.kernelized.core import kernelized_attention
-from effattn.kernelized.layer import KernelizedAttention
+from effattn.kernelized.flops import kernelized_flops
 from effattn.kernelized.projections import gaussian_projection
+from effattn.random import TensorGenerator, uniform
 from effattn.registry import Budget, MethodSpec, Problem, register
 
 
@@ -120,7 +121,7 @@ def _reference(
 
 
 def _flops(options: Mapping[str, Any], problem: Problem) -> float:
-    return core.flops(problem, projections=options["num_features"],
+    return kernelized_flops(problem, projections=options["num_features"],
                       feature_dim=options["num_features"], chunk_size=options["chunk_size"])
 
 

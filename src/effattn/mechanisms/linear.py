@@ -13,10 +13,10 @@ from typing import Any
 from torch import Tensor
 
 from effattn import reference
-from effattn.kernelized import core
 from effattn.kernelized import features as fm
+from effattn.kernelized.base import KernelizedAttention
 from effattn.kernelized.core import kernelized_attention
-from effattn.kernelized.layer import KernelizedAttention
+from effattn.kernelized.flops import kernelized_flops
 from effattn.registry import MethodSpec, Problem, register
 
 
@@ -81,7 +81,7 @@ def _reference(
 
 def _flops(options: Mapping[str, Any], problem: Problem) -> float:
     # The feature map is elementwise: no projection, F = D.
-    return core.flops(problem, projections=0, feature_dim=problem.head_dim,
+    return kernelized_flops(problem, projections=0, feature_dim=problem.head_dim,
                       chunk_size=options["chunk_size"])
 
 

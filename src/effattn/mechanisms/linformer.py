@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from effattn import reference
-from effattn.base import AttentionMethod, compute_dtype, resolve_seed
+from effattn.base import AttentionMethod, compute_dtype
+from effattn.random import resolve_seed
 from effattn.registry import Budget, MethodSpec, Problem, register
 
 SHARE_MODES = ("none", "kv", "headwise")

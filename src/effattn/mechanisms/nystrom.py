@@ -50,7 +50,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from effattn import reference
-from effattn.base import AttentionMethod, check_positive_int, compute_dtype, resolve_seed
+from effattn.base import AttentionMethod, check_positive_int, compute_dtype
+from effattn.random import resolve_seed
 from effattn.registry import Budget, MethodSpec, Problem, register
 
 # Largest |row sum - 1| of the approximate attention matrix accepted for an unpadded query. On

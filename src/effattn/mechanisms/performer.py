@@ -29,12 +29,13 @@ from typing import Any
 from torch import Tensor
 
 from effattn import reference
-from effattn.base import TensorGenerator, check_bool, check_choice, check_positive_int
-from effattn.kernelized import core
+from effattn.base import check_bool, check_choice, check_positive_int
 from effattn.kernelized import features as fm
+from effattn.kernelized.base import KernelizedAttention
 from effattn.kernelized.core import kernelized_attention
-from effattn.kernelized.layer import KernelizedAttention
+from effattn.kernelized.flops import kernelized_flops
 from effattn.kernelized.projections import gaussian_projection
+from effattn.random import TensorGenerator
 from effattn.registry import Budget, MethodSpec, Problem, register
 
 FEATURE_MAPS = {
@@ -136,7 +137,7 @@ def _reference(
 
 def _flops(options: Mapping[str, Any], problem: Problem) -> float:
     paired = options["feature_map"] in ("hyperbolic", "trig")
-    return core.flops(problem, projections=options["num_features"],
+    return kernelized_flops(problem, projections=options["num_features"],
                       feature_dim=options["num_features"] * (2 if paired else 1),
                       chunk_size=options["chunk_size"])
 

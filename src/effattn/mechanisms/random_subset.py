@@ -32,7 +32,8 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from effattn import reference
-from effattn.base import RandomizedAttention, RandomSource, compute_dtype, uniform
+from effattn.base import compute_dtype
+from effattn.random import RandomizedAttention, RandomSource, uniform
 from effattn.registry import Budget, MethodSpec, register
 
 # Elements of one block's gathered keys (B, H, C, S, D): about 16 MB in float32.
@@ -210,7 +211,7 @@ class RandomSubsetAttention(RandomizedAttention):
 
     The pattern depends on (N, M, causal), so it is drawn at call time: in training mode from the
     module's generator (fresh every call), in eval mode from a generator restarted at the
-    module's seed, so eval calls repeat it (see :class:`effattn.base.RandomizedAttention`, which
+    module's seed, so eval calls repeat it (see :class:`effattn.random.RandomizedAttention`, which
     also saves that state with the state_dict).
     """
 

@@ -67,14 +67,8 @@ import torch
 from torch import Tensor
 
 from effattn import reference
-from effattn.base import (
-    RandomizedAttention,
-    RandomSource,
-    check_bool,
-    check_positive_int,
-    compute_dtype,
-    normal,
-)
+from effattn.base import check_bool, check_positive_int, compute_dtype
+from effattn.random import RandomizedAttention, RandomSource, normal
 from effattn.registry import Budget, MethodSpec, register
 
 # Scores per group of chunks (1 MiB in fp32).
@@ -479,7 +473,7 @@ class ReformerAttention(RandomizedAttention):
     Rotations depend on the length (through n_buckets), so they are drawn at call time: in
     training mode from the module's generator (fresh every call), in eval mode from a generator
     restarted at the module's seed, so eval calls of one module always hash alike (see
-    :class:`effattn.base.RandomizedAttention`, which also saves that state with the state_dict).
+    :class:`effattn.random.RandomizedAttention`, which also saves that state with the state_dict).
     """
 
     def __init__(

@@ -31,12 +31,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from effattn import reference
-from effattn.base import TensorGenerator, check_bool, check_choice, check_positive_int
-from effattn.kernelized import core
+from effattn.base import check_bool, check_choice, check_positive_int
 from effattn.kernelized import features as fm
+from effattn.kernelized.base import KernelizedAttention
 from effattn.kernelized.core import kernelized_attention
-from effattn.kernelized.layer import KernelizedAttention
+from effattn.kernelized.flops import kernelized_flops
 from effattn.kernelized.projections import gaussian_projection
+from effattn.random import TensorGenerator
 from effattn.registry import Budget, LayerHints, MethodSpec, Problem, Variant, register
 
 FEATURE_MAPS = {"sincos": fm.sincos, "arccos": fm.arccos}
@@ -137,7 +138,7 @@ class RandomFeatureAttention(KernelizedAttention):
 
 def _flops(options: Mapping[str, Any], problem: Problem) -> float:
     paired = options["feature_map"] == "sincos"
-    return core.flops(problem, projections=options["num_features"],
+    return kernelized_flops(problem, projections=options["num_features"],
                       feature_dim=options["num_features"] * (2 if paired else 1),
                       chunk_size=options["chunk_size"])
 

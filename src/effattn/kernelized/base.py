@@ -1,11 +1,11 @@
-"""The module shared by kernelized methods: features -> core, redraw policy, recurrent step."""
+"""The base class of the kernelized methods: features -> core, redraw policy, recurrent step."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from effattn.base import RandomizedAttention, TensorGenerator, check_positive_int, compute_dtype
+from effattn.base import check_positive_int, compute_dtype
 from effattn.kernelized.core import (
     SLICE_ELEMENTS,
     DenominatorUnderflowError,
@@ -17,6 +17,7 @@ from effattn.kernelized.core import (
     read_queries,
 )
 from effattn.kernelized.features import Features
+from effattn.random import RandomizedAttention, TensorGenerator
 
 
 class KernelizedAttention(RandomizedAttention):
