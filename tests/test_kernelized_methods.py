@@ -283,7 +283,9 @@ def test_gate_errors():
         gated(q, k, v, causal=True, gate=gate[..., :4])
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         gated(q, k, v, causal=True, gate=gate + 1)
-    with pytest.raises(ValueError, match="only taken by rfa with gated=True"):
+    with pytest.raises(ValueError, match="gate is only taken with gated=True"):
+        effattn.build("rfa", head_dim=8, heads=2)(q, k, v, causal=True, gate=gate)
+    with pytest.raises(TypeError, match="unexpected call argument.* gate; .* are: none"):
         effattn.build("performer", head_dim=8, heads=2)(q, k, v, causal=True, gate=gate)
     with pytest.raises(ValueError, match="needs gate"):
         gated.step(q[:, :, :1], k[:, :, :1], v[:, :, :1])

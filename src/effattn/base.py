@@ -1,8 +1,9 @@
 """The module every mechanism derives from: input validation and capability checks in one place.
 
-Subclasses implement ``_attend`` (and ``_step`` when ``spec.decoding``); :meth:`forward` and
-:meth:`step` validate the inputs against the contract of ``shared/design.md`` first, so a method's
-own code only ever sees well-formed tensors.
+Subclasses implement ``_attend`` (and ``_step`` when ``spec.decoding``); :meth:`forward`,
+:meth:`step` and :meth:`prefill` validate the inputs against the contract first (shapes, dtypes,
+the capabilities of the spec, the call inputs it declares), so a method's own code only ever sees
+well-formed tensors.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from effattn.registry import MethodSpec
+from effattn.registry import CallInput, MethodSpec
 
 
 def check_qkv(
@@ -170,9 +171,31 @@ class AttentionMethod(nn.Module):
         reason = self.spec.refusals.get(capability, "not supported")
         raise ValueError(f"{self.spec.name} cannot do {what}: {reason}")
 
-    def _check(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Tensor | None
+    @property
+    def call_inputs(self) -> tuple[CallInput, ...]:
+        """The call inputs this module takes: those of its spec whose ``enabled_by`` option is on
+        (a module keeps each such option as the attribute of that name), and the optional ones."""
+        return tuple(c for c in self.spec.call_inputs
+                     if c.enabled_by is None or getattr(self, c.enabled_by))
+
+    def validate(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool = False,
+        key_padding_mask: Tensor | None = None,
+        **call: Tensor | None,
     ) -> None:
+        """Check a forward call against the contract, as :meth:`forward` does before computing.
+
+        ``ValueError`` naming the argument for bad q (B, H, N, D), k (B, H, M, D), v (B, H, M, Dv)
+        or mask, for a capability the spec refuses (with its reason), for a length over
+        ``max_len`` and for a call input that is missing, not enabled, of the wrong shape or out
+        of bounds; ``TypeError`` for a keyword the spec does not declare in ``call_inputs``.
+        Wrappers that compute the attention themselves (``effattn.distributed``) call it first.
+        """
         check_qkv(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
         if q.shape[1] != self.heads:
             raise ValueError(
@@ -192,6 +215,66 @@ class AttentionMethod(nn.Module):
             raise ValueError(
                 f"sequence length {max(q.shape[2], k.shape[2])} exceeds max_len={self.max_len}"
             )
+        self._check_call(call, q, k, v, causal)
+
+    def _check_call(
+        self, call: dict[str, Tensor | None], q: Tensor, k: Tensor, v: Tensor, causal: bool
+    ) -> None:
+        """The call inputs of ``call`` against the spec's ``call_inputs`` (see :meth:`validate`)."""
+        declared = {c.name: c for c in self.spec.call_inputs}
+        unknown = sorted(set(call) - set(declared))
+        if unknown:
+            raise TypeError(
+                f"{self.spec.name} got unexpected call argument(s) {', '.join(unknown)}; its call "
+                f"inputs are: {', '.join(declared) or 'none'}"
+            )
+        taken = self.call_inputs
+        dims = {"B": q.shape[0], "H": q.shape[1], "N": q.shape[2], "M": k.shape[2],
+                "D": q.shape[3], "Dv": v.shape[3]}
+        for c in self.spec.call_inputs:
+            value = call.get(c.name)
+            shape = f"({', '.join(c.shape)})"
+            if c not in taken:
+                if value is not None:
+                    raise ValueError(f"{self.spec.name}: {c.name} is only taken with "
+                                     f"{c.enabled_by}=True")
+                continue
+            if value is None:
+                if c.required:
+                    raise ValueError(f"{self.spec.name} with {c.enabled_by}=True needs "
+                                     f"{c.name} {shape} in the call")
+                continue
+            if c.causal_only and not causal:
+                raise ValueError(f"{self.spec.name} with {c.enabled_by}=True needs causal=True: "
+                                 f"{c.name} is defined for causal attention only")
+            if not isinstance(value, Tensor) or not value.is_floating_point():
+                raise ValueError(f"{c.name} must be a floating-point tensor, got "
+                                 f"{getattr(value, 'dtype', type(value).__name__)}")
+            expected = c.expected_shape(dims)
+            if tuple(value.shape) != expected:
+                raise ValueError(f"{c.name} must be {shape} = {expected}, "
+                                 f"got {tuple(value.shape)}")
+            if value.device != q.device:
+                raise ValueError(f"{c.name} is on {value.device}, q on {q.device}")
+            # Reading values is a host sync: eager only (a graph break under torch.compile).
+            if torch.compiler.is_compiling():
+                continue
+            if c.bounds is not None:
+                low, high = c.bounds
+                if not torch.isfinite(value).all() or value.min() < low or value.max() > high:
+                    raise ValueError(f"{c.name} values must lie in [{low:g}, {high:g}]")
+            elif not torch.isfinite(value).all():
+                raise ValueError(f"{c.name} contains NaN or inf (shape {tuple(value.shape)})")
+
+    def prepare_call(self) -> None:
+        """Advance the module's per-call state, once per forward call, before computing.
+
+        Nothing here; :class:`effattn.random.RandomizedAttention` counts training-mode calls
+        and kernelized methods redraw their random features when the schedule says so. A wrapper
+        that computes the attention itself instead of calling :meth:`forward`
+        (``effattn.distributed``) calls it after :meth:`validate`, so that the module's random
+        state moves exactly as a forward call would move it.
+        """
 
     def forward(
         self,
@@ -200,11 +283,16 @@ class AttentionMethod(nn.Module):
         v: Tensor,
         causal: bool = False,
         key_padding_mask: Tensor | None = None,
-        **kwargs: Any,
+        **call: Tensor | None,
     ) -> Tensor:
-        """Attention of q (B, H, N, D) over k (B, H, M, D), v (B, H, M, Dv) -> (B, H, N, Dv)."""
-        self._check(q, k, v, causal, key_padding_mask)
-        out = self._attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask, **kwargs)
+        """Attention of q (B, H, N, D) over k (B, H, M, D), v (B, H, M, Dv) -> (B, H, N, Dv).
+
+        ``call``: the call inputs the spec declares (``spec.call_inputs``), by name.
+        """
+        self.validate(q, k, v, causal=causal, key_padding_mask=key_padding_mask, **call)
+        self.prepare_call()
+        out = self._attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
+                           **_given(call))
         return out.to(q.dtype)
 
     def _check_decoding(self, q: Tensor, k: Tensor, v: Tensor, what: str) -> None:
@@ -218,11 +306,12 @@ class AttentionMethod(nn.Module):
             )
 
     def step(
-        self, q: Tensor, k: Tensor, v: Tensor, state: Any = None, **kwargs: Any
+        self, q: Tensor, k: Tensor, v: Tensor, state: Any = None, **call: Tensor | None
     ) -> tuple[Tensor, Any]:
         """One decoding step: q, k, v of shape (B, H, 1, D); returns (out (B, H, 1, Dv), state).
 
-        Feeding a sequence one token at a time from ``state=None`` gives the causal forward.
+        Feeding a sequence one token at a time from ``state=None`` gives the causal forward;
+        ``call`` holds the call inputs at this token (N = 1 in their shapes).
         """
         if q.shape[2:3] != (1,) or k.shape[2:3] != (1,):
             raise ValueError(
@@ -230,11 +319,12 @@ class AttentionMethod(nn.Module):
                 f"k {tuple(k.shape)}"
             )
         self._check_decoding(q, k, v, "step")
-        out, state = self._step(q, k, v, state, **kwargs)
+        self._check_call(call, q, k, v, causal=True)
+        out, state = self._step(q, k, v, state, **_given(call))
         return out.to(q.dtype), state
 
     def prefill(
-        self, q: Tensor, k: Tensor, v: Tensor, state: Any = None, **kwargs: Any
+        self, q: Tensor, k: Tensor, v: Tensor, state: Any = None, **call: Tensor | None
     ) -> tuple[Tensor, Any]:
         """Causal attention over a block of L tokens that continues ``state`` (None: the start).
 
@@ -242,7 +332,8 @@ class AttentionMethod(nn.Module):
         form of L calls to :meth:`step`: a prompt is prefilled in one call, then decoded.
         """
         self._check_decoding(q, k, v, "prefill")
-        out, state = self._prefill(q, k, v, state, **kwargs)
+        self._check_call(call, q, k, v, causal=True)
+        out, state = self._prefill(q, k, v, state, **_given(call))
         return out.to(q.dtype), state
 
     def memory(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None) -> Any:
@@ -294,17 +385,31 @@ class AttentionMethod(nn.Module):
         *,
         causal: bool,
         key_padding_mask: Tensor | None,
+        **call: Tensor,
     ) -> Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement _attend")
 
-    def _step(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
+    def _step(
+        self, q: Tensor, k: Tensor, v: Tensor, state: Any, **call: Tensor
+    ) -> tuple[Tensor, Any]:
         raise NotImplementedError(f"{type(self).__name__} must implement _step")
 
-    def _prefill(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
-        """One :meth:`_step` per token; methods with a parallel causal form override this."""
+    def _prefill(
+        self, q: Tensor, k: Tensor, v: Tensor, state: Any, **call: Tensor
+    ) -> tuple[Tensor, Any]:
+        """One :meth:`_step` per token, each call input cut at the token along its N;
+        methods with a parallel causal form override this."""
+        along = {c.name: c.shape.index("N") for c in self.spec.call_inputs if "N" in c.shape}
         outs = []
         for t in range(q.shape[2]):
             one = slice(t, t + 1)
-            out, state = self._step(q[:, :, one], k[:, :, one], v[:, :, one], state)
+            at = {name: x.narrow(along[name], t, 1) if name in along else x
+                  for name, x in call.items()}
+            out, state = self._step(q[:, :, one], k[:, :, one], v[:, :, one], state, **at)
             outs.append(out)
         return torch.cat(outs, 2), state
+
+
+def _given(call: dict[str, Tensor | None]) -> dict[str, Tensor]:
+    """The call inputs actually given: a mechanism's code sees no None for an absent one."""
+    return {name: value for name, value in call.items() if value is not None}

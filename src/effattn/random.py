@@ -131,20 +131,11 @@ class RandomizedAttention(AttentionMethod):
         self._rng = self._seed_state.clone()
         self._calls = torch.zeros((), dtype=torch.int64)
 
-    def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Tensor | None = None,
-        **kwargs: Any,
-    ) -> Tensor:
-        """:meth:`AttentionMethod.forward`, counting training-mode calls in ``_calls``."""
-        out = super().forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, **kwargs)
+    def prepare_call(self) -> None:
+        """:meth:`AttentionMethod.prepare_call`, counting training-mode calls in ``_calls``."""
+        super().prepare_call()
         if self.training:
             self._calls.add_(1)
-        return out
 
     def _train_generator(self, when: Tensor | None = None) -> TensorGenerator:
         """The module's generator: its draws advance the module's random state."""

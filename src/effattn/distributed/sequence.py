@@ -71,7 +71,7 @@ from effattn.registry import methods, spec
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Header fields that every rank must report identically.
 _AGREE = ("batch", "heads", "head_dim", "value_dim", "dtype", "causal", "key_padding_mask",
-          "gate", "total_length", "training", "requires_grad", "module")
+          "call_inputs", "total_length", "training", "requires_grad", "module")
 _FIELDS = ("rejected", "length", *_AGREE, "fingerprint", "fingerprint_ramp")
 
 
@@ -125,25 +125,27 @@ class SequenceParallel(nn.Module):
         v: Tensor,
         causal: bool = False,
         key_padding_mask: Tensor | None = None,
-        gate: Tensor | None = None,
+        *,
         total_length: int | None = None,
+        **call: Tensor | None,
     ) -> Tensor:
         """This rank's slice of attention over the whole sequence; see the class docstring.
 
         ``total_length``: N, needed when the slices are uneven (N not a multiple of P).
+        ``call``: this rank's slices of the module's call inputs (``spec.call_inputs``).
         """
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "effattn.distributed needs an initialised process group: call "
                 "torch.distributed.init_process_group(...) on every rank first"
             )
-        layout = self._agree(q, k, v, causal, key_padding_mask, gate, total_length)
+        layout = self._agree(q, k, v, causal, key_padding_mask, call, total_length)
         attn = self.attn
-        if isinstance(attn, KernelizedAttention):
-            attn._maybe_redraw()  # the same draw on every rank: the generators agree
-        out = self._strategy(attn, self.group, layout, q, k, v, causal, key_padding_mask, gate)
-        if isinstance(attn, RandomizedAttention) and attn.training:
-            attn._calls += 1
+        # The same redraw on every rank: the generators agree (the header checked them).
+        attn.prepare_call()
+        call = {name: value for name, value in call.items() if value is not None}
+        out = self._strategy(attn, self.group, layout, q, k, v, causal, key_padding_mask,
+                             call.get("gate"))
         return out.to(q.dtype)
 
     def _check_local(
@@ -153,20 +155,16 @@ class SequenceParallel(nn.Module):
         v: Tensor,
         causal: bool,
         key_padding_mask: Tensor | None,
-        gate: Tensor | None,
+        call: dict[str, Tensor | None],
         total_length: int | None,
     ) -> None:
         check_bool("causal", causal)
-        self.attn._check(q, k, v, causal, key_padding_mask)
+        self.attn.validate(q, k, v, causal=causal, key_padding_mask=key_padding_mask, **call)
         if not (q.shape[2] == k.shape[2] == v.shape[2]):
             raise ValueError(
                 "sequence parallel attention is self-attention over one sequence: q, k, v must "
                 f"hold the same slice, got q {tuple(q.shape)}, k {tuple(k.shape)}"
             )
-        if isinstance(self.attn, KernelizedAttention):
-            self.attn._check_gate(gate, causal, q.shape[:3])
-        elif gate is not None:
-            raise ValueError(f"{self.attn.spec.name}: gate is only taken by rfa with gated=True")
         world = dist.get_world_size(self.group)
         if total_length is not None and (
             isinstance(total_length, bool) or not isinstance(total_length, int)
@@ -183,22 +181,22 @@ class SequenceParallel(nn.Module):
         v: Tensor,
         causal: bool,
         key_padding_mask: Tensor | None,
-        gate: Tensor | None,
+        call: dict[str, Tensor | None],
         total_length: int | None,
     ) -> Layout:
-        """Exchange the header; the same ValueError on every rank if anything is off."""
+        """Exchange the header; the same error on every rank if anything is off."""
         try:
-            self._check_local(q, k, v, causal, key_padding_mask, gate, total_length)
+            self._check_local(q, k, v, causal, key_padding_mask, call, total_length)
             rejected = None
-        except ValueError as err:
+        except (ValueError, TypeError) as err:
             rejected = err
         device = q.device if isinstance(q, Tensor) else torch.device("cpu")
         if rejected is None:
             values = [0, q.shape[2], q.shape[0], q.shape[1], q.shape[3], v.shape[3],
                       _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1, int(causal),
-                      int(key_padding_mask is not None), int(gate is not None),
+                      int(key_padding_mask is not None), _given(call),
                       -1 if total_length is None else total_length, int(self.attn.training),
-                      int(_records_grad(self.attn, q, k, v, gate)),
+                      int(_records_grad(self.attn, q, k, v, *call.values())),
                       zlib.crc32(repr(self.attn).encode())]
         else:
             values = [1] + [-1] * (1 + len(_AGREE))
@@ -258,6 +256,11 @@ def _records_grad(attn: AttentionMethod, *tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (*tensors, *attn.parameters())
     )
+
+
+def _given(call: dict[str, Tensor | None]) -> int:
+    """A number for the set of call inputs given, equal on ranks given the same names."""
+    return zlib.crc32(",".join(sorted(n for n, t in call.items() if t is not None)).encode())
 
 
 def _describe(name: str, value: float) -> str | int:

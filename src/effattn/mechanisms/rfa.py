@@ -38,7 +38,7 @@ from effattn.kernelized.core import kernelized_attention
 from effattn.kernelized.flops import kernelized_flops
 from effattn.kernelized.projections import gaussian_projection
 from effattn.random import TensorGenerator
-from effattn.registry import Budget, LayerHints, MethodSpec, Problem, Variant, register
+from effattn.registry import Budget, CallInput, MethodSpec, Problem, Variant, register
 
 FEATURE_MAPS = {"sincos": fm.sincos, "arccos": fm.arccos}
 
@@ -191,7 +191,9 @@ register(
         # The authors learn σ; the gate changes every decoding step (a learned σ does not).
         variants=(Variant({"learn_sigma": True}), Variant({"gated": True}, decoding=True),
                   Variant({"gated": True, "learn_sigma": True})),
-        layer=LayerHints(gate_option="gated"),
+        call_inputs=(CallInput(
+            "gate", "per-head forget gate g_t of S_t = g_t S_{t-1} + (1 - g_t) φ(k_t) v_t^T",
+            ("B", "H", "N"), enabled_by="gated", causal_only=True, bounds=(0.0, 1.0)),),
         reference=_reference,
         sequence_parallel="state",
     ),
