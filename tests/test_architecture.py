@@ -64,16 +64,53 @@ def test_import_needs_torch_alone():
     assert not tools, tools
 
 
-def _imports(path: Path) -> list[tuple[int, str, list[str]]]:
-    """(line, module, names) of every ``import``/``from ... import`` of effattn in ``path``."""
+def _imports(path: Path, text: str | None = None) -> list[tuple[int, str, list[str]]]:
+    """(line, module, names) of every ``import``/``from ... import`` of effattn in ``path`` (or
+    in ``text``, read as that file)."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text() if text is None else text)):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("effattn"):
             found.append((node.lineno, node.module, [a.name for a in node.names]))
         elif isinstance(node, ast.Import):
             found += [(node.lineno, a.name, []) for a in node.names
                       if a.name.startswith("effattn")]
     return found
+
+
+def _mechanism_imports(path: Path, text: str | None = None) -> list[str]:
+    """Imports in ``path`` (or ``text``) of a mechanism's module (effattn/mechanisms/<name>.py)
+    or of names from one: the package itself, imported to register them all, is no such import."""
+    return [f"{path.relative_to(SRC)}:{line} imports {module} {names}"
+            for line, module, names in _imports(path, text)
+            if module.startswith("effattn.mechanisms.")
+            or (module == "effattn.mechanisms" and names)]
+
+
+def test_no_module_imports_a_mechanism():
+    # A mechanism is known to the rest only through the registry (its spec and its module from
+    # build), so adding one touches its own file and its tests: nothing imports from a
+    # mechanism's file, another mechanism included.
+    offences = [o for path in sorted(SRC.rglob("*.py")) for o in _mechanism_imports(path)]
+    assert not offences, "\n".join(offences)
+
+
+def test_the_scan_sees_a_mechanism_import():
+    lines = ["from effattn.mechanisms.local import LocalAttention",
+             "import effattn.mechanisms.softmax", "from effattn.mechanisms import local",
+             "import effattn.mechanisms", "from effattn import registry"]
+    found = _mechanism_imports(SRC / "x.py", "\n".join(lines))
+    assert len(found) == 3, found
+
+
+def test_the_distributed_package_names_no_mechanism_or_engine():
+    # effattn.distributed runs the strategy a spec declares; the engines provide the strategies,
+    # so it imports neither them nor a mechanism.
+    offences = [f"{path.relative_to(SRC)}:{line} imports {module}"
+                for path in sorted((SRC / "distributed").rglob("*.py"))
+                for line, module, _ in _imports(path)
+                if module.startswith(("effattn.mechanisms", "effattn.kernelized",
+                                      "effattn.sparse"))]
+    assert not offences, "\n".join(offences)
 
 
 def test_the_library_imports_neither_the_tools_nor_the_cli():

@@ -10,6 +10,7 @@ from conftest import qkv
 import effattn
 from effattn import reference as R
 from effattn.registry import CallInput
+from effattn.sparse.parallel import Halo
 
 
 def test_methods_sorted_and_specs_consistent():
@@ -31,9 +32,10 @@ def test_spec_needs_a_known_sequence_parallel_strategy_or_a_reason():
                     padding_mask=True, cross=True, decoding=True)
     with pytest.raises(ValueError, match="sequence_parallel=None needs a reason in refusals"):
         effattn.MethodSpec(**promises)
-    with pytest.raises(ValueError, match="sequence_parallel must be one of"):
-        effattn.MethodSpec(**promises, sequence_parallel="scatter")
-    assert effattn.MethodSpec(**promises, sequence_parallel="halo").sequence_parallel == "halo"
+    with pytest.raises(ValueError, match="sequence_parallel must be a SequenceStrategy"):
+        effattn.MethodSpec(**promises, sequence_parallel="halo")
+    halo = Halo()
+    assert effattn.MethodSpec(**promises, sequence_parallel=halo).sequence_parallel is halo
 
 
 def test_unknown_name_lists_valid_names():

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from effattn.parallel import SequenceStrategy
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -55,10 +57,6 @@ TargetFn = Callable[["Tensor", "Tensor", "Tensor", float, Mapping[str, Any]], "T
 # A module's dense reference: reference(module, q, k, v, *, causal=False, key_padding_mask=None,
 # **call) -> (B, H, N, Dv), ``call`` holding the call inputs the module was given (CallInput).
 ReferenceFn = Callable[..., "Tensor"]
-# How effattn.distributed splits a method along the sequence (see distributed/sequence.py):
-# "state": kernelized, ranks exchange fixed-size key states; "gather": every rank all-gathers K
-# and V; "halo": a window, ranks exchange the tokens at their slice borders.
-SEQUENCE_PARALLEL = ("state", "gather", "halo")
 
 
 @dataclass(frozen=True)
@@ -154,8 +152,10 @@ class MethodSpec:
     ``reference`` computes densely, from ``effattn.reference``'s naive formulas (O(N M) memory,
     float64-friendly), exactly what a module computes in eval mode on inputs it accepts, with that
     module's own parameters, buffers and eval-mode random draws: the tests hold every module to it.
-    ``sequence_parallel`` is one of :data:`SEQUENCE_PARALLEL`, or None: the method cannot be split
-    along the sequence, for the reason in ``refusals["sequence_parallel"]``.
+    ``sequence_parallel`` is the :class:`~effattn.parallel.SequenceStrategy` that computes the
+    method over a sequence split across ranks, provided by its engine (the kernelized core's
+    state exchange, the banded engine's halos), or None: the method cannot be split along the
+    sequence, for the reason in ``refusals["sequence_parallel"]``.
     ``call_inputs`` declares the tensors a module takes at call time besides q, k and v.
     """
 
@@ -177,7 +177,7 @@ class MethodSpec:
     bench_default: bool = False
     published: Mapping[str, float] = field(default_factory=dict)
     reference: ReferenceFn | None = None
-    sequence_parallel: str | None = None
+    sequence_parallel: SequenceStrategy | None = None
 
     def __post_init__(self) -> None:
         for name in ("options", "refusals", "published"):
@@ -191,10 +191,11 @@ class MethodSpec:
             raise ValueError(
                 f"MethodSpec {self.name!r}: sequence_parallel=None needs a reason in refusals"
             )
-        if self.sequence_parallel is not None and self.sequence_parallel not in SEQUENCE_PARALLEL:
+        if self.sequence_parallel is not None and not isinstance(
+                self.sequence_parallel, SequenceStrategy):
             raise ValueError(
-                f"MethodSpec {self.name!r}: sequence_parallel must be one of {SEQUENCE_PARALLEL} "
-                f"or None, got {self.sequence_parallel!r}"
+                f"MethodSpec {self.name!r}: sequence_parallel must be a SequenceStrategy or "
+                f"None, got {self.sequence_parallel!r}"
             )
         named = [o for v in self.variants for o in v.options]
         if self.budget is not None:

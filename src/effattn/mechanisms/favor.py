@@ -30,6 +30,7 @@ from effattn.kernelized import features as fm
 from effattn.kernelized.base import KernelizedAttention
 from effattn.kernelized.core import kernelized_attention
 from effattn.kernelized.flops import kernelized_flops
+from effattn.kernelized.parallel import StateExchange
 from effattn.kernelized.projections import gaussian_projection
 from effattn.random import TensorGenerator, uniform
 from effattn.registry import Budget, MethodSpec, Problem, register
@@ -145,7 +146,7 @@ register(
         flops=_flops,
         budget=Budget("num_features", (16, 32, 64, 128, 256, 512, 1024)),
         reference=_reference,
-        sequence_parallel="state",
+        sequence_parallel=StateExchange(),
     ),
     FavorAttention,
 )

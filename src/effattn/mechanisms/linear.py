@@ -17,6 +17,7 @@ from effattn.kernelized import features as fm
 from effattn.kernelized.base import KernelizedAttention
 from effattn.kernelized.core import kernelized_attention
 from effattn.kernelized.flops import kernelized_flops
+from effattn.kernelized.parallel import StateExchange
 from effattn.registry import MethodSpec, Problem, register
 
 
@@ -101,7 +102,7 @@ register(
         bench_default=True,
         published={"lra_listops": 16.13},
         reference=_reference,
-        sequence_parallel="state",
+        sequence_parallel=StateExchange(),
     ),
     LinearTransformerAttention,
 )

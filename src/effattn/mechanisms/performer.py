@@ -34,6 +34,7 @@ from effattn.kernelized import features as fm
 from effattn.kernelized.base import KernelizedAttention
 from effattn.kernelized.core import kernelized_attention
 from effattn.kernelized.flops import kernelized_flops
+from effattn.kernelized.parallel import StateExchange
 from effattn.kernelized.projections import gaussian_projection
 from effattn.random import TensorGenerator
 from effattn.registry import Budget, MethodSpec, Problem, register
@@ -164,7 +165,7 @@ register(
         bench_default=True,
         published={"lra_listops": 18.01},
         reference=_reference,
-        sequence_parallel="state",
+        sequence_parallel=StateExchange(),
     ),
     PerformerAttention,
 )

@@ -36,6 +36,7 @@ from effattn.kernelized import features as fm
 from effattn.kernelized.base import KernelizedAttention
 from effattn.kernelized.core import kernelized_attention
 from effattn.kernelized.flops import kernelized_flops
+from effattn.kernelized.parallel import StateExchange
 from effattn.kernelized.projections import gaussian_projection
 from effattn.random import TensorGenerator
 from effattn.registry import Budget, CallInput, MethodSpec, Problem, Variant, register
@@ -195,7 +196,7 @@ register(
             "gate", "per-head forget gate g_t of S_t = g_t S_{t-1} + (1 - g_t) φ(k_t) v_t^T",
             ("B", "H", "N"), enabled_by="gated", causal_only=True, bounds=(0.0, 1.0)),),
         reference=_reference,
-        sequence_parallel="state",
+        sequence_parallel=StateExchange(),
     ),
     RandomFeatureAttention,
 )

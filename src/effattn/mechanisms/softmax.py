@@ -16,6 +16,7 @@ from torch import Tensor
 
 from effattn import reference
 from effattn.base import AttentionMethod
+from effattn.parallel import SequenceGroup, SequenceStrategy
 from effattn.registry import MethodSpec, Problem, register
 
 
@@ -127,6 +128,51 @@ class SoftmaxAttention(AttentionMethod):
         return out, state
 
 
+class AllGather(SequenceStrategy):
+    """Sequence parallelism of exact attention: every rank all-gathers K and V, O(N) per rank,
+    and attends with its own queries over the whole sequence."""
+
+
+    def attend(
+        self,
+        attn: AttentionMethod,
+        group: SequenceGroup,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+    ) -> Tensor:
+        d = k.shape[-1]
+        kv = _gather_slices(torch.cat([k, v], -1), group)
+        keys, values = kv[..., :d], kv[..., d:]
+        keep = None
+        if key_padding_mask is not None:
+            mask = _gather_slices(key_padding_mask[:, None, :, None], group)
+            keep = ~mask[:, :, None, :, 0]  # (B, 1, 1, N)
+        if causal:
+            i = torch.arange(group.offset, group.offset + q.shape[2], device=q.device)[:, None]
+            seen = torch.arange(group.total, device=q.device)[None, :] <= i
+            keep = seen if keep is None else keep & seen
+        if keep is None:
+            return F.scaled_dot_product_attention(q, keys, values, scale=attn.scale)
+        # A query without a visible key outputs 0: its mask row is opened so that the softmax
+        # stays finite (no NaN in the gradients), then its output is cleared.
+        visible = keep.any(-1, keepdim=True)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=keep | ~visible,
+                                             scale=attn.scale)
+        return out.masked_fill(~visible, 0.0)
+
+
+def _gather_slices(x: Tensor, group: SequenceGroup) -> Tensor:
+    """Every rank's x (B, H, n_r, X), padded to the longest slice for the all-gather, joined
+    along the sequence: (B, H, N, X). Differentiable when x is floating point."""
+    padded = F.pad(x, (0, 0, 0, max(group.lengths) - x.shape[2]))
+    gathered = group.all_gather(padded)
+    return torch.cat([g[:, :, :n] for g, n in zip(gathered, group.lengths, strict=True)], 2)
+
+
 def _reference(
     module: SoftmaxAttention,
     q: Tensor,
@@ -162,7 +208,7 @@ register(
         bench_default=True,
         published={"lra_listops": 36.37},
         reference=_reference,
-        sequence_parallel="gather",
+        sequence_parallel=AllGather(),
     ),
     SoftmaxAttention,
 )
