@@ -293,31 +293,6 @@ def test_gate_errors():
     assert out.shape == (1, 2, 6, 8)
 
 
-def test_pure_functions_equal_the_modules():
-    from effattn.mechanisms.favor import favor_attention
-    from effattn.mechanisms.linear import linear_transformer_attention
-    from effattn.mechanisms.performer import performer_attention
-    from effattn.mechanisms.rfa import rfa_attention
-
-    q, k, v = qkv(n=40, dv=5, scale=0.5)
-    mask = padding(2, 40)
-    for causal in (False, True):
-        kw = dict(causal=causal, key_padding_mask=mask, chunk_size=16)
-        p = make("performer", {"feature_map": "hyperbolic"})
-        torch.testing.assert_close(
-            performer_attention(q, k, v, p.projection, feature_map="hyperbolic", **kw),
-            p(q, k, v, causal=causal, key_padding_mask=mask))
-        f = make("favor", {})
-        torch.testing.assert_close(favor_attention(q, k, v, f.projection, f.phase, **kw),
-                                   f(q, k, v, causal=causal, key_padding_mask=mask))
-        r = make("rfa", {"sigma": 0.8})
-        torch.testing.assert_close(rfa_attention(q, k, v, r.projection, r.sigma, **kw),
-                                   r(q, k, v, causal=causal, key_padding_mask=mask))
-        lin = make("linear", {})
-        torch.testing.assert_close(linear_transformer_attention(q, k, v, **kw),
-                                   lin(q, k, v, causal=causal, key_padding_mask=mask))
-
-
 @pytest.mark.parametrize("variant", [("softmax", {})] + VARIANTS + [("rfa", {"gated": True})],
                          ids=_id)
 def test_prefill_then_step_equals_causal_forward(variant):

@@ -28,37 +28,11 @@ from effattn import reference
 from effattn.base import check_bool, check_positive_int
 from effattn.kernelized import features as fm
 from effattn.kernelized.base import KernelizedAttention
-from effattn.kernelized.core import kernelized_attention
 from effattn.kernelized.flops import kernelized_flops
 from effattn.kernelized.parallel import StateExchange
 from effattn.kernelized.projections import gaussian_projection
 from effattn.random import TensorGenerator, uniform
 from effattn.registry import Budget, MethodSpec, Problem, register
-
-
-def favor_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    projection: Tensor,
-    phase: Tensor,
-    *,
-    causal: bool = False,
-    key_padding_mask: Tensor | None = None,
-    scale: float | None = None,
-    chunk_size: int = 64,
-) -> Tensor:
-    """FAVOR with projection (F, D) and phase (F,); see the module docstring."""
-    root = math.sqrt(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
-    w, b = projection.to(q.dtype), phase.to(q.dtype)
-
-    def features(x: Tensor, *, is_query: bool) -> fm.Features:
-        return fm.random_phase_cos(x * root, w, b, is_query=is_query)
-
-    return kernelized_attention(
-        q, k, v, features, feature_dim=w.shape[0], causal=causal,
-        key_padding_mask=key_padding_mask, chunk_size=chunk_size,
-    )
 
 
 class FavorAttention(KernelizedAttention):

@@ -15,30 +15,9 @@ from torch import Tensor
 from effattn import reference
 from effattn.kernelized import features as fm
 from effattn.kernelized.base import KernelizedAttention
-from effattn.kernelized.core import kernelized_attention
 from effattn.kernelized.flops import kernelized_flops
 from effattn.kernelized.parallel import StateExchange
 from effattn.registry import MethodSpec, Problem, register
-
-
-def linear_transformer_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    causal: bool = False,
-    key_padding_mask: Tensor | None = None,
-    chunk_size: int = 64,
-) -> Tensor:
-    """elu + 1 linear attention; see the module docstring."""
-    def features(x: Tensor, *, is_query: bool) -> fm.Features:
-        return fm.elu_plus_one(x)
-
-    return kernelized_attention(
-        q, k, v, features, feature_dim=q.shape[-1], causal=causal,
-        key_padding_mask=key_padding_mask, chunk_size=chunk_size,
-        eps=fm.denominator_eps(fm.elu_plus_one),
-    )
 
 
 class LinearTransformerAttention(KernelizedAttention):

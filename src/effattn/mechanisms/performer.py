@@ -32,7 +32,6 @@ from effattn import reference
 from effattn.base import check_bool, check_choice, check_positive_int
 from effattn.kernelized import features as fm
 from effattn.kernelized.base import KernelizedAttention
-from effattn.kernelized.core import kernelized_attention
 from effattn.kernelized.flops import kernelized_flops
 from effattn.kernelized.parallel import StateExchange
 from effattn.kernelized.projections import gaussian_projection
@@ -45,33 +44,6 @@ FEATURE_MAPS = {
     "trig": fm.trig,
     "relu": fm.relu,
 }
-
-
-def performer_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    projection: Tensor,
-    *,
-    feature_map: str = "positive",
-    causal: bool = False,
-    key_padding_mask: Tensor | None = None,
-    scale: float | None = None,
-    chunk_size: int = 64,
-) -> Tensor:
-    """FAVOR+ attention with the given (F, D) projection; see the module docstring."""
-    root = math.sqrt(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
-    phi = FEATURE_MAPS[feature_map]
-    w = projection.to(q.dtype)
-
-    def features(x: Tensor, *, is_query: bool) -> fm.Features:
-        return phi(x * root, w, is_query=is_query)
-
-    paired = feature_map in ("hyperbolic", "trig")
-    return kernelized_attention(
-        q, k, v, features, feature_dim=w.shape[0] * (2 if paired else 1), causal=causal,
-        key_padding_mask=key_padding_mask, chunk_size=chunk_size, eps=fm.denominator_eps(phi),
-    )
 
 
 class PerformerAttention(KernelizedAttention):

@@ -34,7 +34,6 @@ from effattn import reference
 from effattn.base import check_bool, check_choice, check_positive_int
 from effattn.kernelized import features as fm
 from effattn.kernelized.base import KernelizedAttention
-from effattn.kernelized.core import kernelized_attention
 from effattn.kernelized.flops import kernelized_flops
 from effattn.kernelized.parallel import StateExchange
 from effattn.kernelized.projections import gaussian_projection
@@ -47,37 +46,6 @@ FEATURE_MAPS = {"sincos": fm.sincos, "arccos": fm.arccos}
 def unit(x: Tensor) -> Tensor:
     """x / |x| along the head dim (zero vectors stay zero)."""
     return F.normalize(x, dim=-1, eps=1e-6)
-
-
-def rfa_features(x: Tensor, projection: Tensor, sigma: Tensor, feature_map: str) -> fm.Features:
-    """φ of unit(x) with w = projection / σ_h; sigma (H,) broadcasts over (B, H, L, F)."""
-    w = projection.to(x.dtype)
-    xs = unit(x) / sigma.to(x.dtype)[:, None, None]
-    return FEATURE_MAPS[feature_map](xs, w)
-
-
-def rfa_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    projection: Tensor,
-    sigma: Tensor,
-    *,
-    feature_map: str = "sincos",
-    causal: bool = False,
-    key_padding_mask: Tensor | None = None,
-    gate: Tensor | None = None,
-    chunk_size: int = 64,
-) -> Tensor:
-    """RFA with projection (F, D) (rows N(0, I)) and per-head sigma (H,)."""
-    def features(x: Tensor, *, is_query: bool) -> fm.Features:
-        return rfa_features(x, projection, sigma, feature_map)
-
-    width = projection.shape[0] * (2 if feature_map == "sincos" else 1)
-    return kernelized_attention(
-        q, k, v, features, feature_dim=width, causal=causal, key_padding_mask=key_padding_mask,
-        gate=gate, chunk_size=chunk_size, eps=fm.denominator_eps(FEATURE_MAPS[feature_map]),
-    )
 
 
 class RandomFeatureAttention(KernelizedAttention):
@@ -130,7 +98,9 @@ class RandomFeatureAttention(KernelizedAttention):
         return self.num_features * (2 if self.feature_map == "sincos" else 1)
 
     def features(self, x: Tensor, *, is_query: bool) -> fm.Features:
-        return rfa_features(x, self.projection, self.sigma, self.feature_map)
+        """φ of unit(x) with w = projection / σ_h (σ per head, broadcast over (B, H, L, F))."""
+        xs = unit(x) / self.sigma.to(x.dtype)[:, None, None]
+        return FEATURE_MAPS[self.feature_map](xs, self.projection.to(x.dtype))
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, num_features={self.num_features}, "
