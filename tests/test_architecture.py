@@ -64,6 +64,32 @@ def test_import_needs_torch_alone():
     assert not tools, tools
 
 
+def test_running_any_method_never_imports_the_naive_references():
+    # effattn.naive holds the dense references of the tests and the error study: building and
+    # calling every method (forward, step, call inputs) must not load it.
+    code = """
+import sys, torch, effattn, effattn.nn
+for name in effattn.methods():
+    spec = effattn.spec(name)
+    attn = effattn.build(name, head_dim=8, heads=2, max_len=16, seed=0,
+                         **{c.enabled_by: True for c in spec.call_inputs if c.enabled_by})
+    q = k = v = torch.randn(1, 2, 16, 8)
+
+    def call(n):
+        dims = dict(B=1, H=2, N=n, M=n, D=8, Dv=8)
+        return {c.name: torch.full(c.expected_shape(dims), 0.5)
+                for c in attn.call_inputs if c.required}
+
+    attn(q, k, v, causal=spec.causal, **call(16))
+    if spec.decoding:
+        attn.step(q[:, :, :1], k[:, :, :1], v[:, :, :1], **call(1))
+print(sorted(m for m in sys.modules if m.startswith("effattn.naive")))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONPATH": str(SRC.parent)}).stdout
+    assert out.strip() == "[]", out
+
+
 def _imports(path: Path, text: str | None = None) -> list[tuple[int, str, list[str]]]:
     """(line, module, names) of every ``import``/``from ... import`` of effattn in ``path`` (or
     in ``text``, read as that file)."""

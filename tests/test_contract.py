@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from conftest import qkv
 
 import effattn
-from effattn import reference as R
+from effattn import naive as R
 from effattn.registry import CallInput
 from effattn.sparse.parallel import Halo
 

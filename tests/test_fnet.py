@@ -6,7 +6,7 @@ import torch
 from conftest import qkv
 
 import effattn
-from effattn import reference as R
+from effattn import naive as R
 from effattn.mechanisms.fnet import fnet_mixing
 
 

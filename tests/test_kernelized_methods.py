@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from conftest import padding, qkv
 
 import effattn
-from effattn import reference as R
+from effattn import naive as R
 
 # (method, options, reference call taking (module, q, k, v, **kw))
 VARIANTS = [
@@ -27,21 +27,6 @@ VARIANTS = [
 def _id(variant):
     name, opts = variant
     return name + "".join(f"-{k}={v}" for k, v in opts.items())
-
-
-def reference_for(module, q, k, v, **kw):
-    name = module.spec.name
-    if name == "performer":
-        return R.performer_attention(
-            q, k, v, module.projection, feature_map=module.feature_map, scale=module.scale, **kw
-        )
-    if name == "favor":
-        return R.favor_attention(q, k, v, module.projection, module.phase, scale=module.scale, **kw)
-    if name == "rfa":
-        return R.rfa_attention(
-            q, k, v, module.projection, module.sigma, feature_map=module.feature_map, **kw
-        )
-    return R.linear_transformer_attention(q, k, v, **kw)
 
 
 def make(name, opts, d=21, h=3, chunk=16):
@@ -64,7 +49,7 @@ def test_module_matches_reference_outputs_and_gradients(variant, causal, n):
     for t in (q, k, v):
         t.requires_grad_(True)
     out = module(q, k, v, causal=causal, key_padding_mask=mask)
-    ref = reference_for(module, q, k, v, causal=causal, key_padding_mask=mask)
+    ref = module.spec.reference(module, q, k, v, causal=causal, key_padding_mask=mask)
     tol = 1e-7 if opts.get("feature_map") == "trig" or name == "favor" else 1e-9
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     params = [q, k, v] + [p for p in module.parameters()]
@@ -83,7 +68,7 @@ def test_cross_attention_matches_reference(variant):
     _, k, v = qkv(n=40, dv=5, scale=0.5, seed=1)
     mask = padding(2, 40)
     out = module(q, k, v, key_padding_mask=mask)
-    ref = reference_for(module, q, k, v, key_padding_mask=mask)
+    ref = module.spec.reference(module, q, k, v, key_padding_mask=mask)
     torch.testing.assert_close(out, ref, rtol=1e-7, atol=1e-7)
 
 
@@ -95,7 +80,7 @@ def test_gated_rfa_matches_recurrence_and_step():
     for t in (q, k, v, gate):
         t.requires_grad_(True)
     out = module(q, k, v, causal=True, key_padding_mask=mask, gate=gate)
-    ref = reference_for(module, q, k, v, causal=True, key_padding_mask=mask, gate=gate)
+    ref = module.spec.reference(module, q, k, v, causal=True, key_padding_mask=mask, gate=gate)
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
     g_out = torch.autograd.grad(out.sum(), (q, k, v, gate))
     g_ref = torch.autograd.grad(ref.sum(), (q, k, v, gate))

@@ -7,7 +7,7 @@ import torch
 from conftest import padding, qkv
 
 import effattn
-from effattn import reference as R
+from effattn import naive as R
 from effattn.mechanisms.linformer import linformer_attention
 
 SHARES = ("none", "kv", "headwise")

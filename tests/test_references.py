@@ -1,7 +1,7 @@
 """Every registered method equals the dense reference its spec declares.
 
 ``spec.reference(module, q, k, v, ...)`` binds the module's parameters, buffers and eval-mode
-random draws to the naive formulas of ``effattn.reference``. Here, for every method and every
+random draws to the naive formulas of ``effattn.naive``. Here, for every method and every
 variant its spec lists, the module's output and its gradients (q, k, v, the call inputs it
 takes, the module's parameters) must match it in float64 on awkward shapes: N = 63, D = 21,
 Dv = 10, cross-attention with M = 50, left and right padding, and options small enough that

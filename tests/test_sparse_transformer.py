@@ -5,7 +5,7 @@ import torch
 from conftest import padding, qkv
 
 import effattn
-from effattn import reference as R
+from effattn import naive as R
 from effattn.sparse import blockwise, masked_scores
 
 REFERENCES = {

@@ -149,7 +149,7 @@ class MethodSpec:
     False raises ``ValueError`` (with ``refusals[capability]`` as the reason) instead of computing
     something wrong. ``options`` maps each option the method accepts to its default.
 
-    ``reference`` computes densely, from ``effattn.reference``'s naive formulas (O(N M) memory,
+    ``reference`` computes densely, from the naive formulas of ``effattn.naive`` (O(N M) memory,
     float64-friendly), exactly what a module computes in eval mode on inputs it accepts, with that
     module's own parameters, buffers and eval-mode random draws: the tests hold every module to it.
     ``sequence_parallel`` is the :class:`~effattn.parallel.SequenceStrategy` that computes the

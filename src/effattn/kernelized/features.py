@@ -5,7 +5,7 @@ Every map returns ``(phi, log_scale)``. For keys, the true features are
 all features of one query cancels between numerator and denominator, so query features are
 returned with such factors dropped (log_scale None): a per-row max for exponential maps, the
 exp(|q|²/2) of trigonometric ones, the 1/sqrt(F) normalisations everywhere. The true,
-unnormalised features are written out in ``effattn.reference`` for the tests.
+unnormalised features are written out in ``effattn.naive.kernelized`` for the tests.
 
 x is (B, H, L, D); for softmax-kernel maps it is already multiplied by sqrt(scale), so that
 x̃_q · x̃_k = scale · q · k. w is the (F, D) projection. Shapes of phi: (B, H, L, F) or

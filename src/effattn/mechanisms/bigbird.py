@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from effattn import reference
 from effattn.base import check_positive_int, compute_dtype
 from effattn.random import RandomizedAttention, RandomSource, uniform
 from effattn.registry import Budget, MethodSpec, register
@@ -163,8 +162,10 @@ def _reference(
 ) -> Tensor:
     """Masked softmax over the explicit N x N block pattern, with the module's eval-mode random
     blocks."""
+    from effattn import naive  # imported here: the references stay off the runtime path
+
     nb = -(-q.shape[2] // module.block_size)
-    return reference.bigbird_attention(
+    return naive.bigbird_attention(
         q, k, v, block_size=module.block_size, random_blocks=module.random_blocks(nb),
         num_global_blocks=module.num_global_blocks, key_padding_mask=key_padding_mask,
         scale=module.scale,

@@ -24,7 +24,6 @@ from typing import Any
 
 from torch import Tensor
 
-from effattn import reference
 from effattn.base import check_bool, check_positive_int
 from effattn.kernelized import features as fm
 from effattn.kernelized.base import KernelizedAttention
@@ -89,7 +88,9 @@ def _reference(
     key_padding_mask: Tensor | None = None,
 ) -> Tensor:
     """The explicit kernel matrix of the module's random-phase cosine features."""
-    return reference.favor_attention(
+    from effattn import naive  # imported here: the references stay off the runtime path
+
+    return naive.favor_attention(
         q, k, v, module.projection, module.phase, causal=causal,
         key_padding_mask=key_padding_mask, scale=module.scale,
     )

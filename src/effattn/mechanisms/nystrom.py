@@ -49,7 +49,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from effattn import reference
 from effattn.base import AttentionMethod, check_positive_int, compute_dtype
 from effattn.random import resolve_seed
 from effattn.registry import Budget, MethodSpec, Problem, register
@@ -262,8 +261,10 @@ def _reference(
 ) -> Tensor:
     """Nyström attention one sequence at a time from explicit kernels and pinv steps, with the
     module's landmarks, iterations and convolution."""
+    from effattn import naive  # imported here: the references stay off the runtime path
+
     conv = None if module.conv_weight is None else module.conv_weight.to(q.dtype)
-    return reference.nystrom_attention(
+    return naive.nystrom_attention(
         q, k, v, key_padding_mask=key_padding_mask, scale=module.scale,
         num_landmarks=module.num_landmarks, pinv_iterations=module.pinv_iterations,
         conv_weight=conv,

@@ -66,7 +66,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from effattn import reference
 from effattn.base import check_bool, check_positive_int, compute_dtype
 from effattn.random import RandomizedAttention, RandomSource, normal
 from effattn.registry import Budget, MethodSpec, register
@@ -553,6 +552,8 @@ def _reference(
 ) -> Tensor:
     """Softmax over the explicit (B, H, N, M) union of the LSH candidates of every round, hashed
     with the module's eval-mode rotations."""
+    from effattn import naive  # imported here: the references stay off the runtime path
+
     n, m = q.shape[2], k.shape[2]
     # The eval-mode draw, whatever the module's mode: rotations() would advance a training
     # module's generator.
@@ -560,7 +561,7 @@ def _reference(
         module.heads, module.n_hashes, module.head_dim, num_buckets(n, m, module.bucket_size),
         generator=module._eval_generator(),
     )
-    return reference.reformer_attention(
+    return naive.reformer_attention(
         q, k, v, rotations, bucket_size=module.bucket_size, causal=causal,
         key_padding_mask=key_padding_mask, scale=module.scale, shared_qk=module.shared_qk,
     )

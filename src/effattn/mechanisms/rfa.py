@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from effattn import reference
 from effattn.base import check_bool, check_choice, check_positive_int
 from effattn.kernelized import features as fm
 from effattn.kernelized.base import KernelizedAttention
@@ -116,8 +115,10 @@ def _flops(options: Mapping[str, Any], problem: Problem) -> float:
 
 def _target(q: Tensor, k: Tensor, v: Tensor, scale: float, options: Mapping[str, Any]) -> Tensor:
     """RFA's own kernel: softmax(q̂ k̂^T / σ²) v on unit-length q, k (``scale`` does not enter)."""
+    from effattn import naive  # imported here: the references stay off the runtime path
+
     sigma = float(options["sigma"])
-    return reference.softmax_attention(unit(q), unit(k), v, scale=1.0 / sigma**2)
+    return naive.softmax_attention(unit(q), unit(k), v, scale=1.0 / sigma**2)
 
 
 def _reference(
@@ -132,7 +133,9 @@ def _reference(
 ) -> Tensor:
     """The explicit kernel matrix of the module's features, gated through the explicit
     recurrence weights (1 - g_j) Π_{j<l<=i} g_l."""
-    return reference.rfa_attention(
+    from effattn import naive  # imported here: the references stay off the runtime path
+
+    return naive.rfa_attention(
         q, k, v, module.projection, module.sigma, feature_map=module.feature_map, causal=causal,
         key_padding_mask=key_padding_mask, gate=gate,
     )

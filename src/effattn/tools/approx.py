@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 import effattn
-from effattn import reference
+from effattn import naive
 from effattn.kernelized.projections import gaussian_projection, make_generator
 from effattn.registry import Budget
 
@@ -94,7 +94,7 @@ def exact_output(method: str, options: Mapping[str, Any], q: Tensor, k: Tensor, 
     """
     budget = budgets().get(method)
     if budget is None or budget.target is None:
-        return reference.softmax_attention(q, k, v, scale=scale)
+        return naive.softmax_attention(q, k, v, scale=scale)
     return budget.target(q, k, v, scale, {**effattn.spec(method).options, **options})
 
 
