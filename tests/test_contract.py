@@ -1,4 +1,4 @@
-"""The public contract of shared/design.md, for every registered method."""
+"""The public contract (README, "The contract"), for every registered method."""
 
 import dataclasses
 
@@ -159,10 +159,32 @@ def test_step_rejects_more_than_one_token():
         m.step(q, k, v)
 
 
-def test_bf16_inputs_keep_dtype():
-    q, k, v = qkv(dtype=torch.bfloat16, n=16)
-    out = effattn.attention(q, k, v)
-    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+# Options that make each method do its real work at N = 50: chunks, windows, blocks, buckets,
+# landmarks and projections shorter than the sequence.
+HALF_OPTIONS = {"chunk_size": 16, "window": 8, "global_tokens": (0, 7), "block_size": 8,
+                "bucket_size": 8, "num_landmarks": 16, "proj_len": 16}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", effattn.methods())
+def test_half_precision_equals_fp32_to_its_rounding(name, dtype):
+    """fp16 and bf16 inputs give an output of their dtype (the base class casts it) that equals
+    the fp32 result on the same values to within the half-precision rounding of its inputs,
+    intermediates and output: methods compute features and sums in fp32, softmax in SDPA's own
+    half-precision kernel."""
+    spec = effattn.spec(name)
+    options = {key: value for key, value in HALF_OPTIONS.items() if key in spec.options}
+    module = effattn.build(name, head_dim=16, heads=2, max_len=64, seed=0, **options).eval()
+    q, k, v = qkv(b=2, h=2, n=50, d=16, dtype=torch.float32, scale=0.5)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    out = module(q, k, v, causal=spec.causal)
+    ref = module(q.float(), k.float(), v.float(), causal=spec.causal)
+    assert out.dtype == dtype
+    # About 4x the worst seen (3e-3 of the largest output in bf16, 3e-4 in fp16), relative to
+    # the output's size: fnet's unnormalised DFT sums N Dv values.
+    tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out.float(), ref, rtol=tol,
+                               atol=tol * max(1.0, ref.abs().max().item()))
 
 
 class _Toy(effattn.AttentionMethod):

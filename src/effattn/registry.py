@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 # Constructor arguments every method takes, besides its own options.
 COMMON_OPTIONS = ("scale",)
-# The exact method: the contract's default (shared/design.md) and the baseline every tool
+# The exact method: the contract's default (README, "The contract") and the baseline every tool
 # compares against. The one place outside its own module that names a method.
 DEFAULT_METHOD = "softmax"
 

@@ -423,9 +423,9 @@ def _chunk_scan(
     Every exponent is <= 0: nothing overflows, and no subtraction of large partial sums can cancel
     (unlike an exclusive cumsum formed as cumsum - ΔS). Two elementwise passes per chunk over a
     cache-sized (F, Dv + 1) state: the same states as one (nc + 1) x nc GEMM over the chunk axis,
-    whose shape (M = nc + 1, K = nc, N = F·(Dv + 1)) ran at about 11 GFLOP/s, a tenth of this
-    CPU's GEMM rate, and took 10% of the causal forward. Returns the states (B, H, nc, F, Dv + 1),
-    their scales R_0..R_{nc-1} (B, H, nc, 1, 1) and the state after the last chunk.
+    whose inner dimension (nc <= SCAN_CHUNKS) is too short for a GEMM to run anywhere near its
+    rate. Returns the states (B, H, nc, F, Dv + 1), their scales R_0..R_{nc-1} (B, H, nc, 1, 1)
+    and the state after the last chunk.
     """
     b, h, nc = deltas.shape[:3]
     scales = torch.cat([state.log_scale.reshape(b, h, 1), chunk_max], -1)  # (B, H, nc + 1)

@@ -54,7 +54,7 @@ from effattn.random import resolve_seed
 from effattn.registry import Budget, MethodSpec, Problem, register
 
 # Largest |row sum - 1| of the approximate attention matrix accepted for an unpadded query. On
-# q, k ~ N(0, s^2) and on the planted-peak data of bench/approx.py the sums stay within 0.8-1.35
+# q, k ~ N(0, s^2) and on the planted-peak data of tools/approx.py the sums stay within 0.8-1.35
 # while the estimate is still an approximation; past this, the query has lost (or doubled) at
 # least half of its attention and the estimate is dominated by the singular landmark kernel.
 MASS_TOLERANCE = 0.5

@@ -6,8 +6,8 @@ hashes, ...), the relative Frobenius error ``‖out − exact‖_F / ‖exact‖
 over seeds. The seed fixes both the data and the method's random draws. The exact target is
 ``softmax(scale q k^T) v`` (the naive dense reference), unless the method's
 :class:`~effattn.registry.Budget` names its own target (rfa: ``softmax(q̂ k̂^T / sigma^2) v`` with
-q̂, k̂ the unit-length q, k; see shared/design.md). The budget option and its default grid come
-from each method's spec. Data sets:
+q̂, k̂ the unit-length q, k; see ``effattn.mechanisms.rfa``). The budget option and its default
+grid come from each method's spec. Data sets:
 
 - ``gaussian qk_std=s``: q, k ~ N(0, s^2), v ~ N(0, 1); the logits have std about s^2.
 - ``peaked logit=L``: q, k ~ N(0, 1) plus a few planted pairs: P = 4 keys get a large component
