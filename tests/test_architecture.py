@@ -90,6 +90,29 @@ print(sorted(m for m in sys.modules if m.startswith("effattn.naive")))
     assert out.strip() == "[]", out
 
 
+def test_the_architecture_example_of_a_new_method_runs():
+    # docs/architecture.md, "Adding a method": its file registers a method that the layers, the
+    # reference tests and the FLOP model pick up. Run in a process of its own, not to register it
+    # in this one.
+    doc = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    example = doc.split("## Adding a method", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    check = """
+import torch, effattn
+from effattn.nn import MultiheadAttention
+from effattn.registry import Problem
+assert "mine" in effattn.methods()
+attn = effattn.build("mine", head_dim=8, heads=2, keep=5).double()
+q, k, v = (torch.randn(1, 2, 9, 8, dtype=torch.float64) for _ in range(3))
+torch.testing.assert_close(attn(q, k, v), effattn.spec("mine").reference(attn, q, k, v))
+layer = MultiheadAttention(16, 2, method="mine", keep=4)
+assert layer(torch.randn(3, 1, 16))[0].shape == (3, 1, 16)
+assert effattn.spec("mine").flops({"keep": 64}, Problem(1, 2, 9, 9, 8, 8)) == 2 * 2 * 9 * 9 * 16
+"""
+    run = subprocess.run([sys.executable, "-c", example + check], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(SRC.parent)})
+    assert run.returncode == 0, run.stderr
+
+
 def _imports(path: Path, text: str | None = None) -> list[tuple[int, str, list[str]]]:
     """(line, module, names) of every ``import``/``from ... import`` of effattn in ``path`` (or
     in ``text``, read as that file)."""
