@@ -41,7 +41,8 @@ configuration; prints the tables.
 
     PYTHONPATH=src python3 benchmarks/flex.py --threads 1 --repeats 9    # CPU, N 1024 4096 16384
     PYTHONPATH=src python3 benchmarks/flex.py --methods local --lengths 1024 --repeats 3  # a look
-    PYTHONPATH=src python3 benchmarks/flex.py --device cuda --repeats 20 --out benchmarks/gpu/flex-fp32
+    PYTHONPATH=src python3 benchmarks/flex.py --device cuda --repeats 20 \\
+        --out benchmarks/gpu/flex-fp32
     PYTHONPATH=src python3 benchmarks/flex.py --device cuda --dtype bfloat16 --repeats 20 \\
         --out benchmarks/gpu/flex-bf16
 
