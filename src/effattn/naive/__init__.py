@@ -10,6 +10,7 @@ this package (tested), a spec's ``reference`` imports its family when called.
 from effattn.naive.fourier import fnet_mixing
 from effattn.naive.kernelized import (
     favor_attention,
+    hedgehog_attention,
     kernel_attention,
     kernel_weights,
     linear_transformer_attention,
@@ -34,6 +35,7 @@ __all__ = [
     "dense_mask",
     "favor_attention",
     "fnet_mixing",
+    "hedgehog_attention",
     "kernel_attention",
     "kernel_weights",
     "linear_transformer_attention",
