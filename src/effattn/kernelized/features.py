@@ -231,12 +231,41 @@ def learned_softmax(x: Tensor, w: Tensor, b: Tensor) -> Features:
     return _Exp2HeadProjection.apply(x, w, b, True)[0], None
 
 
+# 1/√2: the diagonal of the Taylor map's x xᵀ/√2 (the off-diagonal pairs appear once, with √2).
+_HALF_SQRT = math.sqrt(0.5)
+
+
+def taylor(x: Tensor) -> Features:
+    """Based (Arora et al. 2024): the 2nd-order Taylor map of exp on x̃ (B, H, L, P),
+    φ(x̃) = [1, x̃, vec(x̃ x̃ᵀ)/√2], so that φ(x̃)·φ(ỹ) = 1 + t + t²/2 with t = x̃·ỹ.
+
+    The quadratic part is the upper triangle of x̃ x̃ᵀ: x̃_i²/√2 on the diagonal and x̃_i x̃_j
+    (i < j) once, which carries the off-diagonal pair's √2 · (1/√2): the same kernel with
+    P(P + 1)/2 quadratic features instead of P², 1 + P + P(P + 1)/2 in all (153 at P = 16).
+    Built row by row of the triangle (two products per row, one concatenation); on the CPU this
+    beats the full outer product, whose P² features make every GEMM of the core 1.8x as wide
+    (see effattn.mechanisms.taylor for the measurement). Signed features, a kernel >= 1/2.
+    """
+    half = x * _HALF_SQRT
+    parts = [x.new_ones(*x.shape[:-1], 1), x]
+    for i in range(x.shape[-1]):
+        xi = x[..., i : i + 1]
+        parts.append(xi * half[..., i : i + 1])
+        if i + 1 < x.shape[-1]:
+            parts.append(xi * x[..., i + 1 :])
+    return torch.cat(parts, -1), None
+
+
 # φ >= 0: the normaliser is a sum of non-negative terms. It can be tiny (exp(q̃·k̃) small for
 # every key, softmax still well defined) but never cancels, so an eps floor could only cut it.
 NONNEGATIVE = frozenset({positive, hyperbolic, relu, arccos, elu_plus_one, learned_exp,
                          learned_softmax})
+# Signed features whose kernel is positive: the Taylor kernel 1 + t + t²/2 = ((1 + t)² + 1)/2
+# is >= 1/2 for every t, so its normaliser never cancels to 0 either (a sum of terms >= 1/2).
+POSITIVE_KERNEL = frozenset({taylor})
 
 
 def denominator_eps(feature_map: Callable[..., Features], eps: float = 1e-6) -> float:
-    """The core's ``eps`` for ``feature_map``: 0 for non-negative maps, else ``eps``."""
-    return 0.0 if feature_map in NONNEGATIVE else eps
+    """The core's ``eps`` for ``feature_map``: 0 for non-negative maps and positive kernels, else
+    ``eps``."""
+    return 0.0 if feature_map in NONNEGATIVE or feature_map in POSITIVE_KERNEL else eps

@@ -17,6 +17,7 @@ from effattn.naive.kernelized import (
     performer_attention,
     performer_features,
     rfa_attention,
+    taylor_attention,
 )
 from effattn.naive.lowrank import linformer_attention, nystrom_attention
 from effattn.naive.lsh import reformer_attention, reformer_candidates
@@ -52,4 +53,5 @@ __all__ = [
     "softmax_attention",
     "sparse_fixed_attention",
     "sparse_strided_attention",
+    "taylor_attention",
 ]

@@ -217,3 +217,23 @@ def hedgehog_attention(
 
     return _explicit(phi(q), phi(k), v, causal, key_padding_mask)
 
+
+def taylor_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    projection: Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """Based's Taylor kernel from its formula, not its features: the kernel matrix
+    1 + t + t²/2 of t = q̃·k̃, x̃ = sqrt(scale) · x W_h, with the per-head ``projection``
+    W (H, D, P)."""
+    root = math.sqrt(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    w = projection.to(q.dtype) * root
+    q_t = torch.einsum("bhld,hdp->bhlp", q, w)
+    k_t = torch.einsum("bhld,hdp->bhlp", k, w)
+    t = q_t @ k_t.transpose(-2, -1)
+    return _normalised(1 + t + t * t / 2, v, causal, key_padding_mask)
