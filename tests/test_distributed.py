@@ -33,9 +33,8 @@ B, H, D, DV = 2, 2, 7, 5
 # the strategy (log-scale stabiliser or none, eps of sign-changing features, learned sigma or
 # feature maps, gate, window within or beyond a slice). Checked in fp32 to 1e-5, except FAVOR's
 # trigonometric maps: their denominators cancel (unbounded variance), so one process's fp32
-# result is itself
-# uncertain beyond 1e-5; they are checked in float64 to 1e-10. rfa needs F = 128 for the same
-# reason in fp32.
+# result is itself uncertain beyond 1e-5; they are checked in float64 to 1e-10. rfa needs
+# F = 128 for the same reason in fp32.
 METHODS = [
     ("performer", "performer", {"num_features": 16}, torch.float32),
     ("performer-trig", "performer", {"num_features": 16, "feature_map": "trig"}, torch.float64),
