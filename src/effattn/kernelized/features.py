@@ -8,8 +8,10 @@ exp(|q|²/2) of trigonometric ones, the 1/sqrt(F) normalisations everywhere. The
 unnormalised features are written out in ``effattn.naive.kernelized`` for the tests.
 
 x is (B, H, L, D); for softmax-kernel maps it is already multiplied by sqrt(scale), so that
-x̃_q · x̃_k = scale · q · k. w is the (F, D) projection. Shapes of phi: (B, H, L, F) or
-(B, H, L, 2F) for the maps that pair features (hyperbolic, trig, sincos).
+x̃_q · x̃_k = scale · q · k. w is the (F, D) projection shared by the heads, or, for the learned
+maps (Hedgehog's), each head's own (H, D, F). Shapes of phi: (B, H, L, F) or (B, H, L, 2F) for
+the maps that pair features (hyperbolic, trig, sincos, the learned exp and softmax);
+1 + P + P(P + 1)/2 for the Taylor map of a P-dimensional x̃.
 """
 
 from __future__ import annotations
@@ -143,7 +145,6 @@ def arccos(x_unit: Tensor, w: Tensor) -> Features:
 def elu_plus_one(x: Tensor) -> Features:
     """Linear transformer (Katharopoulos et al. 2020): φ(x) = elu(x) + 1."""
     return F.elu(x).add_(1.0), None
-
 
 
 def project_heads(x: Tensor, w: Tensor) -> Tensor:

@@ -69,7 +69,8 @@ class HedgehogAttention(KernelizedAttention):
         feature_map: str = "exp",
         chunk_size: int = 64,
     ) -> None:
-        super().__init__(head_dim, heads, max_len, seed, scale, chunk_size=chunk_size, eps=0.0)
+        super().__init__(head_dim, heads, max_len, seed, scale, chunk_size=chunk_size,
+                         eps=fm.denominator_eps(fm.learned_exp))  # both maps: 0, non-negative
         f = head_dim if num_features is None else check_positive_int("num_features", num_features)
         self.num_features = f
         self.feature_map = check_choice("feature_map", feature_map, FEATURE_MAPS)
