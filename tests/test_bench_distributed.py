@@ -75,7 +75,8 @@ def test_a_failing_rank_ends_the_configuration_and_skips_longer_ones(tmp_path, c
 
 
 # A spawned rank's life in a fresh interpreter: the threads named gloo while its group exists
-# (measure_rank starts right after init_process_group) and once _rank_main has returned.
+# (after measure_rank, when they have served its collectives and named themselves) and once
+# _rank_main has returned.
 RANK_THREADS = """
 import json, os, sys
 from effattn.tools import bench_distributed as bd
@@ -87,8 +88,9 @@ def gloo_threads():
 
 during, measure = [], bd.measure_rank
 def measured(cfg, settings):
+    result = measure(cfg, settings)
     during.extend(gloo_threads())
-    return measure(cfg, settings)
+    return result
 
 bd.measure_rank = measured
 cfg = bd.DistConfig(method="performer", length=32, nproc=1, heads=2, head_dim=8,
