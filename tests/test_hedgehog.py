@@ -26,6 +26,15 @@ def make(feature_map="exp", d=21, h=3, dtype=torch.float64, **opts):
     return module
 
 
+def trained(module, seed=1):
+    """``module`` with a trained-looking map: W off the identity, b non-zero (in place)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        module.weight.add_(0.3 * torch.randn(module.weight.shape, generator=g).to(module.weight))
+        module.bias.copy_(0.5 * torch.randn(module.bias.shape, generator=g).to(module.bias))
+    return module
+
+
 def _decode(module, q, k, v, prefill):
     outs, state = [], None
     if prefill:
@@ -43,16 +52,87 @@ def _decode(module, q, k, v, prefill):
                          ids=["float64", "fp32"])
 @pytest.mark.parametrize("prefill", [0, 37], ids=["step", "prefill-then-step"])
 def test_decoding_equals_the_causal_forward(feature_map, dtype, tol, prefill):
-    module = make(feature_map, dtype=dtype, num_features=30)
-    with torch.no_grad():  # a trained-looking map, not the identity
-        module.weight.add_(0.3 * torch.randn(module.weight.shape, dtype=dtype,
-                                             generator=torch.Generator().manual_seed(1)))
-        module.bias.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(2))
+    module = trained(make(feature_map, dtype=dtype, num_features=30))
     q, k, v = (t.to(dtype) for t in qkv(n=50, dv=5))
     full = module(q, k, v, causal=True)
     out, state = _decode(module, q, k, v, prefill)
     torch.testing.assert_close(out, full, rtol=tol, atol=tol)
     assert state.kv.shape == (2, 3, 60, 6) and state.position == 50
+
+
+@pytest.mark.parametrize("feature_map", MAPS)
+@pytest.mark.parametrize("mode", ["full", "causal-padded", "cross-padded"])
+def test_a_trained_map_equals_its_reference_with_gradients(feature_map, mode):
+    """tests/test_references.py checks the map at its initialisation (W = I, b = 0); here W and b
+    are off it, and F = 30 > D = 21: outputs and gradients of q, k, v, W and b equal the
+    explicit kernel matrix in float64 (N = 63, M = 50 for cross, Dv = 10, chunks of 16 and
+    slices of a few chunks, both ending in a partial one)."""
+    causal, cross = mode.startswith("causal"), mode.startswith("cross")
+    module = trained(make(feature_map, num_features=30))
+    q, k, v = qkv(n=63, m=50 if cross else 63, dv=10)
+    mask = padding(2, k.shape[2]) if mode.endswith("padded") else None
+    inputs = [t.requires_grad_() for t in (q, k, v)]
+    out = module(q, k, v, causal=causal, key_padding_mask=mask)
+    ref = effattn.spec("hedgehog").reference(module, q, k, v, causal=causal,
+                                             key_padding_mask=mask)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    probe = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(3))
+    wrt = [*inputs, module.weight, module.bias]
+    got = torch.autograd.grad((out * probe).sum(), wrt)
+    want = torch.autograd.grad((ref * probe).sum(), wrt)
+    for name, a, b in zip(["q", "k", "v", "weight", "bias"], got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10,
+                                   msg=lambda text, name=name: f"grad {name}: {text}")
+
+
+def test_the_reference_rejects_an_unknown_map():
+    q, k, v = qkv(n=5, d=4, h=1)
+    with pytest.raises(ValueError, match="feature_map 'relu'"):
+        naive.hedgehog_attention(q, k, v, torch.eye(4)[None], torch.zeros(1, 4),
+                                 feature_map="relu")
+
+
+@pytest.mark.parametrize("feature_map", MAPS)
+@pytest.mark.parametrize("t", [37, 47], ids=["mid-chunk", "chunk-end"])
+def test_large_future_keys_leave_earlier_fp32_outputs_alone(feature_map, t):
+    """The causal stabiliser (the prefix max of the keys' log-scales) takes no future key: keys
+    after t moved to norm 100 (log-scales ~130 above the earlier keys': a stabiliser that took
+    them would scale those keys by exp(-130), below fp32's range) leave the fp32 outputs at
+    positions <= t equal to the float64 ones without them, in the forward and through a
+    prefill split at 23 (mid-chunk), with a trained-looking map. The softmax form has no
+    log-scale; it must pass as well."""
+    q, k, v = qkv(n=100, dv=5, scale=0.7)
+    module = trained(make(feature_map, num_features=30))
+    ref = module(q, k, v, causal=True)[:, :, : t + 1]
+    k_big = k.clone()
+    k_big[:, :, t + 1 :] = 100 * F.normalize(k[:, :, t + 1 :], dim=-1)
+    q, k_big, v = q.float(), k_big.float(), v.float()
+    module = module.float()
+    torch.testing.assert_close(module(q, k_big, v, causal=True)[:, :, : t + 1].double(), ref,
+                               rtol=1e-4, atol=1e-4)
+    first, state = module.prefill(q[:, :, :23], k_big[:, :, :23], v[:, :, :23])
+    rest, _ = module.prefill(q[:, :, 23:], k_big[:, :, 23:], v[:, :, 23:], state)
+    torch.testing.assert_close(torch.cat([first, rest], 2)[:, :, : t + 1].double(), ref,
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_fp32_underflow_raises_naming_the_method_and_its_exponents():
+    """Entries ~50 in fp32 (exponents |x W + b| up to ~200): the product of a query's and a
+    key's stabilised exp features, whose peaks sit on different features, underflows for some
+    causal prefix (the softmax form's products can too, on other inputs). The forward and
+    prefill refuse with the method's name and the size of the exponents (scale q·k means
+    nothing to this map), instead of a silent zero row or an inf gradient; float64 computes
+    it."""
+    q, k, v = qkv(b=2, h=2, n=143, d=16, dtype=torch.float32)
+    q, k = 50 * q, 50 * k
+    module = make(d=16, h=2, dtype=torch.float32)
+    match = r"^hedgehog: .* 0 in torch\.float32 .*\(the map's exponents \|x W \+ b\| reach \d+"
+    with pytest.raises(ValueError, match=match):
+        module(q, k, v, causal=True)
+    with pytest.raises(ValueError, match=match):
+        module.prefill(q, k, v)
+    out = copy.deepcopy(module).double()(q.double(), k.double(), v.double(), causal=True)
+    assert torch.isfinite(out).all() and (out.abs().amax(-1) > 0).all()
 
 
 @pytest.mark.parametrize("feature_map", MAPS)

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from effattn.base import check_choice, check_positive_int
 from effattn.kernelized import features as fm
 from effattn.kernelized.base import KernelizedAttention
+from effattn.kernelized.core import DenominatorUnderflowError
 from effattn.kernelized.flops import kernelized_flops
 from effattn.kernelized.parallel import StateExchange
 from effattn.random import normal
@@ -95,6 +96,16 @@ class HedgehogAttention(KernelizedAttention):
         if self.feature_map == "softmax_dim":
             return fm.learned_softmax(x, w, b)
         return fm.learned_exp(x, w, b, is_query=is_query)
+
+    def _underflow(self, err: DenominatorUnderflowError, q: Tensor, k: Tensor | None) -> ValueError:
+        """The core's underflow error with the size that causes it here: the largest exponent
+        |x W_h + b_h| over q (and k), not a bound on scale q·k, which this map does not use."""
+        rows = q if k is None else torch.cat([q, k], 2)
+        with torch.no_grad():
+            w, b = self.weight.to(rows.dtype), self.bias.to(rows.dtype)
+            top = (fm.project_heads(rows, w) + b[:, None, :]).abs().max().item()
+        return ValueError(f"{self.spec.name}: {err} (the map's exponents |x W + b| reach "
+                          f"{top:.3g}); compute in float64 or scale q, k down")
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, num_features={self.num_features}, "
