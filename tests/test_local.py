@@ -6,13 +6,7 @@ from conftest import padding, qkv
 
 import effattn
 from effattn import reference as R
-from effattn.sparse import (
-    banded_attention,
-    blockwise,
-    masked_partial,
-    masked_scores,
-    merge_partials,
-)
+from effattn.sparse import banded_attention, blockwise
 
 
 def _out_and_grads(fn, q, k, v):
@@ -54,24 +48,6 @@ def test_banded_engine_any_block_size_matches_dense(block_size, left, right, dil
     allowed = (i - j <= left) & (j - i <= right) & ((i - j) % dilation == 0) & ~mask[:, None, None]
     scores = (0.3 * q @ k.transpose(-2, -1)).masked_fill(~allowed, float("-inf"))
     torch.testing.assert_close(out, torch.softmax(scores, -1).nan_to_num(0.0) @ v)
-    torch.testing.assert_close(lse, torch.logsumexp(scores, -1))
-
-
-def test_merge_partials_of_disjoint_key_sets_is_softmax_over_the_union():
-    q, k, v = qkv(n=20, dv=4)
-    part_of_key = torch.randint(0, 3, (20,), generator=torch.Generator().manual_seed(3))
-    part_of_key[:5] = 0  # part 0 also holds keys 0..4; part 2 is empty for batch 1 below
-    empty = torch.zeros(2, 1, 1, 20, dtype=torch.bool)
-    empty[0] = True
-    pieces = [
-        masked_partial(q, k, v, (part_of_key == p) & (empty if p == 2 else True), 0.5)
-        for p in range(3)
-    ]
-    assert torch.isinf(pieces[2][1][1]).all()
-    allowed = (part_of_key < 2) | empty
-    out, lse = merge_partials(pieces)
-    scores = (0.5 * q @ k.transpose(-2, -1)).masked_fill(~allowed, float("-inf"))
-    torch.testing.assert_close(out, torch.softmax(scores, -1) @ v)
     torch.testing.assert_close(lse, torch.logsumexp(scores, -1))
 
 
@@ -173,11 +149,12 @@ def test_half_precision_keeps_dtype():
 def test_scores_are_banded_never_n_by_n(monkeypatch):
     seen = []
 
-    def spy(q, k, allowed, scale):
+    def spy(out, q, k, scale, biases):
         seen.append(q.shape[-2] * k.shape[-2] * q.shape[:-2].numel())
-        return masked_scores(q, k, allowed, scale)
+        return scores(out, q, k, scale, biases)
 
-    monkeypatch.setattr(blockwise, "masked_scores", spy)
+    scores = blockwise._scores
+    monkeypatch.setattr(blockwise, "_scores", spy)
     q, k, v = qkv(b=1, h=1, n=2048, d=8)
     effattn.attention(q, k, v, "local", window=64)
     undilated = sum(seen)
@@ -252,11 +229,25 @@ def test_banded_with_global_tokens_matches_dense_in_any_slicing(
         torch.testing.assert_close(a, b)
 
 
-def test_global_tokens_need_an_undilated_band():
-    q, k, v = qkv(n=20)
-    with pytest.raises(ValueError, match="global_tokens only with dilation=1"):
-        banded_attention(q, k, v, left=4, right=4, dilation=2, scale=0.3,
-                         global_tokens=torch.tensor([0]))
+@pytest.mark.parametrize("slice_elements", [1, 1 << 21])
+def test_dilated_band_with_global_tokens_matches_dense(monkeypatch, slice_elements):
+    # Residue classes of unequal length (61 = 4 * 15 + 1) and a global key inside the band.
+    monkeypatch.setattr(blockwise, "SLICE_ELEMENTS", slice_elements)
+    q, k, v = qkv(n=61, dv=5)
+    mask = padding(2, 61)
+    tokens = (3, 40)
+    i, j = torch.arange(61)[:, None], torch.arange(61)[None, :]
+    is_global = torch.zeros(61, dtype=torch.bool)
+    is_global[list(tokens)] = True
+    band = (i - j <= 9) & (j - i <= 5) & ((i - j) % 4 == 0)
+    allowed = (band | is_global[:, None] | is_global[None, :]) & ~mask[:, None, None]
+    fast, dense = _engine_vs_dense(
+        lambda q, k, v: banded_attention(q, k, v, left=9, right=5, dilation=4, scale=0.3,
+                                         key_mask=mask, global_tokens=torch.tensor(tokens)),
+        allowed, q, k, v,
+    )
+    for a, b in zip(fast, dense, strict=True):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("slice_elements", [1, 1 << 21])
