@@ -194,6 +194,38 @@ def _span(x: Tensor, u0: int, u1: int, pad: float = 0.0) -> Tensor:
     return part
 
 
+def _matrices(x: Tensor, ws: _Workspace, name: str) -> Tensor:
+    """x (G, n, E) itself when its rows are laid out as a matmul needs them, else a copy into
+    buffer ``name``: an expanded gradient (of a sum, stride 0) would send the matmuls down a
+    per-matrix path."""
+    if x.stride(-1) == 1 and x.stride(-2) >= x.shape[-1]:
+        return x
+    return ws.take(name, *x.shape).copy_(x)
+
+
+class _Workspace:
+    """The buffers of one pass (forward or backward): one arena, carved into each piece's named
+    buffers in turn (:meth:`use`), which its slices reuse. Slices then allocate nothing: fresh
+    slice-sized tensors fragment the allocator's heap, which then keeps more resident than is
+    live. Pages of the arena a piece never writes are never touched, so cost no memory."""
+
+    def __init__(self, like: Tensor, needs: Sequence[dict[str, int]]) -> None:
+        self.arena = like.new_empty(max((sum(sizes.values()) for sizes in needs), default=0))
+        self.buffers: dict[str, Tensor] = {}
+
+    def use(self, sizes: dict[str, int]) -> _Workspace:
+        """Carves the arena into buffers of the given elements."""
+        self.buffers, start = {}, 0
+        for name, size in sizes.items():
+            self.buffers[name] = self.arena[start : start + size]
+            start += size
+        return self
+
+    def take(self, name: str, *shape: int) -> Tensor:
+        """A (shape) view of buffer ``name``."""
+        return self.buffers[name][: math.prod(shape)].view(shape)
+
+
 @dataclass(frozen=True)
 class _Blocks:
     """Query blocks of C = ``size`` positions u of ``layout`` (R = ceil(U / C) rows), row r
@@ -219,12 +251,22 @@ class _Blocks:
     def rows(self) -> int:
         return -(-self.layout.total // self.size)
 
-    def _read(self, x: Tensor, u0: int, u1: int) -> Tensor:
-        """Flat rows of positions u0 .. u1 - 1 of x (P, E): (u1 - u0, E)."""
+    def sizes(self, width: int) -> dict[str, int]:
+        """Buffers of a pass: p, ds (rows, C, K C), gathered or copied rows of width E."""
+        rows, c, kc = min(self.step, self.rows), self.size, self.slots * self.size
+        return {
+            "p": rows * c * kc, "ds": rows * c * kc, "q": rows * c * width,
+            "do": rows * c * width, "o": rows * c * width, "k": rows * kc * width,
+            "v": rows * kc * width, "part": max(rows * kc, (rows + self.slots - 1) * c) * width,
+        }
+
+    def _read(self, x: Tensor, u0: int, u1: int, ws: _Workspace, name: str) -> Tensor:
+        """Flat rows of positions u0 .. u1 - 1 of x (P, E): (u1 - u0, E), a view where the
+        layout is the identity, else gathered into buffer ``name``."""
         if self.layout.identity:
             return _span(x, u0, u1)
         read, _ = self.layout.rows(torch.arange(u0, u1, device=x.device))
-        return x.index_select(0, read)
+        return torch.index_select(x, 0, read, out=ws.take(name, u1 - u0, x.shape[-1]))
 
     def _write_rows(self, r0: int, r1: int, device: torch.device) -> Tensor:
         return self.layout.rows(torch.arange(r0 * self.size, r1 * self.size, device=device))[1]
@@ -235,23 +277,26 @@ class _Blocks:
         offsets = torch.arange(self.size, device=blocks.device)
         return blocks[..., None] * self.size + offsets
 
-    def queries(self, x: Tensor, r0: int, r1: int) -> Tensor:
+    def queries(self, x: Tensor, r0: int, r1: int, ws: _Workspace, name: str) -> Tensor:
         """Rows r0 .. r1 - 1 of x (P, E): (rows, C, E)."""
-        return self._read(x, r0 * self.size, r1 * self.size).view(r1 - r0, self.size, -1)
+        rows = self._read(x, r0 * self.size, r1 * self.size, ws, name)
+        return rows.view(r1 - r0, self.size, -1)
 
-    def window(self, x: Tensor, r0: int, r1: int) -> Tensor:
+    def window(self, x: Tensor, r0: int, r1: int, ws: _Workspace, name: str) -> Tensor:
         """The K C keys (or values) of rows r0 .. r1 - 1 from x (P, E): (rows, K C, E)."""
-        c, kc, rows = self.size, self.slots * self.size, r1 - r0
+        c, kc, rows, e = self.size, self.slots * self.size, r1 - r0, x.shape[-1]
         if self.index is None:
             # One span of rows + K - 1 blocks; the rows' windows overlap in it, a view.
-            span = self._read(x, (r0 - self.back) * c, (r1 - self.back + self.slots - 1) * c)
+            span = self._read(x, (r0 - self.back) * c, (r1 - self.back + self.slots - 1) * c,
+                              ws, name)
             return span.unfold(0, kc, c).transpose(1, 2)
         if self.layout.identity:
             # index_select of whole blocks copies much faster than gathering positions.
             blocks = self.index[r0:r1].clamp(min=0).flatten()
-            return x.view(-1, c, x.shape[-1]).index_select(0, blocks).view(rows, kc, -1)
+            return torch.index_select(x.view(-1, c, e), 0, blocks,
+                                      out=ws.take(name, rows * self.slots, c, e)).view(rows, kc, e)
         read, _ = self.layout.rows(self._key_positions(r0, r1).flatten())
-        return x.index_select(0, read).view(rows, kc, -1)
+        return torch.index_select(x, 0, read, out=ws.take(name, rows * kc, e)).view(rows, kc, e)
 
     def scores(self, p: Tensor, qs: Tensor, kw: Tensor, r0: int, r1: int, scale: float) -> None:
         """The masked scores of rows r0 .. r1 - 1 into p (rows, C, K C)."""
@@ -304,72 +349,92 @@ class _Blocks:
         )
         return query[:, :, None] != key[:, None, :]
 
+    def slices(self) -> list[tuple[int, int]]:
+        """Row ranges of at most ``step`` rows. For in-place bands, the first ``back`` and the
+        last ``K - back`` rows, whose windows reach past the ends and are read as padded
+        copies, get slices of their own, so those copies stay small."""
+        cuts = {0, self.rows}
+        if self.index is None and self.layout.identity:
+            cuts |= {min(self.back, self.rows), max(0, self.rows - self.slots + self.back)}
+        bounds = sorted(cuts)
+        return [(r0, min(end, r0 + self.step))
+                for start, end in zip(bounds, bounds[1:], strict=False)
+                for r0 in range(start, end, self.step)]
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-                merge: bool) -> None:
+                merge: bool, ws: _Workspace) -> None:
         """Writes (or merges) the piece into out (P + spare, Dv) and lse (P + spare,)."""
-        c, kc, e = self.size, self.slots * self.size, v.shape[-1]
-        step = min(self.step, self.rows)
-        buf = q.new_empty(step * c * kc)
-        for r0 in range(0, self.rows, step):
-            r1 = min(self.rows, r0 + step)
-            rows = r1 - r0
-            p = buf[: rows * c * kc].view(rows, c, kc)
-            self.scores(p, self.queries(q, r0, r1), self.window(k, r0, r1), r0, r1, scale)
-            if self.layout.identity:
-                o, s = out[r0 * c : r1 * c], lse[r0 * c : r1 * c]
-            else:
-                write = self._write_rows(r0, r1, q.device)
-                o = out.index_select(0, write) if merge else out.new_empty(rows * c, e)
-                s = lse.index_select(0, write)
-            o, s = o.view(rows, c, e), s.view(rows, c, 1)
-            _softmax_into(p, self.window(v, r0, r1), o, s, merge)
-            if not self.layout.identity:
-                out.index_copy_(0, write, o.view(-1, e))
-                lse.index_copy_(0, write, s.view(-1))
+        for r0, r1 in self.slices():
+            self._forward_slice(q, k, v, out, lse, scale, merge, ws, r0, r1)
+
+    def _forward_slice(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                       scale: float, merge: bool, ws: _Workspace, r0: int, r1: int) -> None:
+        c, kc, e, rows = self.size, self.slots * self.size, v.shape[-1], r1 - r0
+        p = ws.take("p", rows, c, kc)
+        self.scores(p, self.queries(q, r0, r1, ws, "q"), self.window(k, r0, r1, ws, "k"), r0, r1,
+                    scale)
+        if self.layout.identity:
+            o, s = out[r0 * c : r1 * c], lse[r0 * c : r1 * c]
+        else:
+            write = self._write_rows(r0, r1, q.device)
+            o = ws.take("o", rows * c, e)
+            if merge:
+                torch.index_select(out, 0, write, out=o)
+            s = lse.index_select(0, write)
+        o, s = o.view(rows, c, e), s.view(rows, c, 1)
+        _softmax_into(p, self.window(v, r0, r1, ws, "v"), o, s, merge)
+        if not self.layout.identity:
+            out.index_copy_(0, write, o.view(-1, e))
+            lse.index_copy_(0, write, s.view(-1))
 
     def backward(self, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, shift: Tensor,
-                 grads: tuple[Tensor, Tensor, Tensor], scale: float, first: bool) -> None:
+                 grads: tuple[Tensor, Tensor, Tensor], scale: float, first: bool,
+                 ws: _Workspace) -> None:
         """Adds the piece's gradients into grads = (dq, dk, dv) (P + spare, E); ``first``: dq is
         uninitialised and written here (every row is a query of exactly one block).
 
         lse (P + spare,): +inf where p must be 0; shift: rowsum(do * out) - dlse.
         """
-        dq, dk, dv = grads
-        c, kc, d = self.size, self.slots * self.size, q.shape[-1]
-        step = min(self.step, self.rows)
-        buffers = q.new_empty(2, step * c * kc)
-        for r0 in range(0, self.rows, step):
-            r1 = min(self.rows, r0 + step)
-            rows = r1 - r0
-            qs, kw, vw = self.queries(q, r0, r1), self.window(k, r0, r1), self.window(v, r0, r1)
-            # An expanded gradient (of a sum) would send the matmuls down a per-matrix path.
-            do = self.queries(dout, r0, r1).contiguous()
-            if self.layout.identity:
-                s, sh = lse[r0 * c : r1 * c], shift[r0 * c : r1 * c]
-            else:
-                write = self._write_rows(r0, r1, q.device)
-                s, sh = lse.index_select(0, write), shift.index_select(0, write)
-            p, ds = (b[: rows * c * kc].view(rows, c, kc) for b in buffers)
-            self.scores(p, qs, kw, r0, r1, scale)
-            p.sub_(s.view(rows, c, 1)).exp_()
-            torch.bmm(do, vw.transpose(1, 2), out=ds)
-            ds.sub_(sh.view(rows, c, 1)).mul_(p)
-            if self.layout.identity:
-                rows_dq = dq[r0 * c : r1 * c].view(rows, c, d)
-                rows_dq.baddbmm_(ds, kw, beta=0.0 if first else 1.0, alpha=scale)
-            elif first:
-                dq.index_copy_(0, write, torch.bmm(ds, kw).mul_(scale).view(-1, d))
-            else:
-                dq.index_add_(0, write, torch.bmm(ds, kw).view(-1, d), alpha=scale)
-            self._scatter(dk, ds, qs, r0, r1, scale)
-            self._scatter(dv, p, do, r0, r1, 1.0)
+        for r0, r1 in self.slices():
+            self._backward_slice(q, k, v, dout, lse, shift, grads, scale, first, ws, r0, r1)
 
-    def _scatter(self, dx: Tensor, a: Tensor, y: Tensor, r0: int, r1: int, alpha: float) -> None:
+    def _backward_slice(self, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor,
+                        shift: Tensor, grads: tuple[Tensor, Tensor, Tensor], scale: float,
+                        first: bool, ws: _Workspace, r0: int, r1: int) -> None:
+        dq, dk, dv = grads
+        c, kc, d, rows = self.size, self.slots * self.size, q.shape[-1], r1 - r0
+        qs, kw = self.queries(q, r0, r1, ws, "q"), self.window(k, r0, r1, ws, "k")
+        vw = self.window(v, r0, r1, ws, "v")
+        do = _matrices(self.queries(dout, r0, r1, ws, "do"), ws, "do")
+        if self.layout.identity:
+            s, sh = lse[r0 * c : r1 * c], shift[r0 * c : r1 * c]
+        else:
+            write = self._write_rows(r0, r1, q.device)
+            s, sh = lse.index_select(0, write), shift.index_select(0, write)
+        p, ds = ws.take("p", rows, c, kc), ws.take("ds", rows, c, kc)
+        self.scores(p, qs, kw, r0, r1, scale)
+        p.sub_(s.view(rows, c, 1)).exp_()
+        torch.bmm(do, vw.transpose(1, 2), out=ds)
+        ds.sub_(sh.view(rows, c, 1)).mul_(p)
+        if self.layout.identity:
+            rows_dq = dq[r0 * c : r1 * c].view(rows, c, d)
+            rows_dq.baddbmm_(ds, kw, beta=0.0 if first else 1.0, alpha=scale)
+        else:
+            part = torch.bmm(ds, kw, out=ws.take("o", rows, c, d)).view(-1, d)
+            if first:
+                dq.index_copy_(0, write, part.mul_(scale))
+            else:
+                dq.index_add_(0, write, part, alpha=scale)
+        self._scatter(dk, ds, qs, r0, r1, scale, ws)
+        self._scatter(dv, p, do, r0, r1, 1.0, ws)
+
+    def _scatter(self, dx: Tensor, a: Tensor, y: Tensor, r0: int, r1: int, alpha: float,
+                 ws: _Workspace) -> None:
         """dx[key positions of the windows of rows r0 .. r1 - 1] += alpha a^T y, for
         a (rows, C, K C) and y (rows, C, E)."""
         c, k, e, rows = self.size, self.slots, y.shape[-1], r1 - r0
         if self.index is not None:
-            part = torch.bmm(a.transpose(1, 2), y)
+            part = torch.bmm(a.transpose(1, 2), y, out=ws.take("part", rows, k * c, e))
             if self.layout.identity:
                 # Unused slots (-1) read block 0 with p = 0: adding their zeros changes nothing.
                 blocks = self.index[r0:r1].clamp(min=0).flatten()
@@ -392,7 +457,7 @@ class _Blocks:
                         a[lo:hi, :, o * c : (o + 1) * c].transpose(1, 2), y[lo:hi], alpha=alpha
                     )
             return
-        span = y.new_zeros(rows + k - 1, c, e)
+        span = ws.take("part", rows + k - 1, c, e).zero_()
         for o in range(k):
             span[o : o + rows].baddbmm_(a[:, :, o * c : (o + 1) * c].transpose(1, 2), y,
                                         alpha=alpha)
@@ -441,16 +506,20 @@ class _Dense:
                 for r0 in range(0, n, self.step)
                 if self._visible(min(n, r0 + self.step)) > 0]
 
+    def sizes(self, width: int) -> dict[str, int]:
+        """Buffers of a pass: p, ds (B H, rows, m), dout's rows."""
+        g, m = self.shape[0] * self.shape[1], self.positions.numel()
+        return {"p": g * self.step * m, "ds": g * self.step * m, "do": g * self.step * width}
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-                merge: bool) -> None:
+                merge: bool, ws: _Workspace) -> None:
         """Merges (or writes) the piece into out (P + spare, Dv) and lse (P + spare,)."""
         q4, k4, v4, out4, lse4 = _sequences(self.shape, q, k, v, out, lse)
         g, n = q4.shape[0] * q4.shape[1], q4.shape[2]
         km = k4.index_select(2, self.positions).view(g, -1, k4.shape[-1])
         vm = v4.index_select(2, self.positions).view(g, -1, v4.shape[-1])
-        buf = q.new_empty(g * self.step * km.shape[1])
         for r0, r1, m in self._slices(n):
-            p = buf[: g * (r1 - r0) * m].view(*q4.shape[:2], r1 - r0, m)
+            p = ws.take("p", *q4.shape[:2], r1 - r0, m)
             _scores(p, q4[:, :, r0:r1].reshape(g, r1 - r0, -1), km[:, :m], scale,
                     self._biases(r0, r1, m, q.dtype))
             o = out4[:, :, r0:r1].view(g, r1 - r0, -1)
@@ -458,7 +527,8 @@ class _Dense:
             _softmax_into(p.view(g, r1 - r0, m), vm[:, :m], o, s, merge)
 
     def backward(self, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, shift: Tensor,
-                 grads: tuple[Tensor, Tensor, Tensor], scale: float, first: bool) -> None:
+                 grads: tuple[Tensor, Tensor, Tensor], scale: float, first: bool,
+                 ws: _Workspace) -> None:
         """Adds the piece's gradients into grads = (dq, dk, dv) (``first``: dq is zeroed)."""
         q4, k4, v4, do4, lse4, shift4, dq4, dk4, dv4 = _sequences(
             self.shape, q, k, v, dout, lse, shift, *grads
@@ -469,11 +539,10 @@ class _Dense:
         dkm, dvm = torch.zeros_like(km), torch.zeros_like(vm)
         if first:
             dq4.zero_()
-        buffers = q.new_empty(2, g * self.step * km.shape[1])
         for r0, r1, m in self._slices(n):
-            p, ds = (b[: g * (r1 - r0) * m].view(g, r1 - r0, m) for b in buffers)
+            p, ds = ws.take("p", g, r1 - r0, m), ws.take("ds", g, r1 - r0, m)
             qs = q4[:, :, r0:r1].reshape(g, r1 - r0, d)
-            do = do4[:, :, r0:r1].reshape(g, r1 - r0, e).contiguous()
+            do = _matrices(do4[:, :, r0:r1].reshape(g, r1 - r0, e), ws, "do")
             _scores(p.view(*q4.shape[:2], r1 - r0, m), qs, km[:, :m], scale,
                     self._biases(r0, r1, m, q.dtype))
             p.sub_(lse4[:, :, r0:r1].reshape(g, r1 - r0, 1)).exp_()
@@ -497,8 +566,13 @@ class _GlobalRows:
     bias: Tensor | None
     step: int
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                scale: float) -> None:
+    def sizes(self, width: int) -> dict[str, int]:
+        """Buffers of a pass: p, ds (B H, tokens, N)."""
+        b, h, n = self.shape
+        return {"p": b * h * self.step * n, "ds": b * h * self.step * n}
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+                ws: _Workspace) -> None:
         """Overwrites the global rows of out (P + spare, Dv) and lse (P + spare,)."""
         q4, k4, v4, out4, lse4 = _sequences(self.shape, q, k, v, out, lse)
         b, h, n, _ = q4.shape
@@ -506,7 +580,7 @@ class _GlobalRows:
         for t0 in range(0, self.tokens.numel(), self.step):
             rows = self.tokens[t0 : t0 + self.step]
             t = rows.numel()
-            p = q.new_empty(b, h, t, n)
+            p = ws.take("p", b, h, t, n)
             _scores(p, q4.index_select(2, rows).view(b * h, t, -1), k4.view(b * h, n, -1),
                     scale, biases)
             o, s = q.new_empty(b * h, t, v4.shape[-1]), q.new_empty(b * h, t, 1)
@@ -515,7 +589,7 @@ class _GlobalRows:
             lse4.index_copy_(2, rows, s.view(b, h, t))
 
     def backward(self, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, shift: Tensor,
-                 grads: tuple[Tensor, Tensor, Tensor], scale: float) -> None:
+                 grads: tuple[Tensor, Tensor, Tensor], scale: float, ws: _Workspace) -> None:
         """Adds the global rows' gradients into grads = (dq, dk, dv); lse holds their own."""
         q4, k4, v4, do4, lse4, shift4, dq4, dk4, dv4 = _sequences(
             self.shape, q, k, v, dout, lse, shift, *grads
@@ -529,9 +603,9 @@ class _GlobalRows:
             t = rows.numel()
             qt = q4.index_select(2, rows).view(b * h, t, d)
             dot = do4.index_select(2, rows).view(b * h, t, -1)
-            p = _scores(q.new_empty(b, h, t, n), qt, k3, scale, biases)
+            p = _scores(ws.take("p", b, h, t, n), qt, k3, scale, biases)
             p.sub_(lse4.index_select(2, rows).view(b * h, t, 1)).exp_()
-            ds = torch.bmm(dot, v3.transpose(1, 2))
+            ds = torch.bmm(dot, v3.transpose(1, 2), out=ws.take("ds", b * h, t, n))
             ds.sub_(shift4.index_select(2, rows).view(b * h, t, 1)).mul_(p)
             dq4.index_add_(2, rows, torch.bmm(ds, k3).view(b, h, t, d), alpha=scale)
             dk3.baddbmm_(ds.transpose(1, 2), qt, alpha=scale)
@@ -572,11 +646,13 @@ class _Attention(torch.autograd.Function):
         if not writes:
             out.zero_()
             lse.fill_(_NEG_INF)
+        width = max(d, v.shape[-1])
+        ws = _Workspace(q, [plan.sizes(width) for plan in plans])
         for i, plan in enumerate(plans):
             if isinstance(plan, _GlobalRows):
-                plan.forward(*flat, out, lse, scale)
+                plan.forward(*flat, out, lse, scale, ws.use(plan.sizes(width)))
             else:
-                plan.forward(*flat, out, lse, scale, merge=i > 0 or not writes)
+                plan.forward(*flat, out, lse, scale, i > 0 or not writes, ws.use(plan.sizes(width)))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plans, ctx.scale = plans, scale
         return out[:rows].view(b, h, n, -1), lse[:rows].view(b, h, n)
@@ -590,7 +666,11 @@ class _Attention(torch.autograd.Function):
         rows, e = b * h * n, v.shape[-1]
         flat = q.view(rows, d), k.view(rows, d), v.view(rows, e)
         do = dout.reshape(rows, e)
-        shift = _shift(do, out, dlse.reshape(rows))
+        width = max(d, e)
+        needs = [plan.sizes(width) for plan in plans]
+        product = {"product": max(1, SLICE_ELEMENTS // e) * e}
+        ws = _Workspace(q, [*needs, product])
+        shift = _shift(do, out, dlse.reshape(rows), ws.use(product))
         # p = exp(s - lse) must be 0 in rows without keys (s = lse = -inf) and in spare rows.
         safe = lse.masked_fill(lse == _NEG_INF, 0.0)
         safe[rows:] = float("inf")
@@ -608,24 +688,26 @@ class _Attention(torch.autograd.Function):
         dk, dv = q.new_zeros(out.shape[0], d), q.new_zeros(out.shape[0], e)
         for i, plan in enumerate(plans):
             if isinstance(plan, _GlobalRows):
-                plan.backward(*flat, do, safe, shift, (dq, dk, dv), scale)
+                plan.backward(*flat, do, safe, shift, (dq, dk, dv), scale,
+                              ws.use(plan.sizes(width)))
             else:
-                plan.backward(*flat, do, others, shift, (dq, dk, dv), scale,
-                              first=i == 0 and writes)
+                plan.backward(*flat, do, others, shift, (dq, dk, dv), scale, i == 0 and writes,
+                              ws.use(plan.sizes(width)))
         return (dq[:rows].view(q.shape), dk[:rows].view(k.shape), dv[:rows].view(v.shape),
                 None, None, None)
 
 
-def _shift(dout: Tensor, out: Tensor, dlse: Tensor) -> Tensor:
+def _shift(dout: Tensor, out: Tensor, dlse: Tensor, ws: _Workspace) -> Tensor:
     """rowsum(dout * out) - dlse of (P, Dv), (P + spare, Dv), (P,): (P + spare,), 0 on the
-    spare rows; slice by slice (the product of whole tensors would be one more full-size
-    temporary)."""
-    rows = dout.shape[0]
+    spare rows; slice by slice into buffer "product" (the product of whole tensors would be one
+    more full-size temporary)."""
+    rows, e = dout.shape
     shift = out.new_zeros(out.shape[0])
-    step = max(1, SLICE_ELEMENTS // out.shape[1])
+    step = max(1, SLICE_ELEMENTS // e)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        torch.sum(dout[r0:r1] * out[r0:r1], -1, out=shift[r0:r1])
+        product = torch.mul(dout[r0:r1], out[r0:r1], out=ws.take("product", r1 - r0, e))
+        torch.sum(product, -1, out=shift[r0:r1])
     shift[:rows].sub_(dlse)
     return shift
 
@@ -669,7 +751,14 @@ class _Context:
         return _key_bias(layout, self.skip, self.shape[1], self.dtype)
 
     def step(self, per_row: int) -> int:
-        return max(1, SLICE_ELEMENTS // per_row)
+        """Rows per slice when a row's temporaries (scores, probabilities, copied rows) hold
+        ``per_row`` elements: about 2 SLICE_ELEMENTS per slice."""
+        return max(1, 2 * SLICE_ELEMENTS // per_row)
+
+    def copies(self, layout: _Layout) -> int:
+        """Rows of width max(D, Dv) a slice copies per query: only dout, made contiguous, where
+        the layout is read in place; q, k, v, dout and dq, dk, dv where it is gathered."""
+        return 1 if layout.identity else 7
 
 
 def _band_plan(piece: Band, ctx: _Context) -> _Blocks:
@@ -693,7 +782,7 @@ def _band_plan(piece: Band, ctx: _Context) -> _Blocks:
     return _Blocks(
         layout, c, slots, back, None, _additive((offset > left) | (offset < -right), ctx.dtype),
         ctx.key_bias(layout), crosses=slots > 1 or length % c != 0,
-        step=ctx.step(c * max(slots * c, ctx.width)),
+        step=ctx.step(c * (2 * slots * c + ctx.copies(layout) * ctx.width)),
     )
 
 
@@ -706,7 +795,7 @@ def _blocks_plan(piece: Blocks, ctx: _Context) -> _Blocks:
                                                             ctx.dtype)
     if piece.key_blocks is None:
         return _Blocks(layout, c, 1, 0, None, pattern, ctx.key_bias(layout), crosses=False,
-                       step=ctx.step(c * max(c, ctx.width)))
+                       step=ctx.step(c * (2 * c + ctx.copies(layout) * ctx.width)))
     key_blocks = piece.key_blocks.to(ctx.device)
     if key_blocks.dim() == 2:
         key_blocks = key_blocks[None]
@@ -723,8 +812,10 @@ def _blocks_plan(piece: Blocks, ctx: _Context) -> _Blocks:
     if keys is None:
         # Unused slots are masked through the key bias.
         keys = torch.zeros(layout.total, dtype=ctx.dtype, device=ctx.device)
+    # Gathered keys and values, and the key-side product of dk or dv: 3 rows of K C.
+    per_row = 2 * slots * c * c + (3 * slots * c + ctx.copies(layout) * c) * ctx.width
     return _Blocks(layout, c, slots, 0, index, pattern, keys, crosses=False,
-                   step=ctx.step(slots * c * max(c, ctx.width)))
+                   step=ctx.step(per_row))
 
 
 def _columns_plan(piece: Columns, ctx: _Context) -> list[_Plan]:
@@ -737,8 +828,9 @@ def _columns_plan(piece: Columns, ctx: _Context) -> list[_Plan]:
     layout = _Layout(b * h, n, s, rows)
     i = torch.arange(rows, device=ctx.device)
     ok = i[None, :] < i[:, None] if piece.causal else i[None, :] != i[:, None]
+    per_row = rows * (2 * rows + ctx.copies(layout) * ctx.width)
     return [_Blocks(layout, rows, 1, 0, None, _additive(~ok, ctx.dtype), ctx.key_bias(layout),
-                    crosses=False, step=ctx.step(rows * max(rows, ctx.width)))]
+                    crosses=False, step=ctx.step(per_row))]
 
 
 def _summary_plan(piece: Summary, ctx: _Context) -> list[_Plan]:
@@ -754,7 +846,7 @@ def _summary_plan(piece: Summary, ctx: _Context) -> list[_Plan]:
                  + torch.arange(s - c, s, device=ctx.device)).flatten()[: (rows - 1) * c + last]
     bias = None if ctx.skip is None else _additive(ctx.skip.index_select(1, positions),
                                                    ctx.dtype)[:, None, None, :]
-    step = ctx.step(b * h * max(positions.numel(), ctx.width))
+    step = ctx.step(b * h * (2 * positions.numel() + ctx.width))
     if piece.causal:
         # At least 8 slices: rows before r1 score the keys of earlier blocks alone, so the
         # scored prefix then averages about 9/16 of the keys, not all.
@@ -767,8 +859,8 @@ def _global_plans(tokens: Tensor, ctx: _Context, padding: Tensor | None) -> list
     tokens = tokens.to(ctx.device)
     bias = None if padding is None else _additive(padding, ctx.dtype)[:, None, None, :]
     columns = _Dense(ctx.shape, tokens, None if bias is None else bias[..., tokens], None, 1, 1,
-                     False, ctx.step(b * h * max(tokens.numel(), ctx.width)))
-    return [columns, _GlobalRows(ctx.shape, tokens, bias, ctx.step(b * h * n))]
+                     False, ctx.step(b * h * (2 * tokens.numel() + ctx.width)))
+    return [columns, _GlobalRows(ctx.shape, tokens, bias, ctx.step(2 * b * h * n))]
 
 
 def sparse_attention(
