@@ -130,7 +130,19 @@ def _scores(out: Tensor, q: Tensor, k: Tensor, scale: float, biases: Sequence[Te
     return flat.baddbmm_(q, k.transpose(-2, -1), alpha=alpha)
 
 
-def _softmax_into(p: Tensor, v: Tensor, out: Tensor, lse: Tensor, merge: bool) -> None:
+def _accumulate(target: Tensor, a: Tensor, b: Tensor, alpha: float, scratch: Tensor) -> None:
+    """target (G, n, E) += alpha a @ b. ATen multiplies into a target whose batches are not laid
+    out one after the other (a slice of rows of every head) one batch at a time: such a target
+    gets the product in ``scratch`` (at least G n E elements) and one add."""
+    if target.is_contiguous():
+        target.baddbmm_(a, b, alpha=alpha)
+    else:
+        target.add_(torch.bmm(a, b, out=scratch[: target.numel()].view(target.shape)),
+                    alpha=alpha)
+
+
+def _softmax_into(p: Tensor, v: Tensor, out: Tensor, lse: Tensor, merge: bool,
+                  scratch: Tensor | None = None) -> None:
     """Softmax of the scores p (G, n, m) (base 2, overwritten by 2^(p - max)) applied to
     v (G, m, E).
 
@@ -138,6 +150,7 @@ def _softmax_into(p: Tensor, v: Tensor, out: Tensor, lse: Tensor, merge: bool) -
     piece to the softmax already in out and lse, over a disjoint key set: with
     t = max(row max, lse), lse' = t + log2(sum 2^(p - t) + 2^(lse - t)) and
     out' = (2^(lse - t) out + 2^(p - t) v) / 2^(lse' - t). Rows empty in both stay 0, -inf.
+    ``scratch``: see :func:`_accumulate` (needed to merge into a strided out).
     """
     top = p.amax(-1, keepdim=True)
     if merge:
@@ -149,7 +162,7 @@ def _softmax_into(p: Tensor, v: Tensor, out: Tensor, lse: Tensor, merge: bool) -
     if merge:
         kept = (lse - top).exp2_()
         total.add_(kept)
-        out.mul_(kept).baddbmm_(p, v)
+        _accumulate(out.mul_(kept), p, v, 1.0, scratch)
     else:
         torch.bmm(p, v, out=out)
     out.div_(total.clamp_min(torch.finfo(total.dtype).tiny))
@@ -260,13 +273,18 @@ class _Blocks:
         return -(-self.layout.total // self.size)
 
     def sizes(self, width: int) -> dict[str, int]:
-        """Buffers of a pass: p, ds (rows, C, K C), gathered or copied rows of width E."""
+        """Buffers of a pass: p, ds (rows, C, K C); dout's rows when it must be copied; the
+        gathered keys and values and the key-side product of gathered windows; the gathered
+        queries and output rows of a gathered layout (rows of width E = ``width``)."""
         rows, c, kc = min(self.step, self.rows), self.size, self.slots * self.size
-        return {
-            "p": rows * c * kc, "ds": rows * c * kc, "q": rows * c * width,
-            "do": rows * c * width, "o": rows * c * width, "k": rows * kc * width,
-            "v": rows * kc * width, "part": max(rows * kc, (rows + self.slots - 1) * c) * width,
-        }
+        sizes = {"p": rows * c * kc, "ds": rows * c * kc, "do": rows * c * width}
+        if self.index is not None or not self.layout.identity:
+            # A band's span of rows + K - 1 blocks is at most rows K blocks.
+            sizes |= {"k": rows * kc * width, "v": rows * kc * width,
+                      "part": max(rows * kc, (rows + self.slots - 1) * c) * width}
+        if not self.layout.identity:
+            sizes |= {"q": rows * c * width, "o": rows * c * width}
+        return sizes
 
     def _read(self, x: Tensor, u0: int, u1: int, ws: _Workspace, name: str) -> Tensor:
         """Flat rows of positions u0 .. u1 - 1 of x (P, E): (u1 - u0, E), a view where the
@@ -478,46 +496,53 @@ class _Blocks:
 class _Dense:
     """Every query row against a small key set shared by the rows of a sequence: the keys at
     ``positions`` (m,) of each sequence, with the additive ``bias`` (B, 1, 1, m) or None.
-    With ``key_block`` (m,), row i sees only the keys of other blocks of ``block`` positions
-    than its own (earlier blocks when ``causal``, each with ``per_block`` keys, so rows before
-    r1 see a prefix of the keys). Rows are processed ``step`` at a time, all sequences at once.
+
+    With ``block``, the keys are ``per_block`` of each block of ``block`` positions, in block
+    order, and row i sees only those of the other blocks than its own (of the earlier blocks,
+    a prefix of the keys, when ``causal``); a slice of rows then stays within one block, so its
+    keys are one prefix and its mask one row. Rows are processed ``step`` at a time (all
+    sequences at once).
     """
 
     shape: tuple[int, int, int]
     positions: Tensor
     bias: Tensor | None
-    key_block: Tensor | None
-    block: int
+    block: int | None
     per_block: int
     causal: bool
     step: int
 
-    def _visible(self, r1: int) -> int:
-        """How many keys rows before r1 may see (a prefix when causal)."""
-        m = self.positions.numel()
-        return min(m, (r1 - 1) // self.block * self.per_block) if self.causal else m
-
-    def _biases(self, r0: int, r1: int, m: int, dtype: torch.dtype) -> list[Tensor]:
-        """The additive terms of rows r0 .. r1 - 1 against the first m keys."""
+    def _biases(self, r0: int, m: int, dtype: torch.dtype) -> list[Tensor]:
+        """The additive terms of a slice starting at row r0 against the first m keys."""
         biases = [] if self.bias is None else [self.bias[..., :m]]
-        if self.key_block is not None:
-            rows = torch.arange(r0, r1, device=self.positions.device)[:, None] // self.block
-            keys = self.key_block[:m]
-            ok = keys < rows if self.causal else keys != rows
-            biases.append(torch.zeros(ok.shape, dtype=dtype, device=ok.device)
-                          .masked_fill_(~ok, _NEG_INF))
+        if self.block is not None and not self.causal:
+            own = r0 // self.block * self.per_block
+            mask = torch.zeros(m, dtype=dtype, device=self.positions.device)
+            mask[own : own + self.per_block] = _NEG_INF
+            biases.append(mask)
         return biases
 
     def _slices(self, n: int) -> list[tuple[int, int, int]]:
-        """(r0, r1, visible keys) of the row slices with at least one visible key."""
-        return [(r0, min(n, r0 + self.step), self._visible(min(n, r0 + self.step)))
-                for r0 in range(0, n, self.step)
-                if self._visible(min(n, r0 + self.step)) > 0]
+        """(r0, r1, m): rows r0 .. r1 - 1 see (some of) the first m keys; slices where m = 0
+        are left out."""
+        m = self.positions.numel()
+        if self.block is None:
+            return [(r0, min(n, r0 + self.step), m) for r0 in range(0, n, self.step)]
+        per = -(-self.block // -(-self.block // self.step))
+        slices = []
+        for start in range(0, n, self.block):
+            end = min(n, start + self.block)
+            visible = min(m, start // self.block * self.per_block) if self.causal else m
+            slices += [(r0, min(end, r0 + per), visible)
+                       for r0 in range(start, end, per) if visible > 0]
+        return slices
 
     def sizes(self, width: int) -> dict[str, int]:
-        """Buffers of a pass: p, ds (B H, rows, m), dout's rows."""
+        """Buffers of a pass: p, ds (B H, rows, m); dout's rows; products of a slice's rows
+        and of the keys."""
         g, m = self.shape[0] * self.shape[1], self.positions.numel()
-        return {"p": g * self.step * m, "ds": g * self.step * m, "do": g * self.step * width}
+        return {"p": g * self.step * m, "ds": g * self.step * m, "do": g * self.step * width,
+                "o": g * self.step * width, "part": g * m * width}
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
                 merge: bool, ws: _Workspace) -> None:
@@ -529,10 +554,10 @@ class _Dense:
         for r0, r1, m in self._slices(n):
             p = ws.take("p", *q4.shape[:2], r1 - r0, m)
             _scores(p, q4[:, :, r0:r1].reshape(g, r1 - r0, -1), km[:, :m], scale,
-                    self._biases(r0, r1, m, q.dtype))
+                    self._biases(r0, m, q.dtype))
             o = out4[:, :, r0:r1].view(g, r1 - r0, -1)
             s = lse4[:, :, r0:r1].view(g, r1 - r0, 1)
-            _softmax_into(p.view(g, r1 - r0, m), vm[:, :m], o, s, merge)
+            _softmax_into(p.view(g, r1 - r0, m), vm[:, :m], o, s, merge, ws.take("o", o.numel()))
 
     def backward(self, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, shift: Tensor,
                  grads: tuple[Tensor, Tensor, Tensor], scale: float, first: bool,
@@ -552,13 +577,14 @@ class _Dense:
             qs = q4[:, :, r0:r1].reshape(g, r1 - r0, d)
             do = _matrices(do4[:, :, r0:r1].reshape(g, r1 - r0, e), ws, "do")
             _scores(p.view(*q4.shape[:2], r1 - r0, m), qs, km[:, :m], scale,
-                    self._biases(r0, r1, m, q.dtype))
+                    self._biases(r0, m, q.dtype))
             p.sub_(lse4[:, :, r0:r1].reshape(g, r1 - r0, 1)).exp2_()
             torch.bmm(do, vm[:, :m].transpose(1, 2), out=ds)
             ds.sub_(shift4[:, :, r0:r1].reshape(g, r1 - r0, 1)).mul_(p)
-            dq4[:, :, r0:r1].view(g, r1 - r0, d).baddbmm_(ds, km[:, :m], alpha=scale)
-            dkm[:, :m].baddbmm_(ds.transpose(1, 2), qs, alpha=scale)
-            dvm[:, :m].baddbmm_(p.transpose(1, 2), do)
+            _accumulate(dq4[:, :, r0:r1].view(g, r1 - r0, d), ds, km[:, :m], scale,
+                        ws.take("o", g * (r1 - r0) * d))
+            _accumulate(dkm[:, :m], ds.transpose(1, 2), qs, scale, ws.take("part", g * m * d))
+            _accumulate(dvm[:, :m], p.transpose(1, 2), do, 1.0, ws.take("part", g * m * e))
         dk4.index_add_(2, self.positions, dkm.view(*q4.shape[:2], -1, d))
         dv4.index_add_(2, self.positions, dvm.view(*q4.shape[:2], -1, e))
 
@@ -567,7 +593,11 @@ class _Dense:
 class _GlobalRows:
     """The rows at ``tokens`` (G,) of every sequence attend to every key (additive ``bias``
     (B, 1, 1, N) of the padding): their softmax replaces whatever the other pieces gave them.
-    Tokens are processed ``step`` at a time."""
+
+    Keys are processed ``step`` at a time for all G rows: the forward merges each slice of keys
+    into the rows' softmax (online), and the backward, which knows their lse, adds each slice's
+    dk and dv once (slices of rows would each pass over all of dk and dv).
+    """
 
     shape: tuple[int, int, int]
     tokens: Tensor
@@ -575,26 +605,39 @@ class _GlobalRows:
     step: int
 
     def sizes(self, width: int) -> dict[str, int]:
-        """Buffers of a pass: p, ds (B H, tokens, N)."""
+        """Buffers of a pass: p, ds (B H, G, keys); the products of a slice of keys."""
+        b, h, _ = self.shape
+        slice_ = b * h * self.tokens.numel() * self.step
+        return {"p": slice_, "ds": slice_, "part": b * h * self.step * width}
+
+    def _slices(self, ws: _Workspace, name: str) -> list[tuple[int, int, Tensor]]:
+        """(j0, j1, buffer (B H, G, j1 - j0)) of every slice of keys."""
         b, h, n = self.shape
-        return {"p": b * h * self.step * n, "ds": b * h * self.step * n}
+        g = b * h
+        return [(j0, min(n, j0 + self.step),
+                 ws.take(name, g, self.tokens.numel(), min(n, j0 + self.step) - j0))
+                for j0 in range(0, n, self.step)]
+
+    def _scores(self, p: Tensor, qt: Tensor, kj: Tensor, j0: int, j1: int, scale: float) -> None:
+        """Scores of the G rows against keys j0 .. j1 - 1 into p (B H, G, j1 - j0)."""
+        b, h, _ = self.shape
+        biases = [] if self.bias is None else [self.bias[..., j0:j1]]
+        _scores(p.view(b, h, *p.shape[1:]), qt, kj, scale, biases)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
                 ws: _Workspace) -> None:
         """Overwrites the global rows of out (P + spare, Dv) and lse (P + spare,)."""
         q4, k4, v4, out4, lse4 = _sequences(self.shape, q, k, v, out, lse)
-        b, h, n, _ = q4.shape
-        biases = [] if self.bias is None else [self.bias]
-        for t0 in range(0, self.tokens.numel(), self.step):
-            rows = self.tokens[t0 : t0 + self.step]
-            t = rows.numel()
-            p = ws.take("p", b, h, t, n)
-            _scores(p, q4.index_select(2, rows).view(b * h, t, -1), k4.view(b * h, n, -1),
-                    scale, biases)
-            o, s = q.new_empty(b * h, t, v4.shape[-1]), q.new_empty(b * h, t, 1)
-            _softmax_into(p.view(b * h, t, n), v4.view(b * h, n, -1), o, s, merge=False)
-            out4.index_copy_(2, rows, o.view(b, h, t, -1))
-            lse4.index_copy_(2, rows, s.view(b, h, t))
+        b, h, n, d = q4.shape
+        t, g = self.tokens.numel(), b * h
+        qt = q4.index_select(2, self.tokens).view(g, t, d)
+        o = q.new_zeros(g, t, v4.shape[-1])
+        s = q.new_full((g, t, 1), _NEG_INF)
+        for j0, j1, p in self._slices(ws, "p"):
+            self._scores(p, qt, k4[:, :, j0:j1].reshape(g, j1 - j0, d), j0, j1, scale)
+            _softmax_into(p, v4[:, :, j0:j1].reshape(g, j1 - j0, -1), o, s, merge=True)
+        out4.index_copy_(2, self.tokens, o.view(b, h, t, -1))
+        lse4.index_copy_(2, self.tokens, s.view(b, h, t))
 
     def backward(self, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, shift: Tensor,
                  grads: tuple[Tensor, Tensor, Tensor], scale: float, ws: _Workspace) -> None:
@@ -603,21 +646,25 @@ class _GlobalRows:
             self.shape, q, k, v, dout, lse, shift, *grads
         )
         b, h, n, d = q4.shape
-        k3, v3 = k4.view(b * h, n, d), v4.view(b * h, n, -1)
-        dk3, dv3 = dk4.view(b * h, n, d), dv4.view(b * h, n, -1)
-        biases = [] if self.bias is None else [self.bias]
-        for t0 in range(0, self.tokens.numel(), self.step):
-            rows = self.tokens[t0 : t0 + self.step]
-            t = rows.numel()
-            qt = q4.index_select(2, rows).view(b * h, t, d)
-            dot = do4.index_select(2, rows).view(b * h, t, -1)
-            p = _scores(ws.take("p", b, h, t, n), qt, k3, scale, biases)
-            p.sub_(lse4.index_select(2, rows).view(b * h, t, 1)).exp2_()
-            ds = torch.bmm(dot, v3.transpose(1, 2), out=ws.take("ds", b * h, t, n))
-            ds.sub_(shift4.index_select(2, rows).view(b * h, t, 1)).mul_(p)
-            dq4.index_add_(2, rows, torch.bmm(ds, k3).view(b, h, t, d), alpha=scale)
-            dk3.baddbmm_(ds.transpose(1, 2), qt, alpha=scale)
-            dv3.baddbmm_(p.transpose(1, 2), dot)
+        t, g, e = self.tokens.numel(), b * h, v4.shape[-1]
+        qt = q4.index_select(2, self.tokens).view(g, t, d)
+        dot = do4.index_select(2, self.tokens).view(g, t, e)
+        st = lse4.index_select(2, self.tokens).view(g, t, 1)
+        sht = shift4.index_select(2, self.tokens).view(g, t, 1)
+        dqt = torch.zeros_like(qt)
+        for (j0, j1, p), (_, _, ds) in zip(self._slices(ws, "p"), self._slices(ws, "ds"),
+                                           strict=True):
+            kj, vj = k4[:, :, j0:j1].reshape(g, j1 - j0, d), v4[:, :, j0:j1].reshape(g, j1 - j0, e)
+            self._scores(p, qt, kj, j0, j1, scale)
+            p.sub_(st).exp2_()
+            torch.bmm(dot, vj.transpose(1, 2), out=ds)
+            ds.sub_(sht).mul_(p)
+            dqt.baddbmm_(ds, kj, alpha=scale)
+            _accumulate(dk4[:, :, j0:j1].view(g, j1 - j0, d), ds.transpose(1, 2), qt, scale,
+                        ws.take("part", g * (j1 - j0) * d))
+            _accumulate(dv4[:, :, j0:j1].view(g, j1 - j0, e), p.transpose(1, 2), dot, 1.0,
+                        ws.take("part", g * (j1 - j0) * e))
+        dq4.index_add_(2, self.tokens, dqt.view(b, h, t, d))
 
 
 def _sequences(shape: tuple[int, int, int], *xs: Tensor) -> list[Tensor]:
@@ -854,21 +901,17 @@ def _summary_plan(piece: Summary, ctx: _Context) -> list[_Plan]:
                  + torch.arange(s - c, s, device=ctx.device)).flatten()[: (rows - 1) * c + last]
     bias = None if ctx.skip is None else _additive(ctx.skip.index_select(1, positions),
                                                    ctx.dtype)[:, None, None, :]
-    step = ctx.step(b * h * (2 * positions.numel() + ctx.width))
-    if piece.causal:
-        # At least 8 slices: rows before r1 score the keys of earlier blocks alone, so the
-        # scored prefix then averages about 9/16 of the keys, not all.
-        step = min(step, -(-n // 8))
-    return [_Dense(ctx.shape, positions, bias, positions // s, s, c, piece.causal, step)]
+    return [_Dense(ctx.shape, positions, bias, s, c, piece.causal,
+                   ctx.step(b * h * (2 * positions.numel() + ctx.width)))]
 
 
 def _global_plans(tokens: Tensor, ctx: _Context, padding: Tensor | None) -> list[_Plan]:
     b, h, n = ctx.shape
     tokens = tokens.to(ctx.device)
     bias = None if padding is None else _additive(padding, ctx.dtype)[:, None, None, :]
-    columns = _Dense(ctx.shape, tokens, None if bias is None else bias[..., tokens], None, 1, 1,
+    columns = _Dense(ctx.shape, tokens, None if bias is None else bias[..., tokens], None, 1,
                      False, ctx.step(b * h * (2 * tokens.numel() + ctx.width)))
-    return [columns, _GlobalRows(ctx.shape, tokens, bias, ctx.step(2 * b * h * n))]
+    return [columns, _GlobalRows(ctx.shape, tokens, bias, ctx.step(2 * b * h * tokens.numel()))]
 
 
 def sparse_attention(
