@@ -231,7 +231,7 @@ class _Workspace:
     live. Pages of the arena a piece never writes are never touched, so cost no memory."""
 
     def __init__(self, like: Tensor, needs: Sequence[dict[str, int]]) -> None:
-        self.arena = like.new_empty(max((sum(sizes.values()) for sizes in needs), default=0))
+        self.arena = like.new_empty(max([0] + [sum(sizes.values()) for sizes in needs]))
         self.buffers: dict[str, Tensor] = {}
 
     def use(self, sizes: dict[str, int]) -> _Workspace:
@@ -960,7 +960,7 @@ def sparse_attention(
     # Global rows replace what the other pieces gave them: last.
     if tokens:
         plans.extend(_global_plans(tokens[0], ctx, key_mask))
-    spare = max([plan.size for plan in plans if isinstance(plan, _Blocks)], default=1)
+    spare = max([1] + [plan.size for plan in plans if isinstance(plan, _Blocks)])
     return _Attention.apply(q.contiguous(), k.contiguous(), v.contiguous(), tuple(plans), spare,
                             scale)
 
