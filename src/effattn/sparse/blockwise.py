@@ -130,11 +130,13 @@ def _scores(out: Tensor, q: Tensor, k: Tensor, scale: float, biases: Sequence[Te
     return flat.baddbmm_(q, k.transpose(-2, -1), alpha=alpha)
 
 
-def _accumulate(target: Tensor, a: Tensor, b: Tensor, alpha: float, scratch: Tensor) -> None:
+def _accumulate(target: Tensor, a: Tensor, b: Tensor, alpha: float,
+                scratch: Tensor | None) -> None:
     """target (G, n, E) += alpha a @ b. ATen multiplies into a target whose batches are not laid
     out one after the other (a slice of rows of every head) one batch at a time: such a target
-    gets the product in ``scratch`` (at least G n E elements) and one add."""
-    if target.is_contiguous():
+    gets the product in ``scratch`` (at least G n E elements; only such a target needs it) and
+    one add."""
+    if target.is_contiguous() or scratch is None:
         target.baddbmm_(a, b, alpha=alpha)
     else:
         target.add_(torch.bmm(a, b, out=scratch[: target.numel()].view(target.shape)),
@@ -156,7 +158,7 @@ def _softmax_into(p: Tensor, v: Tensor, out: Tensor, lse: Tensor, merge: bool,
     if merge:
         top = torch.maximum(top, lse)
     # The row max only stabilises the exponent; rows with no allowed key keep -inf scores, so
-    # exp gives 0 there and lse = -inf.
+    # exp2 gives 0 there and lse = -inf.
     top.masked_fill_(top == _NEG_INF, 0.0)
     total = p.sub_(top).exp2_().sum(-1, keepdim=True)
     if merge:
@@ -545,8 +547,8 @@ class _Dense:
                 "o": g * self.step * width, "part": g * m * width}
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-                merge: bool, ws: _Workspace) -> None:
-        """Merges (or writes) the piece into out (P + spare, Dv) and lse (P + spare,)."""
+                ws: _Workspace) -> None:
+        """Merges the piece into out (P + spare, Dv) and lse (P + spare,)."""
         q4, k4, v4, out4, lse4 = _sequences(self.shape, q, k, v, out, lse)
         g, n = q4.shape[0] * q4.shape[1], q4.shape[2]
         km = k4.index_select(2, self.positions).view(g, -1, k4.shape[-1])
@@ -557,12 +559,11 @@ class _Dense:
                     self._biases(r0, m, q.dtype))
             o = out4[:, :, r0:r1].view(g, r1 - r0, -1)
             s = lse4[:, :, r0:r1].view(g, r1 - r0, 1)
-            _softmax_into(p.view(g, r1 - r0, m), vm[:, :m], o, s, merge, ws.take("o", o.numel()))
+            _softmax_into(p.view(g, r1 - r0, m), vm[:, :m], o, s, True, ws.take("o", o.numel()))
 
     def backward(self, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, shift: Tensor,
-                 grads: tuple[Tensor, Tensor, Tensor], scale: float, first: bool,
-                 ws: _Workspace) -> None:
-        """Adds the piece's gradients into grads = (dq, dk, dv) (``first``: dq is zeroed)."""
+                 grads: tuple[Tensor, Tensor, Tensor], scale: float, ws: _Workspace) -> None:
+        """Adds the piece's gradients into grads = (dq, dk, dv) (P + spare, E)."""
         q4, k4, v4, do4, lse4, shift4, dq4, dk4, dv4 = _sequences(
             self.shape, q, k, v, dout, lse, shift, *grads
         )
@@ -570,8 +571,6 @@ class _Dense:
         km = k4.index_select(2, self.positions).view(g, -1, d)
         vm = v4.index_select(2, self.positions).view(g, -1, e)
         dkm, dvm = torch.zeros_like(km), torch.zeros_like(vm)
-        if first:
-            dq4.zero_()
         for r0, r1, m in self._slices(n):
             p, ds = ws.take("p", g, r1 - r0, m), ws.take("ds", g, r1 - r0, m)
             qs = q4[:, :, r0:r1].reshape(g, r1 - r0, d)
@@ -697,17 +696,17 @@ class _Attention(torch.autograd.Function):
         # The spare rows are read where a piece merges missing positions: keep them empty.
         out[rows:] = 0.0
         lse[rows:] = _NEG_INF
-        writes = bool(plans) and isinstance(plans[0], _Blocks)
-        if not writes:
+        if not (plans and isinstance(plans[0], _Blocks)):
+            # Only a block piece writes every row: the others merge into the empty softmax.
             out.zero_()
             lse.fill_(_NEG_INF)
         width = max(d, v.shape[-1])
         ws = _Workspace(q, [plan.sizes(width) for plan in plans])
         for i, plan in enumerate(plans):
-            if isinstance(plan, _GlobalRows):
-                plan.forward(*flat, out, lse, scale, ws.use(plan.sizes(width)))
+            if isinstance(plan, _Blocks):
+                plan.forward(*flat, out, lse, scale, i > 0, ws.use(plan.sizes(width)))
             else:
-                plan.forward(*flat, out, lse, scale, i > 0 or not writes, ws.use(plan.sizes(width)))
+                plan.forward(*flat, out, lse, scale, ws.use(plan.sizes(width)))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plans, ctx.scale = plans, scale
         return out[:rows].view(b, h, n, -1), lse[:rows].mul(math.log(2.0)).view(b, h, n)
@@ -726,7 +725,7 @@ class _Attention(torch.autograd.Function):
         product = {"product": max(1, SLICE_ELEMENTS // e) * e}
         ws = _Workspace(q, [*needs, product])
         shift = _shift(do, out, dlse.reshape(rows), ws.use(product))
-        # p = exp(s - lse) must be 0 in rows without keys (s = lse = -inf) and in spare rows.
+        # p = 2^(s - lse) must be 0 in rows without keys (s = lse = -inf) and in spare rows.
         safe = lse.masked_fill(lse == _NEG_INF, 0.0)
         safe[rows:] = float("inf")
         others = safe
@@ -736,18 +735,19 @@ class _Attention(torch.autograd.Function):
                 # their p is 0.
                 others = safe.clone()
                 _sequences((b, h, n), others)[0].index_fill_(2, plan.tokens, float("inf"))
-        writes = bool(plans) and isinstance(plans[0], _Blocks)
         dq = q.new_empty(out.shape[0], d)
-        if not writes:
+        if not (plans and isinstance(plans[0], _Blocks)):
             dq.zero_()
         dk, dv = q.new_zeros(out.shape[0], d), q.new_zeros(out.shape[0], e)
+        grads = dq, dk, dv
         for i, plan in enumerate(plans):
-            if isinstance(plan, _GlobalRows):
-                plan.backward(*flat, do, safe, shift, (dq, dk, dv), scale,
+            if isinstance(plan, _Blocks):
+                plan.backward(*flat, do, others, shift, grads, scale, i == 0,
                               ws.use(plan.sizes(width)))
+            elif isinstance(plan, _Dense):
+                plan.backward(*flat, do, others, shift, grads, scale, ws.use(plan.sizes(width)))
             else:
-                plan.backward(*flat, do, others, shift, (dq, dk, dv), scale, i == 0 and writes,
-                              ws.use(plan.sizes(width)))
+                plan.backward(*flat, do, safe, shift, grads, scale, ws.use(plan.sizes(width)))
         return (dq[:rows].view(q.shape), dk[:rows].view(k.shape), dv[:rows].view(v.shape),
                 None, None, None)
 
