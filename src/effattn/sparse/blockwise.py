@@ -906,8 +906,9 @@ def _global_plans(tokens: Tensor, ctx: _Context, padding: Tensor | None) -> list
     b, h, n = ctx.shape
     tokens = tokens.to(ctx.device)
     bias = None if padding is None else _additive(padding, ctx.dtype)[:, None, None, :]
+    # A row holds p, ds (G each) and dout's and the merged output's rows (width each).
     columns = _Dense(ctx.shape, tokens, None if bias is None else bias[..., tokens], None, 1,
-                     False, ctx.step(b * h * (2 * tokens.numel() + ctx.width)))
+                     False, ctx.step(2 * b * h * (tokens.numel() + ctx.width)))
     return [columns, _GlobalRows(ctx.shape, tokens, bias, ctx.step(2 * b * h * tokens.numel()))]
 
 
