@@ -37,10 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# Every slice's scores, probabilities and copied rows hold about this many elements: enough for
-# efficient batched matmuls, few enough that a slice stays in the caches and that forward plus
-# backward need little beyond q, k, v, out and the gradients (2 MiB per fp32 buffer).
-SLICE_ELEMENTS = 1 << 19
+# A backward slice's scores, probabilities and copied rows hold about twice this many elements
+# (a forward slice's scores as many, for twice the rows): enough for efficient batched matmuls,
+# few enough that a slice stays in the caches and that forward plus backward need little beyond
+# q, k, v, out and the gradients (1 MiB per fp32 buffer; 2 MiB made the fwd+bwd peak of
+# bigbird at N=4096 39.7 MiB against 33.9, for 2% of its time, paired).
+SLICE_ELEMENTS = 1 << 18
 
 _NEG_INF = float("-inf")
 # Scores and log-sum-exps are kept in units of log2 inside the engine: ATen's exp2 of fp32 runs
@@ -230,10 +232,19 @@ class _Workspace:
     """The buffers of one pass (forward or backward): one arena, carved into each piece's named
     buffers in turn (:meth:`use`), which its slices reuse. Slices then allocate nothing: fresh
     slice-sized tensors fragment the allocator's heap, which then keeps more resident than is
-    live. Pages of the arena a piece never writes are never touched, so cost no memory."""
+    live. Pages of the arena a piece never writes are never touched, so cost no memory.
 
-    def __init__(self, like: Tensor, needs: Sequence[dict[str, int]]) -> None:
-        self.arena = like.new_empty(max([0] + [sum(sizes.values()) for sizes in needs]))
+    Both passes allocate the arena of the larger of their needs (``plans``' buffers in the
+    forward and the backward, and ``extra``): the backward then reuses the block the forward
+    freed, where an arena of another size would leave that block resident beside it (up to
+    4 MiB more at N = 4096).
+    """
+
+    def __init__(self, like: Tensor, plans: Sequence[_Plan], width: int,
+                 extra: int = 0) -> None:
+        needs = [sum(plan.sizes(width, forward).values())
+                 for plan in plans for forward in (True, False)]
+        self.arena = like.new_empty(max([extra, *needs]))
         self.buffers: dict[str, Tensor] = {}
 
     def use(self, sizes: dict[str, int]) -> _Workspace:
@@ -274,18 +285,29 @@ class _Blocks:
     def rows(self) -> int:
         return -(-self.layout.total // self.size)
 
-    def sizes(self, width: int) -> dict[str, int]:
-        """Buffers of a pass: p, ds (rows, C, K C); dout's rows when it must be copied; the
-        gathered keys and values and the key-side product of gathered windows; the gathered
-        queries and output rows of a gathered layout (rows of width E = ``width``)."""
-        rows, c, kc = min(self.step, self.rows), self.size, self.slots * self.size
-        sizes = {"p": rows * c * kc, "ds": rows * c * kc, "do": rows * c * width}
-        if self.index is not None or not self.layout.identity:
+    def rows_per_slice(self, forward: bool) -> int:
+        """``step`` rows per backward slice; a forward slice holds the scores alone, not also
+        ds, so it takes twice as many at about the same memory."""
+        return 2 * self.step if forward else self.step
+
+    def sizes(self, width: int, forward: bool) -> dict[str, int]:
+        """Buffers of a pass (rows of width E = ``width``): p (rows, C, K C); the gathered keys
+        and values of gathered windows; the gathered queries and output rows of a gathered
+        layout; in the backward also ds, dout's rows (copied when laid out for no matmul) and
+        the key-side product of gathered windows."""
+        rows = min(self.rows_per_slice(forward), self.rows)
+        c, kc = self.size, self.slots * self.size
+        gathered = self.index is not None or not self.layout.identity
+        sizes = {"p": rows * c * kc}
+        if gathered:
             # A band's span of rows + K - 1 blocks is at most rows K blocks.
-            sizes |= {"k": rows * kc * width, "v": rows * kc * width,
-                      "part": max(rows * kc, (rows + self.slots - 1) * c) * width}
+            sizes |= {"k": rows * kc * width, "v": rows * kc * width}
         if not self.layout.identity:
             sizes |= {"q": rows * c * width, "o": rows * c * width}
+        if not forward:
+            sizes |= {"ds": rows * c * kc, "do": rows * c * width}
+            if gathered:
+                sizes["part"] = max(rows * kc, (rows + self.slots - 1) * c) * width
         return sizes
 
     def _read(self, x: Tensor, u0: int, u1: int, ws: _Workspace, name: str) -> Tensor:
@@ -377,22 +399,23 @@ class _Blocks:
         )
         return query[:, :, None] != key[:, None, :]
 
-    def slices(self) -> list[tuple[int, int]]:
-        """Row ranges of at most ``step`` rows. For in-place bands, the first ``back`` and the
-        last ``K - back`` rows, whose windows reach past the ends and are read as padded
-        copies, get slices of their own, so those copies stay small."""
+    def slices(self, forward: bool) -> list[tuple[int, int]]:
+        """Row ranges of at most :meth:`rows_per_slice` rows. For in-place bands, the first
+        ``back`` and the last ``K - back`` rows, whose windows reach past the ends and are read
+        as padded copies, get slices of their own, so those copies stay small."""
+        step = self.rows_per_slice(forward)
         cuts = {0, self.rows}
         if self.index is None and self.layout.identity:
             cuts |= {min(self.back, self.rows), max(0, self.rows - self.slots + self.back)}
         bounds = sorted(cuts)
-        return [(r0, min(end, r0 + self.step))
+        return [(r0, min(end, r0 + step))
                 for start, end in zip(bounds, bounds[1:], strict=False)
-                for r0 in range(start, end, self.step)]
+                for r0 in range(start, end, step)]
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
                 merge: bool, ws: _Workspace) -> None:
         """Writes (or merges) the piece into out (P + spare, Dv) and lse (P + spare,)."""
-        for r0, r1 in self.slices():
+        for r0, r1 in self.slices(forward=True):
             self._forward_slice(q, k, v, out, lse, scale, merge, ws, r0, r1)
 
     def _forward_slice(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -423,7 +446,7 @@ class _Blocks:
 
         lse (P + spare,): +inf where p must be 0; shift: rowsum(do * out) - dlse.
         """
-        for r0, r1 in self.slices():
+        for r0, r1 in self.slices(forward=False):
             self._backward_slice(q, k, v, dout, lse, shift, grads, scale, first, ws, r0, r1)
 
     def _backward_slice(self, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor,
@@ -526,23 +549,34 @@ class _Dense:
             biases.append(mask)
         return biases
 
-    def _slices(self, n: int) -> list[tuple[int, int, int]]:
+    def rows_per_slice(self, forward: bool) -> int:
+        """A block; else ``step`` rows per backward slice and twice as many per forward slice
+        (which holds the scores alone, not also ds)."""
+        if self.block is not None:
+            return self.block
+        return 2 * self.step if forward else self.step
+
+    def _slices(self, n: int, forward: bool) -> list[tuple[int, int, int]]:
         """(r0, r1, m): rows r0 .. r1 - 1 see (some of) the first m keys; slices where m = 0
         are left out."""
         m = self.positions.numel()
         if self.block is None:
-            return [(r0, min(n, r0 + self.step), m) for r0 in range(0, n, self.step)]
+            step = self.rows_per_slice(forward)
+            return [(r0, min(n, r0 + step), m) for r0 in range(0, n, step)]
         visible = [min(m, r0 // self.block * self.per_block) if self.causal else m
                    for r0 in range(0, n, self.block)]
         return [(r0, min(n, r0 + self.block), keys)
                 for r0, keys in zip(range(0, n, self.block), visible, strict=True) if keys > 0]
 
-    def sizes(self, width: int) -> dict[str, int]:
-        """Buffers of a pass: p, ds (B H, rows, m); dout's rows; products of a slice's rows
-        and of the keys."""
+    def sizes(self, width: int, forward: bool) -> dict[str, int]:
+        """Buffers of a pass: p (B H, rows, m) and the products of a slice's rows; in the
+        backward also ds, dout's rows and the products of the keys."""
         g, m = self.shape[0] * self.shape[1], self.positions.numel()
-        return {"p": g * self.step * m, "ds": g * self.step * m, "do": g * self.step * width,
-                "o": g * self.step * width, "part": g * m * width}
+        rows = self.rows_per_slice(forward)
+        sizes = {"p": g * rows * m, "o": g * rows * width}
+        if not forward:
+            sizes |= {"ds": g * rows * m, "do": g * rows * width, "part": g * m * width}
+        return sizes
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
                 ws: _Workspace) -> None:
@@ -551,7 +585,7 @@ class _Dense:
         g, n = q4.shape[0] * q4.shape[1], q4.shape[2]
         km = k4.index_select(2, self.positions).view(g, -1, k4.shape[-1])
         vm = v4.index_select(2, self.positions).view(g, -1, v4.shape[-1])
-        for r0, r1, m in self._slices(n):
+        for r0, r1, m in self._slices(n, forward=True):
             p = ws.take("p", *q4.shape[:2], r1 - r0, m)
             _scores(p, q4[:, :, r0:r1].reshape(g, r1 - r0, -1), km[:, :m], scale,
                     self._biases(r0, m, q.dtype))
@@ -569,7 +603,7 @@ class _Dense:
         km = k4.index_select(2, self.positions).view(g, -1, d)
         vm = v4.index_select(2, self.positions).view(g, -1, e)
         dkm, dvm = torch.zeros_like(km), torch.zeros_like(vm)
-        for r0, r1, m in self._slices(n):
+        for r0, r1, m in self._slices(n, forward=False):
             p, ds = ws.take("p", g, r1 - r0, m), ws.take("ds", g, r1 - r0, m)
             qs = q4[:, :, r0:r1].reshape(g, r1 - r0, d)
             do = _matrices(do4[:, :, r0:r1].reshape(g, r1 - r0, e), ws, "do")
@@ -601,19 +635,27 @@ class _GlobalRows:
     bias: Tensor | None
     step: int
 
-    def sizes(self, width: int) -> dict[str, int]:
-        """Buffers of a pass: p, ds (B H, G, keys); the products of a slice of keys."""
-        b, h, _ = self.shape
-        slice_ = b * h * self.tokens.numel() * self.step
-        return {"p": slice_, "ds": slice_, "part": b * h * self.step * width}
+    def keys_per_slice(self, forward: bool) -> int:
+        """``step`` keys per backward slice, twice as many per forward slice (which holds the
+        scores alone, not also ds)."""
+        return 2 * self.step if forward else self.step
 
-    def _slices(self, ws: _Workspace, name: str) -> list[tuple[int, int, Tensor]]:
+    def sizes(self, width: int, forward: bool) -> dict[str, int]:
+        """Buffers of a pass: p (B H, G, keys); in the backward also ds and the products of a
+        slice of keys."""
+        b, h, _ = self.shape
+        keys = self.keys_per_slice(forward)
+        scores = b * h * self.tokens.numel() * keys
+        return {"p": scores} if forward else {"p": scores, "ds": scores,
+                                              "part": b * h * keys * width}
+
+    def _slices(self, ws: _Workspace, name: str,
+                forward: bool) -> list[tuple[int, int, Tensor]]:
         """(j0, j1, buffer (B H, G, j1 - j0)) of every slice of keys."""
         b, h, n = self.shape
-        g = b * h
-        return [(j0, min(n, j0 + self.step),
-                 ws.take(name, g, self.tokens.numel(), min(n, j0 + self.step) - j0))
-                for j0 in range(0, n, self.step)]
+        g, step = b * h, self.keys_per_slice(forward)
+        spans = [(j0, min(n, j0 + step)) for j0 in range(0, n, step)]
+        return [(j0, j1, ws.take(name, g, self.tokens.numel(), j1 - j0)) for j0, j1 in spans]
 
     def _scores(self, p: Tensor, qt: Tensor, kj: Tensor, j0: int, j1: int, scale: float) -> None:
         """Scores of the G rows against keys j0 .. j1 - 1 into p (B H, G, j1 - j0)."""
@@ -630,7 +672,7 @@ class _GlobalRows:
         qt = q4.index_select(2, self.tokens).view(g, t, d)
         o = q.new_zeros(g, t, v4.shape[-1])
         s = q.new_full((g, t, 1), _NEG_INF)
-        for j0, j1, p in self._slices(ws, "p"):
+        for j0, j1, p in self._slices(ws, "p", forward=True):
             self._scores(p, qt, k4[:, :, j0:j1].reshape(g, j1 - j0, d), j0, j1, scale)
             _softmax_into(p, v4[:, :, j0:j1].reshape(g, j1 - j0, -1), o, s, merge=True)
         out4.index_copy_(2, self.tokens, o.view(b, h, t, -1))
@@ -649,8 +691,8 @@ class _GlobalRows:
         st = lse4.index_select(2, self.tokens).view(g, t, 1)
         sht = shift4.index_select(2, self.tokens).view(g, t, 1)
         dqt = torch.zeros_like(qt)
-        for (j0, j1, p), (_, _, ds) in zip(self._slices(ws, "p"), self._slices(ws, "ds"),
-                                           strict=True):
+        for (j0, j1, p), (_, _, ds) in zip(self._slices(ws, "p", forward=False),
+                                           self._slices(ws, "ds", forward=False), strict=True):
             kj, vj = k4[:, :, j0:j1].reshape(g, j1 - j0, d), v4[:, :, j0:j1].reshape(g, j1 - j0, e)
             self._scores(p, qt, kj, j0, j1, scale)
             p.sub_(st).exp2_()
@@ -699,12 +741,12 @@ class _Attention(torch.autograd.Function):
             out.zero_()
             lse.fill_(_NEG_INF)
         width = max(d, v.shape[-1])
-        ws = _Workspace(q, [plan.sizes(width) for plan in plans])
+        ws = _Workspace(q, plans, width, _product_elements(v.shape[-1]))
         for i, plan in enumerate(plans):
             if isinstance(plan, _Blocks):
-                plan.forward(*flat, out, lse, scale, i > 0, ws.use(plan.sizes(width)))
+                plan.forward(*flat, out, lse, scale, i > 0, ws.use(plan.sizes(width, True)))
             else:
-                plan.forward(*flat, out, lse, scale, ws.use(plan.sizes(width)))
+                plan.forward(*flat, out, lse, scale, ws.use(plan.sizes(width, True)))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plans, ctx.scale = plans, scale
         return out[:rows].view(b, h, n, -1), lse[:rows].mul(math.log(2.0)).view(b, h, n)
@@ -719,10 +761,8 @@ class _Attention(torch.autograd.Function):
         flat = q.view(rows, d), k.view(rows, d), v.view(rows, e)
         do = dout.reshape(rows, e)
         width = max(d, e)
-        needs = [plan.sizes(width) for plan in plans]
-        product = {"product": max(1, SLICE_ELEMENTS // e) * e}
-        ws = _Workspace(q, [*needs, product])
-        shift = _shift(do, out, dlse.reshape(rows), ws.use(product))
+        ws = _Workspace(q, plans, width, _product_elements(e))
+        shift = _shift(do, out, dlse.reshape(rows), ws.use({"product": _product_elements(e)}))
         # p = 2^(s - lse) must be 0 in rows without keys (s = lse = -inf) and in spare rows.
         safe = lse.masked_fill(lse == _NEG_INF, 0.0)
         safe[rows:] = float("inf")
@@ -741,13 +781,20 @@ class _Attention(torch.autograd.Function):
         for i, plan in enumerate(plans):
             if isinstance(plan, _Blocks):
                 plan.backward(*flat, do, others, shift, grads, scale, i == 0,
-                              ws.use(plan.sizes(width)))
+                              ws.use(plan.sizes(width, False)))
             elif isinstance(plan, _Dense):
-                plan.backward(*flat, do, others, shift, grads, scale, ws.use(plan.sizes(width)))
+                plan.backward(*flat, do, others, shift, grads, scale,
+                              ws.use(plan.sizes(width, False)))
             else:
-                plan.backward(*flat, do, safe, shift, grads, scale, ws.use(plan.sizes(width)))
+                plan.backward(*flat, do, safe, shift, grads, scale,
+                              ws.use(plan.sizes(width, False)))
         return (dq[:rows].view(q.shape), dk[:rows].view(k.shape), dv[:rows].view(v.shape),
                 None, None, None)
+
+
+def _product_elements(e: int) -> int:
+    """Elements of :func:`_shift`'s buffer for rows of Dv = e."""
+    return max(1, SLICE_ELEMENTS // e) * e
 
 
 def _shift(dout: Tensor, out: Tensor, dlse: Tensor, ws: _Workspace) -> Tensor:
@@ -804,8 +851,8 @@ class _Context:
         return _key_bias(layout, self.skip, self.shape[1], self.dtype)
 
     def step(self, per_row: int) -> int:
-        """Rows per slice when a row's temporaries (scores, probabilities, copied rows) hold
-        ``per_row`` elements: about 2 SLICE_ELEMENTS per slice."""
+        """Rows per backward slice when a row's temporaries (scores, probabilities, copied rows)
+        hold ``per_row`` elements: about 2 SLICE_ELEMENTS per slice."""
         return max(1, 2 * SLICE_ELEMENTS // per_row)
 
     def copies(self, layout: _Layout) -> int:
