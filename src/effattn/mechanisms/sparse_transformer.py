@@ -29,7 +29,6 @@ import math
 import torch
 from torch import Tensor
 
-from effattn import reference
 from effattn.base import AttentionMethod, check_positive_int, compute_dtype
 from effattn.registry import MethodSpec, register
 from effattn.sparse import Band, Blocks, Columns, Summary, sparse_attention
@@ -127,7 +126,9 @@ def _strided_reference(
     key_padding_mask: Tensor | None = None,
 ) -> Tensor:
     """Masked softmax over the explicit N x N strided pattern."""
-    return reference.sparse_strided_attention(
+    from effattn import naive  # imported here: the references stay off the runtime path
+
+    return naive.sparse_strided_attention(
         q, k, v, stride=module.stride, causal=causal, key_padding_mask=key_padding_mask,
         scale=module.scale,
     )
@@ -143,7 +144,9 @@ def _fixed_reference(
     key_padding_mask: Tensor | None = None,
 ) -> Tensor:
     """Masked softmax over the explicit N x N fixed pattern."""
-    return reference.sparse_fixed_attention(
+    from effattn import naive  # imported here: the references stay off the runtime path
+
+    return naive.sparse_fixed_attention(
         q, k, v, stride=module.stride, c=module.c, causal=causal,
         key_padding_mask=key_padding_mask, scale=module.scale,
     )

@@ -1,6 +1,7 @@
 """The shared blockwise engine of the structured sparse patterns.
 
-See :mod:`effattn.sparse.blockwise`.
+See :mod:`effattn.sparse.blockwise`; :mod:`effattn.sparse.parallel` is the sequence-parallel
+strategy of banded methods (halos).
 """
 
 from effattn.sparse.blockwise import (

@@ -66,7 +66,8 @@ class Band:
     """``-right <= i - j <= left`` and ``(i - j) % dilation == 0``; ``block_size`` None picks
     :func:`band_block_size`. A dilated band is computed as ``dilation`` undilated bands over the
     residue classes mod ``dilation`` (``i - j = d (i' - j')`` there), so the work is
-    O(N (left + right) / dilation D)."""
+    O(N (left + right) / dilation D). A banded method describes its pattern by one (see
+    :class:`effattn.sparse.parallel.Halo`)."""
 
     left: int
     right: int
