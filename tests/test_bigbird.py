@@ -146,9 +146,9 @@ def test_half_precision_keeps_dtype():
 def test_scores_never_n_by_n(monkeypatch):
     seen = []
 
-    def spy(q, k, allowed, scale):
+    def spy(q, k, allowed, scale, softcap=None):
         seen.append(q.shape[-2] * k.shape[-2] * q.shape[:-2].numel())
-        return masked_scores(q, k, allowed, scale)
+        return masked_scores(q, k, allowed, scale, softcap)
 
     monkeypatch.setattr(blockwise, "masked_scores", spy)
     q, k, v = qkv(b=1, h=1, n=2048, d=8)

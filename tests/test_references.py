@@ -5,7 +5,9 @@ random draws to the naive formulas of ``effattn.reference``. Here, for every met
 variant its spec lists, the module's output and its gradients (q, k, v, the gate, the module's
 parameters) must match it in float64 on awkward shapes: N = 63, D = 21, Dv = 10, cross-attention
 with M = 50, left and right padding, and options small enough that chunks, windows, buckets,
-blocks, segments and strides all end in a partial one.
+blocks, segments and strides all end in a partial one. The call inputs a spec declares
+(``spec.layer.call_inputs``: a causal ``window``, per-head ``sinks``) run alone and together,
+and their gradients (the sinks') are compared too.
 """
 
 import pytest
@@ -34,9 +36,16 @@ SMALL = {
     "bucket_size": 8,
     "n_hashes": 3,
 }
-# Settings no variant lists, by option name, run as well (self-attention: a convolution of V
-# needs N == M).
-EXTRA = {"conv_kernel": 5, "dilation": 2}
+# Settings no variant lists, by option name, run as well: (value, whether cross-attention runs;
+# a convolution of V and a dilated window need N == M).
+EXTRA = {"conv_kernel": (5, False), "dilation": (2, False), "softcap": (2.0, True)}
+# Values of the call inputs (registry.CALL_INPUTS), by name; a window needs causal attention.
+CALL_INPUTS = {
+    "window": lambda: 9,
+    "sinks": lambda: torch.randn(H, dtype=torch.float64,
+                                 generator=torch.Generator().manual_seed(3)),
+}
+CAUSAL_ONLY = {"window"}
 # Tighter than this only where a method's own tests say so: FAVOR's cosine features can be
 # negative, so its normaliser cancels and rounding is amplified (tests/test_kernelized_methods.py).
 TOLERANCE = {"favor": 1e-7}
@@ -58,18 +67,28 @@ def _cases():
     for name in effattn.methods():
         spec = effattn.spec(name)
         small = {key: value for key, value in SMALL.items() if key in spec.options}
-        settings = [("small", small, spec.cross)] + [
-            (_label(variant.options), {**small, **variant.options}, spec.cross)
+        settings = [("small", small, spec.cross, ())] + [
+            (_label(variant.options), {**small, **variant.options}, spec.cross, ())
             for variant in spec.variants
-        ] + [(_label({key: value}), {**small, key: value}, False)
-             for key, value in EXTRA.items() if key in spec.options]
-        for label, options, cross_ok in settings:
+        ] + [(_label({key: value}), {**small, key: value}, cross and spec.cross, ())
+             for key, (value, cross) in EXTRA.items() if key in spec.options]
+        # Each call input alone, then all of them on top of the extra settings that combine
+        # with any mode (softmax: soft cap, window and sinks at once).
+        inputs = spec.layer.call_inputs
+        settings += [(key, small, spec.cross, (key,)) for key in inputs]
+        extra = {key: value for key, (value, cross) in EXTRA.items()
+                 if cross and key in spec.options}
+        if len(inputs) > 1 or (inputs and extra):
+            label = "+".join([_label(extra)] * bool(extra) + list(inputs))
+            settings.append((label, {**small, **extra}, spec.cross, inputs))
+        for label, options, cross_ok, call in settings:
             gated = spec.layer.gated({**spec.options, **options})
+            causal_only = gated or bool(CAUSAL_ONLY & set(call))
             for mode, (causal, padded, cross) in MODES.items():
                 if ((causal and not spec.causal) or (padded and not spec.padding_mask)
-                        or (cross and not cross_ok) or (gated and not causal)):
+                        or (cross and not cross_ok) or (causal_only and not causal)):
                     continue
-                yield pytest.param(name, options, mode, id=f"{name}-{label}-{mode}")
+                yield pytest.param(name, options, mode, call, id=f"{name}-{label}-{mode}")
 
 
 def _build(name, options):
@@ -84,8 +103,8 @@ def test_every_method_declares_a_reference():
     assert not missing, f"no dense reference in the spec of {missing}"
 
 
-@pytest.mark.parametrize("name, options, mode", list(_cases()))
-def test_module_equals_its_reference(name, options, mode, device):
+@pytest.mark.parametrize("name, options, mode, call_inputs", list(_cases()))
+def test_module_equals_its_reference(name, options, mode, call_inputs, device):
     causal, padded, cross = MODES[mode]
     spec = effattn.spec(name)
     module = _build(name, options).to(device)
@@ -96,7 +115,11 @@ def test_module_equals_its_reference(name, options, mode, device):
         call["gate"] = (torch.rand(B, H, N, dtype=torch.float64,
                                    generator=torch.Generator().manual_seed(1)) * 0.6 + 0.2
                         ).to(device)
-    inputs = [t.requires_grad_() for t in (q, k, v, *call.values())]
+    for key in call_inputs:
+        value = CALL_INPUTS[key]()
+        call[key] = value.to(device) if isinstance(value, torch.Tensor) else value
+    tensors = {key: value for key, value in call.items() if isinstance(value, torch.Tensor)}
+    inputs = [t.requires_grad_() for t in (q, k, v, *tensors.values())]
     params = [p for p in module.parameters() if p.requires_grad]
 
     out = module(q, k, v, causal=causal, key_padding_mask=mask, **call)
@@ -109,7 +132,7 @@ def test_module_equals_its_reference(name, options, mode, device):
     wrt = inputs + params
     got = torch.autograd.grad((out * probe).sum(), wrt, allow_unused=True)
     want = torch.autograd.grad((ref * probe).sum(), wrt, allow_unused=True)
-    names = ["q", "k", "v", *call] + [n for n, p in module.named_parameters() if p.requires_grad]
+    names = ["q", "k", "v", *tensors] + [n for n, p in module.named_parameters() if p.requires_grad]
     for arg, a, b in zip(names, got, want, strict=True):
         if a is None or b is None:  # an input neither path reads (fnet's q and k)
             assert a is None and b is None, f"grad {arg}: only one of the two paths uses it"

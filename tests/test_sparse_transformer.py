@@ -135,9 +135,9 @@ def test_half_precision_keeps_dtype(name):
 def test_scores_are_blockwise_never_n_by_n(monkeypatch, name):
     seen = []
 
-    def spy(q, k, allowed, scale):
+    def spy(q, k, allowed, scale, softcap=None):
         seen.append(q.shape[-2] * k.shape[-2] * q.shape[:-2].numel())
-        return masked_scores(q, k, allowed, scale)
+        return masked_scores(q, k, allowed, scale, softcap)
 
     monkeypatch.setattr(blockwise, "masked_scores", spy)
     n = 4096

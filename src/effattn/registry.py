@@ -53,12 +53,21 @@ FlopModel = Callable[[Mapping[str, Any], Problem], float]
 # The output a method approximates in the error study: (q, k, v, scale, options) -> (B, H, N, Dv).
 TargetFn = Callable[["Tensor", "Tensor", "Tensor", float, Mapping[str, Any]], "Tensor"]
 # A module's dense reference: reference(module, q, k, v, *, causal=False, key_padding_mask=None,
-# **call) -> (B, H, N, Dv), ``call`` being the module's call-time arguments (``gate=``).
+# **call) -> (B, H, N, Dv), ``call`` being the module's call-time arguments (``gate=``, and those
+# of LayerHints.call_inputs).
 ReferenceFn = Callable[..., "Tensor"]
 # How effattn.distributed splits a method along the sequence (see distributed/sequence.py):
 # "state": kernelized, ranks exchange fixed-size key states; "gather": every rank all-gathers K
 # and V; "halo": a window, ranks exchange the tokens at their slice borders.
 SEQUENCE_PARALLEL = ("state", "gather", "halo")
+# Keyword inputs a mechanism may take at call time (forward, and step/prefill when it decodes)
+# besides the gate, declared in LayerHints.call_inputs:
+# - "window": int, the caller requires causal attention restricted to a sliding window,
+#   query i sees key j iff 0 <= i - j < window; the mechanism computes exactly that pattern or
+#   raises ValueError;
+# - "sinks": (H,) float, one sink logit per head in the normaliser and no value,
+#   out_i = sum_j e^{s_ij} v_j / (e^{sink_h} + sum_j e^{s_ij}) (GPT-OSS's attention sinks).
+CALL_INPUTS = ("window", "sinks")
 
 
 @dataclass(frozen=True)
@@ -84,10 +93,12 @@ class LayerHints:
     ``gate_option``: the option that, when true, makes the mechanism take a per-head gate
     ``gate=`` (B, H, N) in (0, 1) at call time; such a gate exists for causal self-attention only,
     so encoders and cross-attention build the mechanism without it.
+    ``call_inputs``: the names of :data:`CALL_INPUTS` its forward (and step/prefill) take.
     """
 
     parameter_free: bool = False
     gate_option: str | None = None
+    call_inputs: tuple[str, ...] = ()
 
     def gated(self, options: Mapping[str, Any]) -> bool:
         """Whether ``options`` (defaults merged in) ask for the call-time gate."""
@@ -171,6 +182,12 @@ class MethodSpec:
         unknown = sorted(set(named) - set(self.options) - set(COMMON_OPTIONS))
         if unknown:
             raise ValueError(f"MethodSpec {self.name!r} names unknown option(s) {unknown}")
+        unknown = sorted(set(self.layer.call_inputs) - set(CALL_INPUTS))
+        if unknown:
+            raise ValueError(
+                f"MethodSpec {self.name!r} declares unknown call input(s) {unknown}; "
+                f"known: {', '.join(CALL_INPUTS)}"
+            )
 
 
 _REGISTRY: dict[str, tuple[MethodSpec, type[AttentionMethod]]] = {}

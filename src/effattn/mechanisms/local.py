@@ -6,8 +6,11 @@ Query i attends to key j when
   positions, the query's own included; a decoder keeps exactly ``window`` keys).
 
 So the causal form equals causal softmax once ``window >= N``, the non-causal form equals softmax
-once ``window // 2 >= N - 1`` (dilation 1). Dilated windows as in Beltagy et al. 2020
-(Longformer, section 3.1); sliding windows go back to Parmar et al. 2018 (Image Transformer).
+once ``window // 2 >= N - 1`` (dilation 1). With dilation 1 the causal form is exactly the sliding
+window of Mistral-style models; the call input ``window=w`` asks for that pattern, and the module
+accepts it only when it is its own (``window == w``, ``dilation == 1``). Dilated windows as in
+Beltagy et al. 2020 (Longformer, section 3.1); sliding windows go back to Parmar et al. 2018
+(Image Transformer).
 
 Computed banded (:func:`effattn.sparse.banded_attention`): blocks of queries against the few key
 blocks their window touches, dilation as independent bands over the residue classes mod d.
@@ -24,7 +27,7 @@ from torch import Tensor
 
 from effattn import reference
 from effattn.base import AttentionMethod, check_positive_int, compute_dtype
-from effattn.registry import Budget, MethodSpec, register
+from effattn.registry import Budget, LayerHints, MethodSpec, register
 from effattn.sparse import banded_attention
 
 
@@ -81,14 +84,33 @@ class LocalAttention(AttentionMethod):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, window={self.window}, dilation={self.dilation}"
 
-    def _attend(self, q, k, v, *, causal, key_padding_mask):
+    def _require(self, window: int | None) -> None:
+        """A caller's required causal sliding window must be this module's own pattern."""
+        if window is not None and (window != self.window or self.dilation != 1):
+            raise ValueError(
+                f"local computes the causal window {self.window} with dilation {self.dilation}, "
+                f"not the required sliding window {window}: build it with window={window}, "
+                "dilation=1"
+            )
+
+    def _attend(self, q, k, v, *, causal, key_padding_mask, window=None):
+        self._require(window)
+        if window is not None and not causal:
+            raise ValueError(
+                f"local: window={window} is a causal sliding window; it needs causal=True"
+            )
         dtype = compute_dtype(q.dtype)
         return local_attention(
             q.to(dtype), k.to(dtype), v.to(dtype), window=self.window, dilation=self.dilation,
             causal=causal, key_padding_mask=key_padding_mask, scale=self.scale,
         )
 
-    def _step(self, q, k, v, state):
+    def _prefill(self, q, k, v, state, window=None):
+        self._require(window)
+        return super()._prefill(q, k, v, state)
+
+    def _step(self, q, k, v, state, window=None):
+        self._require(window)
         dtype = compute_dtype(q.dtype)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         w = self.window
@@ -123,8 +145,10 @@ def _reference(
     *,
     causal: bool = False,
     key_padding_mask: Tensor | None = None,
+    window: int | None = None,
 ) -> Tensor:
-    """Masked softmax over the explicit N x N window pattern of the module."""
+    """Masked softmax over the explicit N x N window pattern of the module (a required
+    ``window`` is that pattern: the module refuses any other)."""
     return reference.local_attention(
         q, k, v, window=module.window, dilation=module.dilation, causal=causal,
         key_padding_mask=key_padding_mask, scale=module.scale,
@@ -143,6 +167,7 @@ register(
         decoding=True,
         options={"window": 128, "dilation": 1},
         budget=Budget("window", (16, 32, 64, 128, 256)),
+        layer=LayerHints(call_inputs=("window",)),
         bench_default=True,
         published={"lra_listops": 15.82},
         refusals={

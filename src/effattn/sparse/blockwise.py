@@ -15,6 +15,10 @@ the keys that returns its normalised output and its log-sum-exp:
 No N x M matrix is built for the banded and block pieces. Rows with no allowed key give out = 0
 and lse = -inf (never NaN, also in the gradients).
 
+Logit soft-capping (Gemma 2, Team Gemma 2024): with ``softcap=c`` every score is
+``c tanh(scale q.k / c)`` instead of ``scale q.k`` (the banded, block and dense pieces; not with
+global tokens); its derivative ``1 - tanh^2`` enters the recomputed backward.
+
 Shapes: q (B, H, N, D), k (B, H, M, D), v (B, H, M, Dv); key masks are bool (B, M), True = ignore.
 """
 
@@ -33,21 +37,37 @@ from torch import Tensor
 SLICE_ELEMENTS = 1 << 21
 
 
-def masked_scores(q: Tensor, k: Tensor, allowed: Tensor, scale: float) -> Tensor:
-    """Scores scale q.k of q (..., n, D) against k (..., m, D), -inf where ``allowed``
-    (broadcastable bool) is False: (..., n, m). Every score of the engine is built here."""
-    return torch.matmul(q, k.transpose(-2, -1)).mul_(scale).masked_fill_(~allowed, float("-inf"))
+def masked_scores(
+    q: Tensor, k: Tensor, allowed: Tensor, scale: float, softcap: float | None = None
+) -> Tensor:
+    """Scores s = scale q.k of q (..., n, D) against k (..., m, D), soft-capped to
+    ``softcap tanh(s / softcap)`` when given, -inf where ``allowed`` (broadcastable bool) is
+    False: (..., n, m). Every score of the engine is built here."""
+    scores = torch.matmul(q, k.transpose(-2, -1)).mul_(scale)
+    if softcap is not None:
+        if scores.requires_grad:  # masked_partial differentiates through it with autograd
+            scores = torch.tanh(scores / softcap) * softcap
+        else:
+            scores.div_(softcap).tanh_().mul_(softcap)
+    return scores.masked_fill_(~allowed, float("-inf"))
+
+
+def _softcap_slope(scores: Tensor, softcap: float) -> Tensor:
+    """d(c tanh(x / c)) / dx = 1 - (s / c)^2 from the capped scores s; 0 where s = -inf
+    (masked: 1 - inf clamps to 0, so the masked entries stay 0 instead of 0 * -inf = NaN)."""
+    return (scores / softcap).square_().neg_().add_(1.0).clamp_min_(0.0)
 
 
 def masked_partial(
-    q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float
+    q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float, softcap: float | None = None
 ) -> tuple[Tensor, Tensor]:
     """Softmax attention of q (..., n, D) over the allowed keys of k (..., m, D), v (..., m, Dv).
 
     ``allowed`` is bool, broadcastable to (..., n, m). Returns out (..., n, Dv) and
-    lse (..., n) = log sum_allowed exp(scale q.k); rows without an allowed key give 0 and -inf.
+    lse (..., n) = log sum_allowed exp(s) with s the (soft-capped, see :func:`masked_scores`)
+    scores; rows without an allowed key give 0 and -inf.
     """
-    scores = masked_scores(q, k, allowed, scale)
+    scores = masked_scores(q, k, allowed, scale, softcap)
     # The row max only stabilises the exponent; it cancels, so it carries no gradient.
     top = scores.detach().amax(-1, keepdim=True)
     top = top.masked_fill_(~torch.isfinite(top), 0.0)
@@ -91,14 +111,15 @@ def dense_partial(
     *,
     scale: float,
     key_prefix: Callable[[int, int], int] | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Softmax of q (..., n, D) over a small key set k (..., m, D), v (..., m, Dv).
 
     ``allowed(r0, r1)`` gives the bool mask of query rows r0:r1, broadcastable to
     (..., r1 - r0, m); rows are processed in slices so the scores stay cache-sized.
     ``key_prefix(r0, r1)``, when given, bounds the keys rows r0:r1 may see to the first
-    ``key_prefix(r0, r1)``, so causal pieces skip the scores of future keys.
-    Returns (out (..., n, Dv), lse (..., n)).
+    ``key_prefix(r0, r1)``, so causal pieces skip the scores of future keys. ``softcap``: see
+    :func:`masked_scores`. Returns (out (..., n, Dv), lse (..., n)).
     """
     n, m = q.shape[-2], k.shape[-2]
     lead = math.prod(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]))
@@ -112,7 +133,7 @@ def dense_partial(
         keys = m if key_prefix is None else max(1, min(m, key_prefix(r0, r1)))
         ok = allowed(r0, r1)
         pieces.append(masked_partial(
-            q[..., r0:r1, :], k[..., :keys, :], v[..., :keys, :], ok[..., :keys], scale
+            q[..., r0:r1, :], k[..., :keys, :], v[..., :keys, :], ok[..., :keys], scale, softcap
         ))
     if len(pieces) == 1:
         return pieces[0]
@@ -129,7 +150,7 @@ class _Slices:
     """Query blocks in a flat layout: R rows of C queries, row r of batch ``batch[r]`` attending
     to the K key blocks ``keyblock[r]`` of its sequence (-1: unused slot), query a of the row to
     key j of those K C only where ``pattern[a, j]`` (bool (C or 1, K C); None: all). Rows are
-    processed ``step`` at a time.
+    processed ``step`` at a time; ``softcap`` caps every score (see :func:`masked_scores`).
 
     Keys and values are flat blocks (L, C, E). ``index`` (R, K) gives the flat blocks each row
     gathers; None for a band: row r reads the K consecutive flat blocks r - back ..
@@ -145,6 +166,7 @@ class _Slices:
     pattern: Tensor | None
     block_size: int
     step: int
+    softcap: float | None = None
 
     def window(self, x: Tensor, r0: int) -> Tensor:
         """The keys (or values) of rows r0 .. r0 + step: (rows, K C, E) from flat blocks x."""
@@ -192,7 +214,7 @@ def _block_forward(qf: Tensor, kf: Tensor, vf: Tensor, plan: _Slices,
     lse = qf.new_empty(qf.shape[:2])
     for r0 in range(0, qf.shape[0], plan.step):
         r1 = r0 + plan.step
-        p = masked_scores(qf[r0:r1], plan.window(kf, r0), plan.allowed(r0), scale)
+        p = masked_scores(qf[r0:r1], plan.window(kf, r0), plan.allowed(r0), scale, plan.softcap)
         # The row max only stabilises the exponent; rows with no allowed key keep -inf
         # scores, so exp gives 0 there and lse = -inf.
         top = p.amax(-1, keepdim=True)
@@ -209,7 +231,8 @@ def _block_backward(
     dout: Tensor, shift: Tensor, lse: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of the block softmax, from p = exp(s - lse) and
-    ds = p (do v^T - shift) (see :class:`_BlockAttention`).
+    ds = p (do v^T - shift) (see :class:`_BlockAttention`), times the slope 1 - (s / c)^2 of the
+    soft cap c when there is one.
 
     dout (R, C, Dv) contiguous; shift, lse (R, C, 1), lse finite or +inf (rows whose p is 0).
     """
@@ -222,9 +245,13 @@ def _block_backward(
     for r0 in range(0, qf.shape[0], plan.step):
         r1 = r0 + plan.step
         qs, do, kg = qf[r0:r1], dout[r0:r1], plan.window(kf, r0)
-        p = masked_scores(qs, kg, plan.allowed(r0), scale).sub_(lse[r0:r1]).exp_()
+        p = masked_scores(qs, kg, plan.allowed(r0), scale, plan.softcap)
+        slope = None if plan.softcap is None else _softcap_slope(p, plan.softcap)
+        p.sub_(lse[r0:r1]).exp_()
         ds = torch.matmul(do, plan.window(vf, r0).transpose(-2, -1))
         ds.sub_(shift[r0:r1]).mul_(p).mul_(scale)
+        if slope is not None:
+            ds.mul_(slope)
         torch.matmul(ds, kg, out=dq[r0:r1])
         for grad, x, y in ((dk, ds, qs), (dv, p, do)):
             part = work[: x.shape[0] * slots * y.shape[-1]].view(x.shape[0], slots, y.shape[-1])
@@ -408,20 +435,24 @@ def _block_attention(
     ignore: Tensor,
     pattern: Tensor | None,
     tokens: Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Runs :class:`_BlockAttention` on q (B, H, N, D) cut into ``rows_per_sequence`` blocks per
     (batch, head) (the tail zero-padded); returns out (B, H, N, Dv) and lse (B, H, N).
     With global ``tokens``, :class:`_BandGlobalAttention` instead: the blocks then skip the
-    global keys (``ignore`` holds the padding alone), as the global piece holds them."""
+    global keys (``ignore`` holds the padding alone), as the global piece holds them; its
+    global pieces take no ``softcap``."""
     b, h, n, d = q.shape
     c, per = block_size, rows_per_sequence
     qf = _pad_to(q, per * c).reshape(-1, c, d)
     batch = torch.arange(b, device=q.device).repeat_interleave(h * per)
     step = max(1, SLICE_ELEMENTS // (c * keyblock.shape[-1] * c))
     if tokens is None:
-        plan = _Slices(keyblock, batch, ignore, index, back, pattern, c, step)
+        plan = _Slices(keyblock, batch, ignore, index, back, pattern, c, step, softcap)
         out, lse = _BlockAttention.apply(qf, kf, vf, plan, scale)
     else:
+        if softcap is not None:
+            raise ValueError("softcap is not supported together with global tokens")
         blocks_ignore = ignore.index_fill(1, tokens, True)
         plan = _Slices(keyblock, batch, blocks_ignore, index, back, pattern, c, step)
         glob = _Globals(tokens, ignore, h, per * c)
@@ -516,11 +547,14 @@ def banded_attention(
     key_mask: Tensor | None = None,
     block_size: int | None = None,
     global_tokens: Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Query i attends to keys j with ``-right <= i - j <= left`` and ``(i - j) % dilation == 0``.
 
     q, k, v: (B, H, N, D), (B, H, N, D), (B, H, N, Dv) (aligned positions, N == M);
-    key_mask: bool (B, N), True = ignore. Returns (out (B, H, N, Dv), lse (B, H, N)).
+    key_mask: bool (B, N), True = ignore. ``softcap``: scores ``c tanh(scale q.k / c)`` (see
+    :func:`masked_scores`; not with ``global_tokens``). Returns (out (B, H, N, Dv),
+    lse (B, H, N)).
 
     ``global_tokens`` (long (G,), distinct positions; dilation 1 only): besides the band, query i
     also attends to every key j when i is global, and to key j when j is global; O(N G D) more
@@ -553,7 +587,7 @@ def banded_attention(
         out, lse = banded_attention(
             fold(q), fold(k), fold(v),
             left=left // dilation, right=right // dilation, scale=scale,
-            key_mask=sub_mask, block_size=block_size,
+            key_mask=sub_mask, block_size=block_size, softcap=softcap,
         )
         out = out.reshape(b, dilation, h, -1, out.shape[-1]).permute(0, 2, 3, 1, 4)
         lse = lse.reshape(b, dilation, h, -1).permute(0, 2, 3, 1)
@@ -578,5 +612,5 @@ def banded_attention(
     return _block_attention(
         q, flat(k), flat(v), keyblock.repeat(b * h, 1), None, back=back, rows_per_sequence=nq,
         block_size=c, scale=scale, ignore=_key_ignore(key_mask, b, n, nq * c, q.device),
-        pattern=(offset <= left) & (offset >= -right), tokens=global_tokens,
+        pattern=(offset <= left) & (offset >= -right), tokens=global_tokens, softcap=softcap,
     )
