@@ -308,3 +308,11 @@ def test_options_conflicting_with_the_model_are_refused():
                                          "softcap=30.0"):
         logits(m, batch()[0])
     assert "softcap" in effattn.spec("softmax").options
+
+
+def test_position_aligned_patterns_are_refused_once_the_cache_drops_keys():
+    m = model("mistral", "sparse-fixed", WINDOW, options={"stride": 4, "c": 2})
+    ids = batch(n=4, pad=0)[0]
+    generate(m, ids, new=2)  # 6 tokens: the cache has dropped none
+    with pytest.raises(ValueError, match="cache dropped the keys before position 1"):
+        generate(m, ids, new=8)

@@ -172,6 +172,17 @@ def attention_forward(
     if kpm is not None and kpm.shape[0] != query.shape[0]:
         kpm = kpm.expand(query.shape[0], -1)
     attn = _module_attention(module, method, options, query, scaling, built)
+    if spec.kv_offset and layer is None and not (
+        attn.spec.cross or "window" in attn.spec.layer.call_inputs
+    ):
+        # A cross-capable method computes a function of the keys it gets, and local's window
+        # counts back from the query: both are exact on the keys a sliding-window cache kept.
+        # Other patterns count positions from the first key, which moved.
+        raise ValueError(
+            f"{name(method)}: the cache dropped the keys before position {spec.kv_offset} (a "
+            f"sliding-window cache), and {method}'s pattern needs every position from the "
+            "first on; generate with use_cache=False, or set config.sliding_window = None"
+        )
     if layer is not None:
         out = _decode(attn, layer, spec, kpm, query, key, value, method, call)
     else:
