@@ -1,6 +1,6 @@
 """The README's results table, crossover line and machine line, from an `effattn bench` folder.
 
-    python3 benchmarks/readme_table.py benchmarks/bench
+    PYTHONPATH=src python3 benchmarks/readme_table.py benchmarks/bench
 
 Reads ``results.json`` and ``summary.json`` (written by ``effattn bench --vs-flops``) and prints
 Markdown: forward time at N = 1024 / 4096 / 16384 and its growth, forward peak memory and its
@@ -14,6 +14,8 @@ import argparse
 import json
 from pathlib import Path
 from typing import Any
+
+from effattn.tools.bench.machine import gpu_label
 
 LENGTHS = (1024, 4096, 16384)
 
@@ -45,8 +47,10 @@ def table(folder: Path) -> str:
     by = {(r["method"], r["length"], r["pass"]): r for r in records if not r["causal"]}
     methods = sorted({r["method"] for r in records},
                      key=lambda m: (by.get((m, 4096, "fwd")) or {}).get("median_ms") or 1e9)
+    gpu = gpu_label(machine)
     lines = [
-        f"Measured on {machine['cpu_model']} ({', '.join(machine['vector_extensions'])}), "
+        f"Measured on {f'{gpu}, host ' if gpu else ''}"
+        f"{machine['cpu_model']} ({', '.join(machine['vector_extensions'])}), "
         f"{machine['cpu_count']} cores, {machine['torch_threads']} torch threads, fp32 matmul "
         f"peak {peak:.0f} GFLOP/s (bf16 {machine['matmul_peak_gflops']['bfloat16']:.0f}), "
         f"torch {machine['torch']}.",

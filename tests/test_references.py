@@ -1,13 +1,13 @@
 """Every registered method equals the dense reference its spec declares.
 
 ``spec.reference(module, q, k, v, ...)`` binds the module's parameters, buffers and eval-mode
-random draws to the naive formulas of ``effattn.reference``. Here, for every method and every
-variant its spec lists, the module's output and its gradients (q, k, v, the gate, the module's
-parameters) must match it in float64 on awkward shapes: N = 63, D = 21, Dv = 10, cross-attention
-with M = 50, left and right padding, and options small enough that chunks, windows, buckets,
-blocks, segments and strides all end in a partial one. The call inputs a spec declares
-(``spec.layer.call_inputs``: a causal ``window``, per-head ``sinks``) run alone and together,
-and their gradients (the sinks') are compared too.
+random draws to the naive formulas of ``effattn.naive``. Here, for every method and every
+variant its spec lists, the module's output and its gradients (q, k, v, the call inputs it
+takes, the module's parameters) must match it in float64 on awkward shapes: N = 63, D = 21,
+Dv = 10, cross-attention with M = 50, left and right padding, and options small enough that
+chunks, windows, buckets, blocks, segments and strides all end in a partial one. The optional
+call inputs a spec declares (softmax's causal ``sliding_window`` and per-head ``sinks``) run
+alone and together, and their gradients (the tensors') are compared too.
 """
 
 import pytest
@@ -39,13 +39,8 @@ SMALL = {
 # Settings no variant lists, by option name, run as well: (value, whether cross-attention runs;
 # a convolution of V and a dilated window need N == M).
 EXTRA = {"conv_kernel": (5, False), "dilation": (2, False), "softcap": (2.0, True)}
-# Values of the call inputs (registry.CALL_INPUTS), by name; a window needs causal attention.
-CALL_INPUTS = {
-    "window": lambda: 9,
-    "sinks": lambda: torch.randn(H, dtype=torch.float64,
-                                 generator=torch.Generator().manual_seed(3)),
-}
-CAUSAL_ONLY = {"window"}
+# Values of the int call inputs, by name: a sliding window shorter than N, local's own (SMALL).
+INT_INPUTS = {"sliding_window": 9}
 # Tighter than this only where a method's own tests say so: FAVOR's cosine features can be
 # negative, so its normaliser cancels and rounding is amplified (tests/test_kernelized_methods.py).
 TOLERANCE = {"favor": 1e-7}
@@ -72,23 +67,37 @@ def _cases():
             for variant in spec.variants
         ] + [(_label({key: value}), {**small, key: value}, cross and spec.cross, ())
              for key, (value, cross) in EXTRA.items() if key in spec.options]
-        # Each call input alone, then all of them on top of the extra settings that combine
-        # with any mode (softmax: soft cap, window and sinks at once).
-        inputs = spec.layer.call_inputs
-        settings += [(key, small, spec.cross, (key,)) for key in inputs]
+        # Each optional call input alone, then all of them on top of the extra settings that
+        # combine with any mode (softmax: soft cap, sliding window and sinks at once).
+        optional = tuple(c.name for c in spec.call_inputs if not c.required)
+        settings += [(key, small, spec.cross, (key,)) for key in optional]
         extra = {key: value for key, (value, cross) in EXTRA.items()
                  if cross and key in spec.options}
-        if len(inputs) > 1 or (inputs and extra):
-            label = "+".join([_label(extra)] * bool(extra) + list(inputs))
-            settings.append((label, {**small, **extra}, spec.cross, inputs))
-        for label, options, cross_ok, call in settings:
-            gated = spec.layer.gated({**spec.options, **options})
-            causal_only = gated or bool(CAUSAL_ONLY & set(call))
+        if len(optional) > 1 or (optional and extra):
+            label = "+".join([_label(extra)] * bool(extra) + list(optional))
+            settings.append((label, {**small, **extra}, spec.cross, optional))
+        for label, options, cross_ok, chosen in settings:
+            given = [*spec.required_inputs(options),
+                     *(c for c in spec.call_inputs if c.name in chosen)]
+            causal_only = any(c.causal_only for c in given)
             for mode, (causal, padded, cross) in MODES.items():
                 if ((causal and not spec.causal) or (padded and not spec.padding_mask)
                         or (cross and not cross_ok) or (causal_only and not causal)):
                     continue
-                yield pytest.param(name, options, mode, call, id=f"{name}-{label}-{mode}")
+                yield pytest.param(name, options, mode, chosen, id=f"{name}-{label}-{mode}")
+
+
+def call_input(c, dims, seed=1):
+    """Values for the call input ``c``: an int from INT_INPUTS; a tensor inside the middle 60%
+    of its bounds, else N(0, 1)."""
+    if c.kind == "int":
+        return INT_INPUTS[c.name]
+    shape = c.expected_shape(dims)
+    g = torch.Generator().manual_seed(seed)
+    if c.bounds is None:
+        return torch.randn(shape, dtype=torch.float64, generator=g)
+    low, high = c.bounds
+    return low + (high - low) * (0.2 + 0.6 * torch.rand(shape, dtype=torch.float64, generator=g))
 
 
 def _build(name, options):
@@ -103,22 +112,19 @@ def test_every_method_declares_a_reference():
     assert not missing, f"no dense reference in the spec of {missing}"
 
 
-@pytest.mark.parametrize("name, options, mode, call_inputs", list(_cases()))
-def test_module_equals_its_reference(name, options, mode, call_inputs, device):
+@pytest.mark.parametrize("name, options, mode, chosen", list(_cases()))
+def test_module_equals_its_reference(name, options, mode, chosen, device):
     causal, padded, cross = MODES[mode]
     spec = effattn.spec(name)
     module = _build(name, options).to(device)
     q, k, v = (t.to(device) for t in qkv(b=B, h=H, n=N, m=M_CROSS if cross else N, d=D, dv=DV))
     mask = padding(B, k.shape[2]).to(device) if padded else None
-    call = {}
-    if spec.layer.gated({**spec.options, **options}):
-        call["gate"] = (torch.rand(B, H, N, dtype=torch.float64,
-                                   generator=torch.Generator().manual_seed(1)) * 0.6 + 0.2
-                        ).to(device)
-    for key in call_inputs:
-        value = CALL_INPUTS[key]()
-        call[key] = value.to(device) if isinstance(value, torch.Tensor) else value
-    tensors = {key: value for key, value in call.items() if isinstance(value, torch.Tensor)}
+    dims = {"B": B, "H": H, "N": N, "M": k.shape[2], "D": D, "Dv": DV}
+    given = [*spec.required_inputs(options), *(c for c in spec.call_inputs if c.name in chosen)]
+    call = {c.name: call_input(c, dims) for c in given}
+    tensors = {key: value.to(device) for key, value in call.items()
+               if isinstance(value, torch.Tensor)}
+    call.update(tensors)
     inputs = [t.requires_grad_() for t in (q, k, v, *tensors.values())]
     params = [p for p in module.parameters() if p.requires_grad]
 

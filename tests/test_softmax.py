@@ -10,7 +10,7 @@ import torch
 from conftest import qkv
 
 import effattn
-from effattn import reference
+from effattn import naive
 from effattn.sparse import blockwise
 
 H, D = 3, 21
@@ -30,14 +30,16 @@ def _sinks():
 def test_prefill_and_steps_equal_the_causal_forward(softcap, window, sinks):
     m = _module(softcap)
     q, k, v = qkv(n=63, d=D)
-    call = {"window": window, "sinks": _sinks() if sinks else None}
+    sinks = _sinks() if sinks else None
+    call = {"sliding_window": window, "sinks": sinks}
     outs, state = [], None
     for a, b in ((0, 20), (20, 21), (21, 22), (22, 40), (40, 41), (41, 63)):
         piece = slice(a, b)
         fn = m.step if b - a == 1 else m.prefill
         out, state = fn(q[:, :, piece], k[:, :, piece], v[:, :, piece], state, **call)
         outs.append(out)
-    ref = reference.softmax_attention(q, k, v, causal=True, scale=m.scale, softcap=softcap, **call)
+    ref = naive.softmax_attention(q, k, v, causal=True, scale=m.scale, softcap=softcap,
+                                  window=window, sinks=sinks)
     torch.testing.assert_close(torch.cat(outs, 2), ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(m(q, k, v, causal=True, **call), ref, rtol=1e-12, atol=1e-12)
 
@@ -47,11 +49,11 @@ def test_a_window_bounds_the_cache():
     state = None
     for t in range(300):
         one = slice(t, t + 1)
-        _, state = m.step(q[:, :, one], k[:, :, one], v[:, :, one], state, window=16)
+        _, state = m.step(q[:, :, one], k[:, :, one], v[:, :, one], state, sliding_window=16)
         assert min(t + 1, 15) <= state.held <= 32
     assert state.k.shape[2] <= 64 and state.length == 300
     with pytest.raises(ValueError, match="dropped the positions before"):
-        m.step(q[:, :, :1], k[:, :, :1], v[:, :, :1], state, window=64)
+        m.step(q[:, :, :1], k[:, :, :1], v[:, :, :1], state, sliding_window=64)
 
 
 def test_long_windowed_and_capped_inputs_are_banded_never_n_by_n(monkeypatch):
@@ -64,7 +66,7 @@ def test_long_windowed_and_capped_inputs_are_banded_never_n_by_n(monkeypatch):
     monkeypatch.setattr(blockwise, "masked_scores", spy)
     q, k, v = qkv(b=1, h=1, n=2048, d=8, dtype=torch.float32)
     m = effattn.build("softmax", head_dim=8, heads=1, softcap=20.0)
-    m(q, k, v, causal=True, window=64)
+    m(q, k, v, causal=True, sliding_window=64)
     assert sum(seen) <= 2048 * 65 * 2.5
     seen.clear()
     m(q, k, v, causal=True)  # a soft cap alone: the causal band, in cache-sized slices
@@ -76,7 +78,7 @@ def test_a_window_as_long_as_the_input_is_plain_sdpa(monkeypatch):
     monkeypatch.setattr(blockwise, "_block_attention", lambda *a, **kw: calls.append(1))
     q, k, v = qkv(n=40, d=D)
     m = _module()
-    out = m(q, k, v, causal=True, window=40)
+    out = m(q, k, v, causal=True, sliding_window=40)
     assert not calls
     torch.testing.assert_close(out, m(q, k, v, causal=True))
 
@@ -95,9 +97,10 @@ def test_sinks_take_their_gradient_and_bf16_keeps_its_dtype():
     [
         ({"softcap": 0}, {}, "softcap must be a positive number"),
         ({"softcap": True}, {}, "softcap must be a positive number"),
-        ({}, {"window": 8}, "needs causal=True"),
-        ({}, {"window": 0, "causal": True}, "window must be a positive int"),
-        ({}, {"sinks": torch.zeros(2, dtype=torch.float64)}, r"sinks must be \(H,\) = \(3,\)"),
+        ({}, {"sliding_window": 8}, "with sliding_window=8 needs causal=True"),
+        ({}, {"sliding_window": 0, "causal": True}, r"sliding_window must lie in \[1, inf\]"),
+        ({}, {"sliding_window": 2.0, "causal": True}, "sliding_window must be an int"),
+        ({}, {"sinks": torch.zeros(2, dtype=torch.float64)}, r"sinks must be \(H\) = \(3,\)"),
         ({}, {"sinks": torch.zeros(3, dtype=torch.long)}, "floating-point"),
         ({}, {"sinks": torch.tensor([0.0, float("nan"), 0.0], dtype=torch.float64)}, "NaN"),
     ],
@@ -113,6 +116,7 @@ def test_other_methods_do_not_take_the_call_inputs():
     with pytest.raises(TypeError):
         effattn.build("linear", head_dim=D, heads=H)(q, k, v, causal=True, sinks=_sinks())
     local = effattn.build("local", head_dim=D, heads=H, window=4).double()
-    torch.testing.assert_close(local(q, k, v, causal=True, window=4), local(q, k, v, causal=True))
-    with pytest.raises(ValueError, match="not the required sliding window 5"):
-        local(q, k, v, causal=True, window=5)
+    torch.testing.assert_close(local(q, k, v, causal=True, sliding_window=4),
+                               local(q, k, v, causal=True))
+    with pytest.raises(ValueError, match="not the required sliding_window=5"):
+        local(q, k, v, causal=True, sliding_window=5)

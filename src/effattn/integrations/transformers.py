@@ -28,11 +28,11 @@ for the table per method):
 - a sliding window (``sliding_window``) or chunks (``attention_chunk_size``), read from the mask
   (:mod:`effattn.integrations.hf_masks`). One that hides no key in the call at hand is no
   restriction: the call runs as plain causal attention. A window that restricts runs with the
-  method's call input ``window=`` (softmax: exact, banded; local: when it is its own window),
-  or, for a single query, on the keys inside it (every method that does cross-attention, e.g.
-  kernelized decoding with transformers' cache); otherwise it is refused, in the call where it
-  first restricts. Chunks run as causal attention within each chunk (every causal method; in a
-  RecurrentCache a state reset at chunk boundaries).
+  method's call input ``sliding_window=`` (softmax: exact, banded; local: when it is its own
+  window), or, for a single query, on the keys inside it (every method that does
+  cross-attention, e.g. kernelized decoding with transformers' cache); otherwise it is refused,
+  in the call where it first restricts. Chunks run as causal attention within each chunk
+  (every causal method; in a RecurrentCache a state reset at chunk boundaries).
 - logit soft-capping (keyword ``softcap``, Gemma 2): the method's ``softcap`` option, else refused;
 - attention sinks (keyword ``s_aux``, GPT-OSS): the method's call input ``sinks=``, else refused;
 - an additive position bias (``position_bias``, T5): refused.
@@ -173,7 +173,7 @@ def attention_forward(
         kpm = kpm.expand(query.shape[0], -1)
     attn = _module_attention(module, method, options, query, scaling, built)
     if spec.kv_offset and layer is None and not (
-        attn.spec.cross or "window" in attn.spec.layer.call_inputs
+        attn.spec.cross or _takes(attn.spec, "sliding_window")
     ):
         # A cross-capable method computes a function of the keys it gets, and local's window
         # counts back from the query: both are exact on the keys a sliding-window cache kept.
@@ -188,6 +188,11 @@ def attention_forward(
     else:
         out = _attend(attn, spec, kpm, query, key, value, method, call)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _takes(method_spec: effattn.registry.MethodSpec, name: str) -> bool:
+    """Whether the method declares the call input ``name`` (``MethodSpec.call_inputs``)."""
+    return any(c.name == name for c in method_spec.call_inputs)
 
 
 def _describe(value: Any) -> str:
@@ -222,7 +227,7 @@ def _model_features(
         built["softcap"] = softcap
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
     if sinks is not None:
-        if "sinks" not in method_spec.layer.call_inputs:
+        if not _takes(method_spec, "sinks"):
             raise ValueError(
                 f"{name(method)} cannot honour attention sinks s_aux={_describe(sinks)} (one "
                 "logit per head in the softmax normaliser): the normaliser is never formed; "
@@ -335,13 +340,13 @@ def _attend(
             kpm = kpm if bool(kpm.any()) else None
         return attn(q, k, v, key_padding_mask=kpm, **call)
     if window is not None:
-        if "window" not in attn.spec.layer.call_inputs:
+        if not _takes(attn.spec, "sliding_window"):
             raise ValueError(
                 f"{name(method)} cannot honour sliding_window={spec.window}: the window hides "
                 f"the keys more than {spec.window - 1} positions back, and {method} attends to "
                 f"every causal key; {_NO_WINDOW}"
             )
-        call = {**call, "window": window}
+        call = {**call, "sliding_window": window}
     if m != n:
         # N queries at the end of M keys (a cache holding the keys): effattn's causal form needs
         # N == M, so M - N placeholder queries go in front and their outputs are dropped.
@@ -413,7 +418,7 @@ def _decode(
     """Prefill or step through the :class:`RecurrentCache` layer's state; (B, H, N, Dv).
 
     A chunk boundary resets a row's state (:func:`_cuts`); a window that hides a token the
-    state holds is passed on as the call input ``window=`` or refused.
+    state holds is passed on as the call input ``sliding_window=`` or refused.
     """
     if not attn.spec.decoding:
         raise ValueError(
@@ -430,7 +435,7 @@ def _decode(
     # Token t sees t - window + 1 .. t, and the state holds the tokens from 0 on: refused as soon
     # as that can happen (at the prompt when the cache knows the length the generation reaches).
     reach = max(layer.seen + n, layer.max_length or 0)
-    if window is not None and reach > window and "window" not in attn.spec.layer.call_inputs:
+    if window is not None and reach > window and not _takes(attn.spec, "sliding_window"):
         raise ValueError(
             f"{name(method)} cannot honour sliding_window={window} with RecurrentCache "
             f"(max_length={layer.max_length}): token {window + 1} on sees only the last "
@@ -439,7 +444,7 @@ def _decode(
             "refuses this at the prompt, before any token is generated"
         )
     if window is not None and reach > window:
-        call = {**call, "window": window}
+        call = {**call, "sliding_window": window}
     if kpm is not None and layer.state is not None:
         raise ValueError(
             "RecurrentCache: padding after the prompt (only left padding of the prompt is allowed)"
@@ -452,7 +457,7 @@ def _decode(
         else:
             out, layer.state = _advance_rows(attn, q, k, v, kpm, layer, starts, spec.chunk, call)
     except ValueError as err:
-        if "window" not in call:
+        if "sliding_window" not in call:
             raise
         raise ValueError(f"{name(method)} cannot honour sliding_window={window}: {err}") from None
     layer.seen += n

@@ -66,7 +66,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from effattn.kernelized.features import LOG2E
-from effattn.registry import Problem
 
 # Smallest log-scale the core works with: keeps exp(a - b) finite when every key is padding. It
 # must lie below every real key's log-scale, about -|x̃|²/2 for positive features (below -1e4
@@ -270,51 +269,9 @@ def accumulate_keys(
     return RecurrentState(kv, scale, state.position + phi_k.shape[2])
 
 
-def read_out(state: RecurrentState, phi_q: Tensor, eps: float = 1e-6) -> Tensor:
-    """Queries against a finished non-causal state: φ(Q) [S, z] -> (B, H, N, Dv).
-
-    Raises :class:`DenominatorUnderflowError` (a ValueError) where a query's denominator
-    underflows to 0 (non-negative features, ``eps = 0``; see :func:`_lost_rows`).
-    """
-    out, lost = _read_out(state, phi_q, eps)
-    _raise_if_lost([lost], phi_q.dtype)
-    return out
-
-
 def _read_out(state: RecurrentState, phi_q: Tensor, eps: float) -> tuple[Tensor, Tensor | None]:
     out = phi_q @ state.kv
     return _ratio(out, eps, state.log_scale), _lost_rows(out, eps, state.log_scale)
-
-
-def causal_block(
-    phi_q: Tensor,
-    phi_k: Tensor,
-    v: Tensor,
-    state: RecurrentState | None = None,
-    *,
-    key_log_scale: Tensor | None = None,
-    key_padding_mask: Tensor | None = None,
-    gate: Tensor | None = None,
-    chunk_size: int = 64,
-    eps: float = 1e-6,
-) -> tuple[Tensor, RecurrentState]:
-    """Causal attention over a block of L tokens that follows ``state``, chunkwise.
-
-    Inside each chunk of C tokens a masked C x C product, weighted by exp(a_i - a_j) (gate decay
-    and stabiliser prefix max, see :func:`_causal_group`); across chunks the running state, found
-    for up to ``SCAN_CHUNKS`` chunks at a time by a recurrence (:func:`_chunk_scan`). Per-key
-    scalars (stabiliser scale, 1 - g, padding, decay to the chunk end) multiply the rows of
-    [V, 1] (width Dv + 1), per-query ones multiply output rows: the only work on L x F data is
-    GEMMs. Returns the output (B, H, L, Dv) and the state after the block.
-
-    Ungated, raises :class:`DenominatorUnderflowError` (a ValueError) where the denominator of
-    a query that sees a key underflows to 0 (non-negative features, ``eps = 0``).
-    """
-    out, state, lost = _causal_block(
-        phi_q, phi_k, v, state, key_log_scale, key_padding_mask, gate, chunk_size, eps
-    )
-    _raise_if_lost(lost, phi_q.dtype)
-    return out, state
 
 
 def _causal_block(
@@ -328,17 +285,17 @@ def _causal_block(
     chunk_size: int,
     eps: float,
 ) -> tuple[Tensor, RecurrentState, list[Tensor | None]]:
-    """:func:`causal_block`, with the underflow flags of its groups instead of the check."""
+    """Causal attention over a block of L tokens that follows ``state``, chunkwise.
+
+    Inside each chunk of C tokens a masked C x C product, weighted by exp(a_i - a_j) (gate decay
+    and stabiliser prefix max, see :func:`_causal_group`); across chunks the running state, found
+    for up to ``SCAN_CHUNKS`` chunks at a time by a recurrence (:func:`_chunk_scan`). Per-key
+    scalars (stabiliser scale, 1 - g, padding, decay to the chunk end) multiply the rows of
+    [V, 1] (width Dv + 1), per-query ones multiply output rows: the only work on L x F data is
+    GEMMs. Returns the output (B, H, L, Dv), the state after the block and the underflow flags of
+    its groups (see :func:`_lost_rows`; ungated only).
+    """
     _check_shapes(phi_q, phi_k, v, key_log_scale)
-    n = phi_q.shape[2]
-    if phi_k.shape[2] != n:
-        raise ValueError(f"causal needs N == M, got {n} and {phi_k.shape[2]}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    if gate is not None and gate.shape != phi_q.shape[:3]:
-        raise ValueError(
-            f"gate must be (B, H, N) = {tuple(phi_q.shape[:3])}, got {tuple(gate.shape)}"
-        )
     state = _state_for(state, phi_k, v)
     outs, lost = [], []
     pieces = _slices(SCAN_CHUNKS * chunk_size, (phi_q, 2), (phi_k, 2), (v, 2),
@@ -466,9 +423,9 @@ def _chunk_scan(
     Every exponent is <= 0: nothing overflows, and no subtraction of large partial sums can cancel
     (unlike an exclusive cumsum formed as cumsum - ΔS). Two elementwise passes per chunk over a
     cache-sized (F, Dv + 1) state: the same states as one (nc + 1) x nc GEMM over the chunk axis,
-    whose shape (M = nc + 1, K = nc, N = F·(Dv + 1)) ran at about 11 GFLOP/s, a tenth of this
-    CPU's GEMM rate, and took 10% of the causal forward. Returns the states (B, H, nc, F, Dv + 1),
-    their scales R_0..R_{nc-1} (B, H, nc, 1, 1) and the state after the last chunk.
+    whose inner dimension (nc <= SCAN_CHUNKS) is too short for a GEMM to run anywhere near its
+    rate. Returns the states (B, H, nc, F, Dv + 1), their scales R_0..R_{nc-1} (B, H, nc, 1, 1)
+    and the state after the last chunk.
     """
     b, h, nc = deltas.shape[:3]
     scales = torch.cat([state.log_scale.reshape(b, h, 1), chunk_max], -1)  # (B, H, nc + 1)
@@ -487,71 +444,6 @@ def _chunk_scan(
         kv = (delta * e_c).addcmul_(kv, k_c)  # in place on mul's fresh output
     scale = running[..., None, None]
     return torch.stack(states, 2), scale[:, :, :nc], RecurrentState(kv, scale[:, :, nc])
-
-
-def linear_attention(
-    phi_q: Tensor,
-    phi_k: Tensor,
-    v: Tensor,
-    *,
-    key_log_scale: Tensor | None = None,
-    key_padding_mask: Tensor | None = None,
-    causal: bool = False,
-    gate: Tensor | None = None,
-    chunk_size: int = 64,
-    eps: float = 1e-6,
-) -> Tensor:
-    """Kernelized attention from precomputed features, in one slice.
-
-    φ(Q) (B, H, N, F), φ(K) (B, H, M, F), V (B, H, M, Dv) -> (B, H, N, Dv).
-
-    Args:
-        key_log_scale: optional (B, H, M, 1); true key features are phi_k * exp(key_log_scale).
-        key_padding_mask: optional bool (B, M), True marks padded keys; they leave numerator
-            and denominator (and, gated, do not decay the state).
-        causal: query i sees keys j <= i (N == M); computed chunkwise (:func:`causal_block`).
-        gate: optional (B, H, N) in [0, 1], causal only (gated RFA).
-        chunk_size: C of the chunkwise causal form; any N works (the tail chunk is padded).
-        eps: floor of |denominator| at the true scale, for features that can cancel; 0 for
-            non-negative ones (:func:`kernelized.features.denominator_eps`).
-
-    Non-causal cost: 2·(N + M)·F·(Dv + 1) flops per (B, H), memory O((N + M)·F + F·Dv).
-    Causal adds the C x C intra-chunk products: 2·N·C·(F + Dv + 1), and (N/C)·F·(Dv + 1) states.
-    """
-    if gate is not None and not causal:
-        raise ValueError("gate needs causal=True: gated attention is a causal recurrence")
-    if causal:
-        return causal_block(
-            phi_q, phi_k, v, None, key_log_scale=key_log_scale,
-            key_padding_mask=key_padding_mask, gate=gate, chunk_size=chunk_size, eps=eps,
-        )[0]
-    _check_shapes(phi_q, phi_k, v, key_log_scale)
-    state = accumulate_keys(
-        None, phi_k, v, key_log_scale=key_log_scale, key_padding_mask=key_padding_mask
-    )
-    return read_out(state, phi_q, eps)
-
-
-def flops(problem: Problem, *, projections: int, feature_dim: int, chunk_size: int) -> float:
-    """Matmul FLOPs of kernelized attention on ``problem``: the GEMMs this core runs.
-
-    Per (B, H): the feature projections 2·(N + M)·P·D (P random projections; 0 for elementwise
-    maps), then, non-causal, φ(K)^T [V, 1] and φ(Q) times that, 2·(N + M)·F·(Dv + 1). Causal, per
-    chunk of C tokens (the last one padded): the masked C x C scores 2·C²·F and their product with
-    [V, 1] 2·C²·(Dv + 1), the chunk's state delta and the queries against the state entering it,
-    2·2·C·F·(Dv + 1) (the scan over chunks is elementwise).
-    """
-    b, h, n, m, d, dv = (problem.batch, problem.heads, problem.n, problem.m, problem.head_dim,
-                         problem.value_dim)
-    f = problem.feature_dim or feature_dim
-    features = (n + m) * projections * d
-    if not problem.causal:
-        return 2.0 * b * h * (features + (n + m) * f * (dv + 1))
-    nc = -(-n // chunk_size)
-    padded = nc * chunk_size
-    intra = padded * chunk_size * (f + dv + 1)
-    state = 2 * padded * f * (dv + 1)
-    return 2.0 * b * h * (features + intra + state)
 
 
 def slice_tokens(batch_heads: int, feature_dim: int, chunk_size: int, slice_elements: int) -> int:
@@ -578,8 +470,19 @@ def kernelized_attention(
 
     q (B, H, N, D), k (B, H, M, D), v (B, H, M, Dv) -> (B, H, N, Dv). ``features(x, is_query=)``
     returns (φ, key_log_scale); ``feature_dim`` is its width F, used to size the slices.
-    Same result as :func:`linear_attention` on the full feature tensors (up to rounding), with
-    peak memory O(S·F + F·Dv) instead of O(N·F) when no gradient is recorded.
+
+    Args:
+        key_padding_mask: optional bool (B, M), True marks padded keys; they leave numerator
+            and denominator (and, gated, do not decay the state).
+        causal: query i sees keys j <= i (N == M); computed chunkwise (:func:`kernelized_causal`).
+        gate: optional (B, H, N) in [0, 1], causal only (gated RFA).
+        chunk_size: C of the chunkwise causal form; any N works (the tail chunk is padded).
+        eps: floor of |denominator| at the true scale, for features that can cancel; 0 for
+            non-negative ones (:func:`effattn.kernelized.features.denominator_eps`).
+
+    Non-causal cost: 2·(N + M)·F·(Dv + 1) flops per (B, H) besides the features. Causal adds the
+    C x C intra-chunk products, 2·N·C·(F + Dv + 1), and (N/C)·F·(Dv + 1) states. Peak memory
+    O(S·F + F·Dv), not O(N·F), when no gradient is recorded.
     Raises :class:`DenominatorUnderflowError` (a ValueError), after the last slice (one host
     sync), where a query that sees a key gets a denominator of 0 (see :func:`_lost_rows`).
     """
@@ -667,6 +570,8 @@ def kernelized_causal(
     b, h, n = q.shape[:3]
     if k.shape[2] != n:
         raise ValueError(f"causal needs N == M, got {n} and {k.shape[2]}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     if gate is not None and gate.shape != (b, h, n):
         raise ValueError(f"gate must be (B, H, N) = {(b, h, n)}, got {tuple(gate.shape)}")
     # At most one scan group per slice: the features of a slice are fresh contiguous tensors,
@@ -701,7 +606,7 @@ def linear_attention_step(
     """One recurrent step: φ(q_t), φ(k_t) (B, H, 1, F), v_t (B, H, 1, Dv) -> (B, H, 1, Dv), state.
 
     S_t = g_t S_{t-1} + (1 - g_t) φ(k_t) v_t^T (g_t = 1, no (1 - g) factor, when ungated),
-    o_t = φ(q_t) S_t / φ(q_t) z_t. Matches :func:`causal_block` token by token, without its
+    o_t = φ(q_t) S_t / φ(q_t) z_t. Matches :func:`kernelized_causal` token by token, without its
     chunk machinery (this is the decoding hot loop).
 
     The step consumes ``state``, as the softmax KV cache is appended in place: unless autograd

@@ -6,11 +6,11 @@ Query i attends to key j when
   positions, the query's own included; a decoder keeps exactly ``window`` keys).
 
 So the causal form equals causal softmax once ``window >= N``, the non-causal form equals softmax
-once ``window // 2 >= N - 1`` (dilation 1). With dilation 1 the causal form is exactly the sliding
-window of Mistral-style models; the call input ``window=w`` asks for that pattern, and the module
-accepts it only when it is its own (``window == w``, ``dilation == 1``). Dilated windows as in
-Beltagy et al. 2020 (Longformer, section 3.1); sliding windows go back to Parmar et al. 2018
-(Image Transformer).
+once ``window // 2 >= N - 1`` (dilation 1). With dilation 1 the causal form is exactly the
+sliding window of Mistral-style models; the call input ``sliding_window=w`` asks for that
+pattern, and the module accepts it only when it is its own (``window == w``, ``dilation == 1``).
+Dilated windows as in Beltagy et al. 2020 (Longformer, section 3.1); sliding windows go back to
+Parmar et al. 2018 (Image Transformer).
 
 Computed banded (:func:`effattn.sparse.banded_attention`): blocks of queries against the few key
 blocks their window touches, dilation as independent bands over the residue classes mod d.
@@ -20,35 +20,16 @@ q, k: (B, H, N, D), v: (B, H, N, Dv) -> (B, H, N, Dv).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from effattn import reference
 from effattn.base import AttentionMethod, check_positive_int, compute_dtype
-from effattn.registry import Budget, LayerHints, MethodSpec, register
-from effattn.sparse import banded_attention
-
-
-def local_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    window: int,
-    dilation: int = 1,
-    causal: bool = False,
-    key_padding_mask: Tensor | None = None,
-    scale: float | None = None,
-) -> Tensor:
-    """Sliding-window attention (see the module docstring for the pattern); no N x N matrix."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    left, right = (window - 1, 0) if causal else (window // 2, window // 2)
-    out, _ = banded_attention(
-        q, k, v, left=left, right=right, dilation=dilation, key_mask=key_padding_mask, scale=scale
-    )
-    return out
+from effattn.registry import Budget, CallInput, MethodSpec, register
+from effattn.sparse import Band, banded_attention
+from effattn.sparse.parallel import Halo
 
 
 @dataclass
@@ -84,33 +65,35 @@ class LocalAttention(AttentionMethod):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, window={self.window}, dilation={self.dilation}"
 
-    def _require(self, window: int | None) -> None:
-        """A caller's required causal sliding window must be this module's own pattern."""
+    def band(self, causal: bool) -> Band:
+        """The window as a band: the last ``window`` positions causal, ``window // 2`` each way
+        otherwise (the engine's and the sequence-parallel halo's pattern)."""
+        left, right = (self.window - 1, 0) if causal else (self.window // 2, self.window // 2)
+        return Band(left, right, self.dilation)
+
+    def _check_call(self, call, q, k, v, causal):
+        """Besides the declarations: a caller's required causal ``sliding_window`` must be this
+        module's own pattern, which the computation then is (forward, step, prefill and the
+        sequence-parallel halo all check it here)."""
+        super()._check_call(call, q, k, v, causal)
+        window = call.get("sliding_window")
         if window is not None and (window != self.window or self.dilation != 1):
             raise ValueError(
                 f"local computes the causal window {self.window} with dilation {self.dilation}, "
-                f"not the required sliding window {window}: build it with window={window}, "
+                f"not the required sliding_window={window}: build it with window={window}, "
                 "dilation=1"
             )
 
-    def _attend(self, q, k, v, *, causal, key_padding_mask, window=None):
-        self._require(window)
-        if window is not None and not causal:
-            raise ValueError(
-                f"local: window={window} is a causal sliding window; it needs causal=True"
-            )
+    def _attend(self, q, k, v, *, causal, key_padding_mask, sliding_window=None):
         dtype = compute_dtype(q.dtype)
-        return local_attention(
-            q.to(dtype), k.to(dtype), v.to(dtype), window=self.window, dilation=self.dilation,
-            causal=causal, key_padding_mask=key_padding_mask, scale=self.scale,
+        band = self.band(causal)
+        out, _ = banded_attention(
+            q.to(dtype), k.to(dtype), v.to(dtype), left=band.left, right=band.right,
+            dilation=band.dilation, key_mask=key_padding_mask, scale=self.scale,
         )
+        return out
 
-    def _prefill(self, q, k, v, state, window=None):
-        self._require(window)
-        return super()._prefill(q, k, v, state)
-
-    def _step(self, q, k, v, state, window=None):
-        self._require(window)
+    def _step(self, q, k, v, state, sliding_window=None):
         dtype = compute_dtype(q.dtype)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         w = self.window
@@ -145,11 +128,13 @@ def _reference(
     *,
     causal: bool = False,
     key_padding_mask: Tensor | None = None,
-    window: int | None = None,
+    sliding_window: int | None = None,
 ) -> Tensor:
     """Masked softmax over the explicit N x N window pattern of the module (a required
-    ``window`` is that pattern: the module refuses any other)."""
-    return reference.local_attention(
+    ``sliding_window`` is that pattern: the module refuses any other)."""
+    from effattn import naive  # imported here: the references stay off the runtime path
+
+    return naive.local_attention(
         q, k, v, window=module.window, dilation=module.dilation, causal=causal,
         key_padding_mask=key_padding_mask, scale=module.scale,
     )
@@ -167,14 +152,18 @@ register(
         decoding=True,
         options={"window": 128, "dilation": 1},
         budget=Budget("window", (16, 32, 64, 128, 256)),
-        layer=LayerHints(call_inputs=("window",)),
+        call_inputs=(
+            CallInput("sliding_window", "a required causal sliding window (0 <= i - j < "
+                      "sliding_window); taken only when it is the module's own window, dilation 1",
+                      (), causal_only=True, bounds=(1, math.inf), kind="int"),
+        ),
         bench_default=True,
         published={"lra_listops": 15.82},
         refusals={
             "cross": "a window over positions needs aligned query and key positions (N == M)",
         },
         reference=_reference,
-        sequence_parallel="halo",
+        sequence_parallel=Halo(),
     ),
     LocalAttention,
 )

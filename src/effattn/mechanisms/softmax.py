@@ -10,7 +10,7 @@ for cross-attention), which returns each row's output and log-sum-exp in O(N blo
 - ``softcap=c`` (build option): logit soft-capping, the scores are ``c tanh(s / c)`` with
   s = scale q.k (Gemma 2, Team Gemma 2024, "Gemma 2: Improving Open Language Models at a
   Practical Size");
-- ``window=w`` (call input, causal): a sliding window, query i sees key j iff 0 <= i - j < w
+- ``sliding_window=w`` (call input, causal): query i sees key j iff 0 <= i - j < w
   (Mistral's and Gemma's ``sliding_window``; Beltagy et al. 2020); the banded engine computes
   only the band, O(N w D);
 - ``sinks=`` (H,) (call input): attention sinks, a per-head logit in the normaliser that has no
@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from effattn import reference
-from effattn.base import AttentionMethod, check_positive_int, compute_dtype
-from effattn.registry import LayerHints, MethodSpec, Problem, register
+from effattn.base import AttentionMethod, compute_dtype
+from effattn.parallel import SequenceGroup, SequenceStrategy
+from effattn.registry import CallInput, MethodSpec, Problem, register
 from effattn.sparse import banded_attention, dense_partial
 
 
@@ -183,8 +183,8 @@ def check_softcap(softcap: Any) -> float | None:
 class SoftmaxAttention(AttentionMethod):
     """Exact softmax attention (the reference every other method is measured against).
 
-    ``softcap``: logit soft-capping (see the module docstring). Call inputs ``window=`` (int,
-    causal sliding window) and ``sinks=`` ((H,) logits) in forward, prefill and step.
+    ``softcap``: logit soft-capping (see the module docstring). Call inputs ``sliding_window=``
+    (int, causal) and ``sinks=`` ((H,) logits) in forward, prefill and step.
     """
 
     def __init__(self, head_dim, heads, max_len=None, seed=None, scale=None, *, softcap=None):
@@ -195,44 +195,23 @@ class SoftmaxAttention(AttentionMethod):
         cap = "" if self.softcap is None else f", softcap={self.softcap:g}"
         return super().extra_repr() + cap
 
-    def _check_call(self, q: Tensor, window: Any, sinks: Any, causal: bool) -> None:
-        """Validate the call inputs (the one place they are checked)."""
-        if window is not None:
-            check_positive_int("window", window)
-            if not causal:
-                raise ValueError(
-                    f"softmax: window={window} is a causal sliding window (0 <= i - j < window); "
-                    "it needs causal=True"
-                )
-        if sinks is None:
-            return
-        if not isinstance(sinks, Tensor) or not sinks.is_floating_point():
-            raise ValueError(f"sinks must be a floating-point tensor, got {type(sinks).__name__}")
-        if tuple(sinks.shape) != (self.heads,):
-            raise ValueError(f"sinks must be (H,) = ({self.heads},), got {tuple(sinks.shape)}")
-        if sinks.device != q.device:
-            raise ValueError(f"sinks is on {sinks.device}, q on {q.device}")
-        if not torch.compiler.is_compiling() and not bool(torch.isfinite(sinks).all()):
-            raise ValueError("sinks contains NaN or inf")
-
-    def _attend(self, q, k, v, *, causal, key_padding_mask, window=None, sinks=None):
-        self._check_call(q, window, sinks, causal)
+    def _attend(self, q, k, v, *, causal, key_padding_mask, sliding_window=None, sinks=None):
         return softmax_attention(
             q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=self.scale,
-            softcap=self.softcap, window=window, sinks=sinks,
+            softcap=self.softcap, window=sliding_window, sinks=sinks,
         )
 
-    def _step(self, q, k, v, state, window=None, sinks=None):
-        return self._prefill(q, k, v, state, window=window, sinks=sinks)
+    def _step(self, q, k, v, state, sliding_window=None, sinks=None):
+        return self._prefill(q, k, v, state, sliding_window=sliding_window, sinks=sinks)
 
-    def _prefill(self, q, k, v, state, window=None, sinks=None):
-        self._check_call(q, window, sinks, True)
+    def _prefill(self, q, k, v, state, sliding_window=None, sinks=None):
         if state is None:
             state = KVCache.empty(k, v)
         elif not isinstance(state, KVCache):
             raise ValueError(f"softmax state must be a KVCache, got {type(state).__name__}")
         past, n = state.length, q.shape[2]
-        first = 0 if window is None else max(0, past - window + 1)  # the first query's reach
+        # The first query's reach: the keys before it are never attended to again.
+        first = 0 if sliding_window is None else max(0, past - sliding_window + 1)
         if first < state.start:
             raise ValueError(
                 f"softmax: the state dropped the positions before {state.start} (an earlier call "
@@ -249,10 +228,10 @@ class SoftmaxAttention(AttentionMethod):
         elif past == 0 and state.start == 0:
             # A block from the start is plain (windowed) causal attention.
             out = softmax_attention(q, keys, values, causal=True, scale=self.scale,
-                                    softcap=self.softcap, window=window, sinks=sinks)
+                                    softcap=self.softcap, window=sliding_window, sinks=sinks)
         else:
             position = state.start + torch.arange(state.held, device=q.device)
-            reach = math.inf if window is None else window
+            reach = math.inf if sliding_window is None else sliding_window
 
             def allowed(r0: int, r1: int) -> Tensor:
                 i = past + torch.arange(r0, r1, device=q.device)[:, None]
@@ -265,9 +244,68 @@ class SoftmaxAttention(AttentionMethod):
                 key_prefix=lambda r0, r1: past + r1 - state.start,
             )
             out = with_sinks(out, lse, sinks)
-        if window is not None:
-            state.forget_before(state.length - window + 1)
+        if sliding_window is not None:
+            state.forget_before(state.length - sliding_window + 1)
         return out, state
+
+
+class AllGather(SequenceStrategy):
+    """Sequence parallelism of exact attention: every rank all-gathers K and V, O(N) per rank,
+    and attends with its own queries over the whole sequence (a soft cap, sliding window and
+    sinks included, as the module computes them)."""
+
+    def attend(
+        self,
+        attn: AttentionMethod,
+        group: SequenceGroup,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        sliding_window: int | None = None,
+        sinks: Tensor | None = None,
+    ) -> Tensor:
+        d = k.shape[-1]
+        kv = _gather_slices(torch.cat([k, v], -1), group)
+        keys, values = kv[..., :d], kv[..., d:]
+        keep = None
+        if key_padding_mask is not None:
+            mask = _gather_slices(key_padding_mask[:, None, :, None], group)
+            keep = ~mask[:, :, None, :, 0]  # (B, 1, 1, N)
+        if causal:
+            i = torch.arange(group.offset, group.offset + q.shape[2], device=q.device)[:, None]
+            j = torch.arange(group.total, device=q.device)[None, :]
+            seen = (j <= i) if sliding_window is None else (j <= i) & (j > i - sliding_window)
+            keep = seen if keep is None else keep & seen
+        softcap = attn.softcap
+        if softcap is not None or sinks is not None:
+            # SDPA has neither: the blockwise engine's rows give the output and the log-sum-exp
+            # that the sinks need.
+            rows = torch.ones(1, 1, q.shape[2], group.total, dtype=torch.bool, device=q.device)
+            rows = rows if keep is None else rows & keep
+            dtype = compute_dtype(q.dtype)
+            out, lse = dense_partial(q.to(dtype), keys.to(dtype), values.to(dtype),
+                                     lambda r0, r1: rows[..., r0:r1, :], scale=attn.scale,
+                                     softcap=softcap)
+            return with_sinks(out, lse, sinks)
+        if keep is None:
+            return F.scaled_dot_product_attention(q, keys, values, scale=attn.scale)
+        # A query without a visible key outputs 0: its mask row is opened so that the softmax
+        # stays finite (no NaN in the gradients), then its output is cleared.
+        visible = keep.any(-1, keepdim=True)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=keep | ~visible,
+                                             scale=attn.scale)
+        return out.masked_fill(~visible, 0.0)
+
+
+def _gather_slices(x: Tensor, group: SequenceGroup) -> Tensor:
+    """Every rank's x (B, H, n_r, X), padded to the longest slice for the all-gather, joined
+    along the sequence: (B, H, N, X). Differentiable when x is floating point."""
+    padded = F.pad(x, (0, 0, 0, max(group.lengths) - x.shape[2]))
+    gathered = group.all_gather(padded)
+    return torch.cat([g[:, :, :n] for g, n in zip(gathered, group.lengths, strict=True)], 2)
 
 
 def _reference(
@@ -278,13 +316,16 @@ def _reference(
     *,
     causal: bool = False,
     key_padding_mask: Tensor | None = None,
-    window: int | None = None,
+    sliding_window: int | None = None,
     sinks: Tensor | None = None,
 ) -> Tensor:
-    """softmax(scale q k^T) v with the explicit N x M score matrix (soft cap, window, sinks)."""
-    return reference.softmax_attention(
+    """softmax(scale q k^T) v with the explicit N x M score matrix (soft cap, sliding window,
+    sinks)."""
+    from effattn import naive  # imported here: the references stay off the runtime path
+
+    return naive.softmax_attention(
         q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=module.scale,
-        softcap=module.softcap, window=window, sinks=sinks,
+        softcap=module.softcap, window=sliding_window, sinks=sinks,
     )
 
 
@@ -307,11 +348,17 @@ register(
         decoding=True,
         options={"softcap": None},
         flops=_flops,
-        layer=LayerHints(call_inputs=("window", "sinks")),
+        call_inputs=(
+            CallInput("sliding_window", "causal sliding window: query i sees key j iff "
+                      "0 <= i - j < sliding_window (Mistral's, Gemma's sliding_window)", (),
+                      causal_only=True, bounds=(1, math.inf), kind="int"),
+            CallInput("sinks", "per-head logit of a sink in the normaliser, with no value "
+                      "(GPT-OSS's attention sinks)", ("H",)),
+        ),
         bench_default=True,
         published={"lra_listops": 36.37},
         reference=_reference,
-        sequence_parallel="gather",
+        sequence_parallel=AllGather(),
     ),
     SoftmaxAttention,
 )
