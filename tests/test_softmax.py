@@ -7,11 +7,11 @@ cache of a window, the banded computation (no N x N scores) and the refusals.
 
 import pytest
 import torch
-from conftest import qkv
+from conftest import padding, qkv
 
 import effattn
 from effattn import naive
-from effattn.sparse import blockwise
+from effattn.sparse import Band, Blocks, Columns, Globals, blockwise, sparse_attention
 
 H, D = 3, 21
 
@@ -57,25 +57,71 @@ def test_a_window_bounds_the_cache():
 
 
 def test_long_windowed_and_capped_inputs_are_banded_never_n_by_n(monkeypatch):
-    seen, original = [], blockwise.masked_scores
+    seen, original = [], blockwise._scores
 
-    def spy(q, k, allowed, scale, softcap=None):
+    def spy(out, q, k, scale, biases, softcap=None):
         seen.append(q.shape[-2] * k.shape[-2] * q.shape[:-2].numel())
-        return original(q, k, allowed, scale, softcap)
+        return original(out, q, k, scale, biases, softcap)
 
-    monkeypatch.setattr(blockwise, "masked_scores", spy)
+    monkeypatch.setattr(blockwise, "_scores", spy)
     q, k, v = qkv(b=1, h=1, n=2048, d=8, dtype=torch.float32)
     m = effattn.build("softmax", head_dim=8, heads=1, softcap=20.0)
     m(q, k, v, causal=True, sliding_window=64)
     assert sum(seen) <= 2048 * 65 * 2.5
     seen.clear()
     m(q, k, v, causal=True)  # a soft cap alone: the causal band, in cache-sized slices
-    assert max(seen) <= blockwise.SLICE_ELEMENTS < 2048 * 2048
+    # (a forward slice scores about twice SLICE_ELEMENTS: it holds no ds)
+    assert max(seen) <= 4 * blockwise.SLICE_ELEMENTS < 2048 * 2048
+
+
+def _allowed(piece, n):
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    if isinstance(piece, Band):
+        return (i - j <= piece.left) & (j - i <= piece.right) & ((i - j) % piece.dilation == 0)
+    if isinstance(piece, Blocks):
+        return i // piece.block_size == j // piece.block_size
+    return (i != j) & ((i - j) % piece.stride == 0) & ((j < i) | (not piece.causal))
+
+
+@pytest.mark.parametrize("piece", [Band(62, 62), Band(9, 0), Band(10, 4, 2), Band(9, 0, 3, 8),
+                                   Blocks(None, 10), Columns(8, causal=True)],
+                         ids=["full", "causal-window", "dilated", "dilated-causal",
+                              "blocks", "columns"])
+def test_the_engine_caps_its_scores_exactly_in_forward_and_backward(piece):
+    # Every piece computed by query blocks, the gathered layouts of dilated bands and columns
+    # included; out and lse (which sinks read) against the dense formula, with their gradients.
+    q, k, v = (t.requires_grad_() for t in qkv(n=63, d=D, dv=10))
+    mask, scale, cap = padding(2, 63), 0.7, 1.5
+    out, lse = sparse_attention(q, k, v, [piece], scale=scale, key_mask=mask, softcap=cap)
+    scores = cap * torch.tanh(scale * q @ k.transpose(-2, -1) / cap)
+    allowed = _allowed(piece, 63) & ~mask[:, None, None, :]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    ref_lse = torch.logsumexp(scores, -1)
+    ref = torch.softmax(scores, -1).nan_to_num(0.0) @ v
+    seen = allowed.expand(2, H, 63, 63).any(-1)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse[seen], ref_lse[seen], rtol=1e-12, atol=1e-12)
+    g = torch.Generator().manual_seed(4)
+    probe, probe_lse = torch.randn(out.shape, generator=g, dtype=out.dtype), torch.randn(
+        lse.shape, generator=g, dtype=lse.dtype) * seen
+    got = torch.autograd.grad((out * probe).sum() + (lse * probe_lse).sum(), (q, k, v))
+    ref_lse = ref_lse.masked_fill(~seen, 0.0)
+    want = torch.autograd.grad((ref * probe).sum() + (ref_lse * probe_lse).sum(), (q, k, v))
+    for name, a, b in zip("qkv", got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11, msg=lambda t, n=name: f"d{n}: {t}")
+
+
+def test_the_engine_refuses_a_cap_on_dense_pieces():
+    q, k, v = qkv(n=16, d=D)
+    with pytest.raises(ValueError, match="softcap=2.0 is not supported with Globals"):
+        sparse_attention(q, k, v, [Band(3, 0), Globals(torch.tensor([0]))], scale=1.0,
+                         softcap=2.0)
 
 
 def test_a_window_as_long_as_the_input_is_plain_sdpa(monkeypatch):
     calls = []
-    monkeypatch.setattr(blockwise, "_block_attention", lambda *a, **kw: calls.append(1))
+    monkeypatch.setattr(blockwise, "sparse_attention", lambda *a, **kw: calls.append(1))
     q, k, v = qkv(n=40, d=D)
     m = _module()
     out = m(q, k, v, causal=True, sliding_window=40)

@@ -4,8 +4,10 @@ out = softmax(scale * q k^T + mask) v  (Vaswani et al. 2017, "Attention Is All Y
 q: (B, H, N, D), k: (B, H, M, D), v: (B, H, M, Dv) -> (B, H, N, Dv).
 
 Three exact variants that SDPA cannot express run on the blockwise engine
-(:func:`effattn.sparse.banded_attention` for self-attention, :func:`effattn.sparse.dense_partial`
-for cross-attention), which returns each row's output and log-sum-exp in O(N block) memory:
+(:func:`effattn.sparse.banded_attention` for self-attention, in O(N block) memory; queries that
+are not aligned with their keys, in cross-attention and in a KV cache, are scored here in
+cache-sized slices of rows, :func:`rows_over_keys`), which gives each row's output and
+log-sum-exp:
 
 - ``softcap=c`` (build option): logit soft-capping, the scores are ``c tanh(s / c)`` with
   s = scale q.k (Gemma 2, Team Gemma 2024, "Gemma 2: Improving Open Language Models at a
@@ -22,7 +24,7 @@ for cross-attention), which returns each row's output and log-sum-exp in O(N blo
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +35,7 @@ from torch import Tensor
 from effattn.base import AttentionMethod, compute_dtype
 from effattn.parallel import SequenceGroup, SequenceStrategy
 from effattn.registry import CallInput, MethodSpec, Problem, register
-from effattn.sparse import banded_attention, dense_partial
+from effattn.sparse import banded_attention
 
 
 def visible_rows(key_padding_mask: Tensor, n: int, causal: bool) -> Tensor:
@@ -56,6 +58,59 @@ def with_sinks(out: Tensor, lse: Tensor, sinks: Tensor | None) -> Tensor:
     if sinks is None:
         return out
     return out * torch.sigmoid(lse - sinks.to(lse.dtype)[:, None])[..., None]
+
+
+# Scores of one slice of rows in rows_over_keys: cache-sized (8 MiB in fp32).
+SLICE_ELEMENTS = 1 << 21
+
+
+def rows_over_keys(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    allowed: Callable[[int, int], Tensor],
+    *,
+    scale: float,
+    softcap: float | None = None,
+    key_prefix: Callable[[int, int], int] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Softmax of q (B, H, n, D) over the keys k (B, H, m, D), v (B, H, m, Dv) that
+    ``allowed(r0, r1)`` (bool, broadcastable to (B, H, r1 - r0, m)) allows to rows r0 .. r1 - 1,
+    with scores s = scale q.k, or ``softcap tanh(s / softcap)``.
+
+    Returns out (B, H, n, Dv) and lse (B, H, n) = log sum_allowed exp(s); rows without an
+    allowed key give 0 and -inf (no NaN in the gradients). Rows go in slices of about
+    SLICE_ELEMENTS scores; ``key_prefix(r0, r1)``, when given, bounds the keys rows r0 .. r1 - 1
+    may see to that many first ones, so causal slices skip the scores of future keys.
+    Differentiated by autograd, which keeps each slice's scores: meant for few rows (decoding,
+    prefill after a cache) and for the cross-attention that SDPA cannot compute (a soft cap,
+    sinks), whose backward then holds its N x M scores.
+    """
+    n, m = q.shape[-2], k.shape[-2]
+    rows = max(1, SLICE_ELEMENTS // max(1, q.shape[0] * q.shape[1] * m))
+    if key_prefix is not None:
+        # At least 8 slices: the scored prefix then averages about 9/16 of the keys, not all.
+        rows = min(rows, -(-n // 8))
+    outs, lses = [], []
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        keys = m if key_prefix is None else max(1, min(m, key_prefix(r0, r1)))
+        scores = torch.matmul(q[..., r0:r1, :], k[..., :keys, :].transpose(-2, -1)) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~allowed(r0, r1)[..., :keys], float("-inf"))
+        # The row max only stabilises the exponent; it cancels, so it carries no gradient.
+        top = scores.detach().amax(-1, keepdim=True)
+        top = top.masked_fill(~torch.isfinite(top), 0.0)
+        p = torch.exp(scores - top)
+        total = p.sum(-1, keepdim=True)
+        nonempty = total > 0
+        total = torch.where(nonempty, total, torch.ones_like(total))
+        outs.append((p @ v[..., :keys, :]) / total)
+        lses.append(torch.where(nonempty, top + torch.log(total), float("-inf")).squeeze(-1))
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs, -2), torch.cat(lses, -1)
 
 
 def softmax_attention(
@@ -98,7 +153,7 @@ def softmax_attention(
     else:
         keep = (torch.ones(1, 1, 1, m, dtype=torch.bool, device=q.device)
                 if key_padding_mask is None else ~key_padding_mask[:, None, None, :])
-        out, lse = dense_partial(q, k, v, lambda r0, r1: keep, scale=scale, softcap=softcap)
+        out, lse = rows_over_keys(q, k, v, lambda r0, r1: keep, scale=scale, softcap=softcap)
     return with_sinks(out, lse, sinks)
 
 
@@ -238,7 +293,7 @@ class SoftmaxAttention(AttentionMethod):
                 return (position <= i) & (position > i - reach)
 
             dtype = compute_dtype(q.dtype)
-            out, lse = dense_partial(
+            out, lse = rows_over_keys(
                 q.to(dtype), keys.to(dtype), values.to(dtype), allowed, scale=self.scale,
                 softcap=self.softcap,
                 key_prefix=lambda r0, r1: past + r1 - state.start,
@@ -286,9 +341,9 @@ class AllGather(SequenceStrategy):
             rows = torch.ones(1, 1, q.shape[2], group.total, dtype=torch.bool, device=q.device)
             rows = rows if keep is None else rows & keep
             dtype = compute_dtype(q.dtype)
-            out, lse = dense_partial(q.to(dtype), keys.to(dtype), values.to(dtype),
-                                     lambda r0, r1: rows[..., r0:r1, :], scale=attn.scale,
-                                     softcap=softcap)
+            out, lse = rows_over_keys(q.to(dtype), keys.to(dtype), values.to(dtype),
+                                      lambda r0, r1: rows[..., r0:r1, :], scale=attn.scale,
+                                      softcap=softcap)
             return with_sinks(out, lse, sinks)
         if keep is None:
             return F.scaled_dot_product_attention(q, keys, values, scale=attn.scale)
