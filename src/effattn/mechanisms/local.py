@@ -14,7 +14,8 @@ Parmar et al. 2018 (Image Transformer).
 
 Computed banded (:func:`effattn.sparse.banded_attention`): blocks of queries against the few key
 blocks their window touches, dilation as independent bands over the residue classes mod d.
-O(N window / dilation D) time and O(N window / dilation) memory; no N x N mask.
+O(N window / dilation D) time; O(N D) memory kept for the backward (q, k, v, out and one
+log-sum-exp per row; the backward recomputes the scores); no N x N mask.
 q, k: (B, H, N, D), v: (B, H, N, Dv) -> (B, H, N, Dv).
 """
 
@@ -145,7 +146,7 @@ register(
         name="local",
         summary="sliding-window attention, optionally dilated; banded blockwise computation",
         paper="Parmar et al. 2018, Image Transformer; dilation: Beltagy et al. 2020, Longformer",
-        complexity="O(N window / dilation D) time, O(N window / dilation) memory",
+        complexity="O(N window / dilation D) time, O(N D) memory",
         causal=True,
         padding_mask=True,
         cross=False,

@@ -165,7 +165,7 @@ register(
         name="sparse-strided",
         summary="Sparse Transformer strided pattern: band of s plus every s-th position",
         paper="Child et al. 2019, Generating Long Sequences with Sparse Transformers",
-        complexity="O(N (s + N/s) D) time and memory; O(N^1.5 D) at s = sqrt(N)",
+        complexity="O(N (s + N/s) D) time, O(N D) memory; O(N^1.5 D) at s = sqrt(N)",
         causal=True,
         padding_mask=True,
         cross=False,
@@ -184,7 +184,7 @@ register(
         summary="Sparse Transformer fixed pattern: own block of s plus c summary positions "
         "per block",
         paper="Child et al. 2019, Generating Long Sequences with Sparse Transformers",
-        complexity="O(N (s + c N/s) D) time and memory; O(c N^1.5 D) at s = sqrt(N)",
+        complexity="O(N (s + c N/s) D) time, O(N D) memory; O(c N^1.5 D) at s = sqrt(N)",
         causal=True,
         padding_mask=True,
         cross=False,
