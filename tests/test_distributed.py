@@ -61,7 +61,7 @@ EQUAL = {f"{key}-{'causal' if causal else 'full'}-{split}":
          for causal in (False, True) if causal or not (opts.get("gated") or key in CALLS)
          for split, ragged in SPLITS}
 ERRORS = ["uneven-without-length", "length-mismatch", "seeds-differ", "one-rank-bad-input",
-          "ranks-disagree"]
+          "ranks-disagree", "windows-differ"]
 BYTES = ["performer-bytes-independent-of-n"]
 REDRAW = "rfa-training-redraws"
 CASES = [*ERRORS, *EQUAL, REDRAW, *BYTES]
@@ -169,6 +169,10 @@ def _error_case(group, case):
         expected = "heads" if rank == world - 1 else rf"rank\(s\) \[{world - 1}\] rejected"
     elif case == "ranks-disagree":
         kwargs, expected = {"causal": rank == 0}, "disagree on causal"
+    elif case == "windows-differ":
+        # An int call input decides the pattern: the ranks must agree on its value.
+        sp = SequenceParallel(_build("softmax", {}), group)
+        kwargs, expected = {"causal": True, "sliding_window": 5 + rank}, "disagree on call_inputs"
     with pytest.raises(ValueError, match=expected):
         sp(*local, **kwargs)
 

@@ -186,7 +186,7 @@ class AttentionMethod(nn.Module):
         *,
         causal: bool = False,
         key_padding_mask: Tensor | None = None,
-        **call: Tensor | None,
+        **call: Tensor | int | None,
     ) -> None:
         """Check a forward call against the contract, as :meth:`forward` does before computing.
 
@@ -218,7 +218,7 @@ class AttentionMethod(nn.Module):
         self._check_call(call, q, k, v, causal)
 
     def _check_call(
-        self, call: dict[str, Tensor | None], q: Tensor, k: Tensor, v: Tensor, causal: bool
+        self, call: dict[str, Tensor | int | None], q: Tensor, k: Tensor, v: Tensor, causal: bool
     ) -> None:
         """The call inputs of ``call`` against the spec's ``call_inputs`` (see :meth:`validate`)."""
         if not call and not self.spec.call_inputs:
@@ -289,7 +289,7 @@ class AttentionMethod(nn.Module):
         v: Tensor,
         causal: bool = False,
         key_padding_mask: Tensor | None = None,
-        **call: Tensor | None,
+        **call: Tensor | int | None,
     ) -> Tensor:
         """Attention of q (B, H, N, D) over k (B, H, M, D), v (B, H, M, Dv) -> (B, H, N, Dv).
 
@@ -312,7 +312,7 @@ class AttentionMethod(nn.Module):
             )
 
     def step(
-        self, q: Tensor, k: Tensor, v: Tensor, state: Any = None, **call: Tensor | None
+        self, q: Tensor, k: Tensor, v: Tensor, state: Any = None, **call: Tensor | int | None
     ) -> tuple[Tensor, Any]:
         """One decoding step: q, k, v of shape (B, H, 1, D); returns (out (B, H, 1, Dv), state).
 
@@ -330,7 +330,7 @@ class AttentionMethod(nn.Module):
         return out.to(q.dtype), state
 
     def prefill(
-        self, q: Tensor, k: Tensor, v: Tensor, state: Any = None, **call: Tensor | None
+        self, q: Tensor, k: Tensor, v: Tensor, state: Any = None, **call: Tensor | int | None
     ) -> tuple[Tensor, Any]:
         """Causal attention over a block of L tokens that continues ``state`` (None: the start).
 
@@ -424,6 +424,6 @@ def _check_int_input(c: CallInput, value: Any) -> None:
         raise ValueError(f"{c.name} must lie in [{c.bounds[0]:g}, {c.bounds[1]:g}], got {value}")
 
 
-def _given(call: dict[str, Tensor | None]) -> dict[str, Tensor]:
+def _given(call: dict[str, Tensor | int | None]) -> dict[str, Tensor | int]:
     """The call inputs actually given: a mechanism's code sees no None for an absent one."""
     return {name: value for name, value in call.items() if value is not None}

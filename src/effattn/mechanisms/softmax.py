@@ -3,11 +3,10 @@
 out = softmax(scale * q k^T + mask) v  (Vaswani et al. 2017, "Attention Is All You Need").
 q: (B, H, N, D), k: (B, H, M, D), v: (B, H, M, Dv) -> (B, H, N, Dv).
 
-Three exact variants that SDPA cannot express run on the blockwise engine
-(:func:`effattn.sparse.banded_attention` for self-attention, in O(N block) memory; queries that
-are not aligned with their keys, in cross-attention and in a KV cache, are scored here in
-cache-sized slices of rows, :func:`rows_over_keys`), which gives each row's output and
-log-sum-exp:
+Three exact variants that SDPA cannot express are computed from each row's output and
+log-sum-exp: by the blockwise engine (:func:`effattn.sparse.banded_attention`, O(N D) memory) in
+self-attention, and in cache-sized slices of rows (:func:`rows_over_keys`) where the queries are
+not aligned with their keys (cross-attention, a KV cache):
 
 - ``softcap=c`` (build option): logit soft-capping, the scores are ``c tanh(s / c)`` with
   s = scale q.k (Gemma 2, Team Gemma 2024, "Gemma 2: Improving Open Language Models at a
