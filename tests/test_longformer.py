@@ -99,9 +99,9 @@ def test_refusals_name_the_reason():
 def test_scores_never_n_by_n(monkeypatch):
     seen = []
 
-    def spy(out, q, k, scale, biases):
+    def spy(out, q, k, scale, biases, softcap=None):
         seen.append(q.shape[-2] * k.shape[-2] * q.shape[:-2].numel())
-        return scores(out, q, k, scale, biases)
+        return scores(out, q, k, scale, biases, softcap)
 
     scores = blockwise._scores
     monkeypatch.setattr(blockwise, "_scores", spy)

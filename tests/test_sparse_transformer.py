@@ -128,9 +128,9 @@ def test_c_is_a_fixed_only_option():
 def test_scores_are_blockwise_never_n_by_n(monkeypatch, name):
     seen = []
 
-    def spy(out, q, k, scale, biases):
+    def spy(out, q, k, scale, biases, softcap=None):
         seen.append(q.shape[-2] * k.shape[-2] * q.shape[:-2].numel())
-        return scores(out, q, k, scale, biases)
+        return scores(out, q, k, scale, biases, softcap)
 
     scores = blockwise._scores
     monkeypatch.setattr(blockwise, "_scores", spy)

@@ -23,6 +23,11 @@ Scores are built slice by slice into reused buffers of about ``SLICE_ELEMENTS`` 
 N x N matrix, padded copy of q, k or v, or full-size temporary is made. Rows with no allowed key
 give out = 0 and lse = -inf (never NaN, also in the gradients).
 
+Logit soft-capping (Gemma 2, Team Gemma 2024; ``softcap=c``, band and block pieces): every score
+is ``c tanh(scale q.k / c)`` instead of ``scale q.k``, capped in natural units before it is
+turned into units of log2. The backward multiplies ds by the cap's slope
+``1 - tanh^2 = 1 - (s / c)^2``, recomputed from the capped scores s of the slice.
+
 Shapes: q (B, H, N, D), k (B, H, N, D), v (B, H, N, Dv); key masks are bool (B, N),
 True = ignore.
 """
@@ -117,12 +122,20 @@ class Globals:
 Piece = Band | Blocks | Columns | Summary | Globals
 
 
-def _scores(out: Tensor, q: Tensor, k: Tensor, scale: float, biases: Sequence[Tensor]) -> Tensor:
+def _scores(out: Tensor, q: Tensor, k: Tensor, scale: float, biases: Sequence[Tensor],
+            softcap: float | None = None) -> Tensor:
     """out (..., n, m) = log2(e) scale q k^T + sum(biases): scores in units of log2, with
     q (G, n, D), k (G, m, D), G the batch of out, and 0 / -inf biases broadcastable to out
-    (masks as additive terms: a masked_fill pass costs about as much as the matmul). Every score
-    of the engine is built here."""
+    (masks as additive terms: a masked_fill pass costs about as much as the matmul). With
+    ``softcap`` c, log2(e) c tanh(scale q k^T / c) + sum(biases). Every score of the engine is
+    built here."""
     flat = out.view(-1, *out.shape[-2:])
+    if softcap is not None:
+        flat.baddbmm_(q, k.transpose(-2, -1), beta=0.0, alpha=scale / softcap)
+        flat.tanh_().mul_(softcap * _LOG2E)
+        for bias in biases:
+            out.add_(bias)
+        return flat
     alpha = scale * _LOG2E
     if not biases:
         return flat.baddbmm_(q, k.transpose(-2, -1), beta=0.0, alpha=alpha)
@@ -131,6 +144,14 @@ def _scores(out: Tensor, q: Tensor, k: Tensor, scale: float, biases: Sequence[Te
     else:
         torch.add(biases[0].expand_as(out), biases[1], out=out)
     return flat.baddbmm_(q, k.transpose(-2, -1), alpha=alpha)
+
+
+def _softcap_slope(scores: Tensor, softcap: float, out: Tensor) -> Tensor:
+    """Into out: d(c tanh(x / c)) / dx = 1 - tanh^2 = 1 - (s / c)^2 of the capped scores
+    ``scores`` (units of log2, s = scores / log2(e)); 0 where a score is masked (-inf: the
+    clamp keeps 1 - inf from reaching ds as 0 * -inf = NaN)."""
+    torch.mul(scores, 1.0 / (softcap * _LOG2E), out=out)
+    return out.square_().neg_().add_(1.0).clamp_min_(0.0)
 
 
 def _accumulate(target: Tensor, a: Tensor, b: Tensor, alpha: float,
@@ -269,7 +290,8 @@ class _Blocks:
 
     Scores carry the additive ``pattern`` (C, K C) and ``keys`` (U,) (0 / -inf) terms; with
     ``crosses``, windows can reach past the end of their sequence, and those rows also mask the
-    keys of other sequences. Rows are processed ``step`` at a time.
+    keys of other sequences. Rows are processed ``step`` at a time; ``softcap`` caps the scores
+    (see :func:`_scores`).
     """
 
     layout: _Layout
@@ -281,6 +303,7 @@ class _Blocks:
     keys: Tensor | None
     crosses: bool
     step: int
+    softcap: float | None = None
 
     @property
     def rows(self) -> int:
@@ -363,7 +386,7 @@ class _Blocks:
                 keys = self.keys.view(-1, c)[blocks.clamp(min=0)]
                 keys = keys.masked_fill_((blocks < 0)[..., None], _NEG_INF).view(r1 - r0, kc)
             biases.append(keys[:, None, :])
-        _scores(p, qs, kw, scale, biases)
+        _scores(p, qs, kw, scale, biases, self.softcap)
         for a, b in self._crossing(r0, r1):
             p[a - r0 : b - r0].masked_fill_(self._other_sequence(a, b, p.device), _NEG_INF)
 
@@ -465,7 +488,15 @@ class _Blocks:
             s, sh = lse.index_select(0, write), shift.index_select(0, write)
         p, ds = ws.take("p", rows, c, kc), ws.take("ds", rows, c, kc)
         self.scores(p, qs, kw, r0, r1, scale)
-        p.sub_(s.view(rows, c, 1)).exp2_()
+        if self.softcap is None:
+            p.sub_(s.view(rows, c, 1)).exp2_()
+        else:
+            # ds holds the cap's slope until dv has taken p; p then becomes p times the slope,
+            # the factor ds needs, so no third slice-sized buffer is used.
+            _softcap_slope(p, self.softcap, ds)
+            p.sub_(s.view(rows, c, 1)).exp2_()
+            self._scatter(dv, p, do, r0, r1, 1.0, ws)
+            p.mul_(ds)
         torch.bmm(do, vw.transpose(1, 2), out=ds)
         ds.sub_(sh.view(rows, c, 1)).mul_(p)
         if self.layout.identity:
@@ -478,7 +509,8 @@ class _Blocks:
             else:
                 dq.index_add_(0, write, part, alpha=scale)
         self._scatter(dk, ds, qs, r0, r1, scale, ws)
-        self._scatter(dv, p, do, r0, r1, 1.0, ws)
+        if self.softcap is None:
+            self._scatter(dv, p, do, r0, r1, 1.0, ws)
 
     def _scatter(self, dx: Tensor, a: Tensor, y: Tensor, r0: int, r1: int, alpha: float,
                  ws: _Workspace) -> None:
@@ -836,13 +868,15 @@ def _key_bias(layout: _Layout, skip: Tensor | None, heads: int,
 @dataclass(frozen=True)
 class _Context:
     """What every plan needs to know of a call: shape (B, H, N), the keys the pieces skip
-    (padding and global keys, bool (B, N) or None), dtype, device and width max(D, Dv)."""
+    (padding and global keys, bool (B, N) or None), dtype, device, width max(D, Dv) and the
+    soft cap of the scores (None: none)."""
 
     shape: tuple[int, int, int]
     skip: Tensor | None
     dtype: torch.dtype
     device: torch.device
     width: int
+    softcap: float | None = None
 
     def key_bias(self, layout: _Layout) -> Tensor | None:
         if self.skip is None and not layout.identity:
@@ -883,7 +917,7 @@ def _band_plan(piece: Band, ctx: _Context) -> _Blocks:
     return _Blocks(
         layout, c, slots, back, None, _additive((offset > left) | (offset < -right), ctx.dtype),
         ctx.key_bias(layout), crosses=slots > 1 or length % c != 0,
-        step=ctx.step(c * (2 * slots * c + ctx.copies(layout) * ctx.width)),
+        step=ctx.step(c * (2 * slots * c + ctx.copies(layout) * ctx.width)), softcap=ctx.softcap,
     )
 
 
@@ -896,7 +930,8 @@ def _blocks_plan(piece: Blocks, ctx: _Context) -> _Blocks:
                                                             ctx.dtype)
     if piece.key_blocks is None:
         return _Blocks(layout, c, 1, 0, None, pattern, ctx.key_bias(layout), crosses=False,
-                       step=ctx.step(c * (2 * c + ctx.copies(layout) * ctx.width)))
+                       step=ctx.step(c * (2 * c + ctx.copies(layout) * ctx.width)),
+                       softcap=ctx.softcap)
     key_blocks = piece.key_blocks.to(ctx.device)
     if key_blocks.dim() == 2:
         key_blocks = key_blocks[None]
@@ -916,7 +951,7 @@ def _blocks_plan(piece: Blocks, ctx: _Context) -> _Blocks:
     # Gathered keys and values, and the key-side product of dk or dv: 3 rows of K C.
     per_row = 2 * slots * c * c + (3 * slots * c + ctx.copies(layout) * c) * ctx.width
     return _Blocks(layout, c, slots, 0, index, pattern, keys, crosses=False,
-                   step=ctx.step(per_row))
+                   step=ctx.step(per_row), softcap=ctx.softcap)
 
 
 def _columns_plan(piece: Columns, ctx: _Context) -> list[_Plan]:
@@ -931,7 +966,7 @@ def _columns_plan(piece: Columns, ctx: _Context) -> list[_Plan]:
     ok = i[None, :] < i[:, None] if piece.causal else i[None, :] != i[:, None]
     per_row = rows * (2 * rows + ctx.copies(layout) * ctx.width)
     return [_Blocks(layout, rows, 1, 0, None, _additive(~ok, ctx.dtype), ctx.key_bias(layout),
-                    crosses=False, step=ctx.step(per_row))]
+                    crosses=False, step=ctx.step(per_row), softcap=ctx.softcap)]
 
 
 def _summary_plan(piece: Summary, ctx: _Context) -> list[_Plan]:
@@ -968,12 +1003,15 @@ def sparse_attention(
     *,
     scale: float,
     key_mask: Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Softmax attention over the union of disjoint ``pieces`` (see the module docstring).
 
     q, k, v: (B, H, N, D), (B, H, N, D), (B, H, N, Dv) (aligned positions); key_mask: bool
     (B, N), True = ignore. At most one :class:`Globals`. Returns out (B, H, N, Dv) and
-    lse (B, H, N) = log sum_j exp(scale q_i.k_j) over the allowed keys.
+    lse (B, H, N) = log sum_j exp(s_ij) over the allowed keys, s_ij = scale q_i.k_j, or
+    ``softcap tanh(scale q_i.k_j / softcap)`` with a soft cap (:class:`Band`, :class:`Blocks`
+    and :class:`Columns` pieces only).
 
     Cost O(N W D) time for W allowed keys per query (plus the wasted corners of the blocks);
     memory: q, k, v, out and lse kept for the backward, temporaries of O(SLICE_ELEMENTS).
@@ -984,13 +1022,17 @@ def sparse_attention(
             f"sparse_attention needs aligned positions (N == M), got N={n}, M={k.shape[2]}"
         )
     tokens = [piece.tokens for piece in pieces if isinstance(piece, Globals)]
+    dense = [type(piece).__name__ for piece in pieces if isinstance(piece, Summary | Globals)]
+    if softcap is not None and dense:
+        raise ValueError(f"sparse_attention: softcap={softcap} is not supported with "
+                         f"{' or '.join(dense)} pieces")
     if len(tokens) > 1:
         raise ValueError(f"sparse_attention takes at most one Globals piece, got {len(tokens)}")
     skip = key_mask
     if tokens:
         padding = torch.zeros(b, n, dtype=torch.bool, device=q.device) if skip is None else skip
         skip = padding.index_fill(1, tokens[0].to(q.device), True)
-    ctx = _Context((b, h, n), skip, q.dtype, q.device, max(d, v.shape[-1]))
+    ctx = _Context((b, h, n), skip, q.dtype, q.device, max(d, v.shape[-1]), softcap)
     plans: list[_Plan] = []
     for piece in pieces:
         if isinstance(piece, Band):
@@ -1023,18 +1065,20 @@ def banded_attention(
     key_mask: Tensor | None = None,
     block_size: int | None = None,
     global_tokens: Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Query i attends to keys j with ``-right <= i - j <= left`` and ``(i - j) % dilation == 0``
     (:class:`Band`), and with ``global_tokens`` (long (G,), distinct positions) to every key when
     i is global and to key j when j is global (:class:`Globals`).
 
-    q, k, v: (B, H, N, D), (B, H, N, D), (B, H, N, Dv); key_mask: bool (B, N), True = ignore.
+    q, k, v: (B, H, N, D), (B, H, N, D), (B, H, N, Dv); key_mask: bool (B, N), True = ignore;
+    ``softcap``: scores ``c tanh(scale q.k / c)`` (not with ``global_tokens``).
     Returns (out (B, H, N, Dv), lse (B, H, N)). Work O(N ((left + right) / dilation + G) D).
     """
     pieces: list[Piece] = [Band(left, right, dilation, block_size)]
     if global_tokens is not None:
         pieces.append(Globals(global_tokens))
-    return sparse_attention(q, k, v, pieces, scale=scale, key_mask=key_mask)
+    return sparse_attention(q, k, v, pieces, scale=scale, key_mask=key_mask, softcap=softcap)
 
 
 def block_gather_attention(
