@@ -5,8 +5,16 @@ For each implementation, batch size and number of generated tokens it records to
 (batch x tokens / wall time of the whole generate call, a short prompt's prefill included) and
 the bytes the cache holds at the end. Prints a table and writes the records as JSON.
 
+``--window W`` makes the model a Mistral (a Llama with a sliding window of W): ``sdpa``'s default
+cache then keeps the last W - 1 keys per layer, and effattn-softmax honours the window with
+RecurrentCache (its KV cache keeps the window's keys) or, spelled ``softmax:hf``, with the same
+transformers cache as sdpa. ``--repeats R`` runs the implementations in turn R times per setting
+and keeps the fastest, which evens out a machine shared with other work.
+
     python3 benchmarks/hf_generate.py                        # the full run (minutes)
     python3 benchmarks/hf_generate.py --lengths 64 128 --batches 1   # a quick check
+    python3 benchmarks/hf_generate.py --window 512 --impls sdpa softmax softmax:hf \
+        --lengths 2048 8192 --repeats 3 --out benchmarks/hf-generate-window/results.json
 """
 
 from __future__ import annotations
@@ -21,25 +29,34 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, MistralConfig
 
 from effattn.integrations import transformers as hf
+from effattn.tools.bench.machine import machine_info
 from effattn.tools.bench.results import write_json
+
+# An effattn method spelled METHOD:hf runs with transformers' default cache, not RecurrentCache.
+HF_CACHE = ":hf"
 
 
 def make_model(impl: str, args: argparse.Namespace, max_len: int) -> Any:
-    cfg = LlamaConfig(
+    sizes = dict(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        max_position_embeddings=max_len, eos_token_id=None, pad_token_id=0,
+        num_key_value_heads=args.heads, max_position_embeddings=max_len, eos_token_id=None,
+        pad_token_id=0,
     )
+    cfg = LlamaConfig(**sizes) if args.window is None else MistralConfig(
+        **sizes, sliding_window=args.window)
     torch.manual_seed(0)
-    name = impl if impl == "sdpa" else hf.name(impl)
+    name = impl if impl == "sdpa" else hf.name(impl.removesuffix(HF_CACHE))
     return AutoModelForCausalLM.from_config(cfg, attn_implementation=name).eval()
 
 
 def cache_for(impl: str, model: Any) -> Any:
-    return DynamicCache(config=model.config) if impl == "sdpa" else hf.RecurrentCache()
+    if impl == "sdpa" or impl.endswith(HF_CACHE):
+        return DynamicCache(config=model.config)
+    return hf.RecurrentCache()
 
 
 def cache_bytes(cache: Any) -> int:
@@ -64,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--impls", nargs="+", default=["sdpa", "softmax", "performer", "linear", "rfa",
                                                   "local"],
-                   help="'sdpa' (transformers, default cache) or effattn methods (RecurrentCache)")
+                   help="'sdpa' (transformers, default cache), effattn methods (RecurrentCache) "
+                        f"or METHOD{HF_CACHE} (an effattn method with transformers' cache)")
     p.add_argument("--lengths", nargs="+", type=int, default=[256, 2048, 4096, 8192],
                    help="generated tokens per run")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
@@ -73,6 +91,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--window", type=int, default=None,
+                   help="a sliding window: the model becomes a Mistral with this window")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per setting, the implementations in turn; the fastest is kept")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/hf-generate/results.json"))
     args = p.parse_args(argv)
@@ -80,28 +102,40 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     hf.register()
     max_len = args.prompt + max(args.lengths)
+    models = {impl: make_model(impl, args, max_len) for impl in args.impls}
+    load = [os.getloadavg()]
     records = []
-    header = f"{'impl':>10} {'batch':>5} {'tokens':>6} {'tokens/s':>9} {'cache KiB':>10}"
+    header = f"{'impl':>12} {'batch':>5} {'tokens':>6} {'tokens/s':>9} {'cache KiB':>10}"
     print(header, "-" * len(header), sep="\n")
-    for impl in args.impls:
-        model = make_model(impl, args, max_len)
-        for batch in args.batches:
-            prompt = torch.randint(1, args.vocab, (batch, args.prompt),
-                                   generator=torch.Generator().manual_seed(0))
+    for batch in args.batches:
+        prompt = torch.randint(1, args.vocab, (batch, args.prompt),
+                               generator=torch.Generator().manual_seed(0))
+        for impl, model in models.items():
             run(model, impl, prompt, 8)  # warm-up
-            for new in args.lengths:
-                seconds, nbytes = run(model, impl, prompt, new)
+        for new in args.lengths:
+            times: dict[str, list[float]] = {impl: [] for impl in models}
+            nbytes: dict[str, int] = {}
+            for _ in range(args.repeats):
+                for impl, model in models.items():
+                    seconds, nbytes[impl] = run(model, impl, prompt, new)
+                    times[impl].append(seconds)
+            for impl in models:
+                seconds = min(times[impl])
                 rec = {"impl": impl, "batch": batch, "tokens": new, "seconds": seconds,
-                       "tokens_per_s": batch * new / seconds, "cache_bytes": nbytes}
+                       "all_seconds": times[impl], "tokens_per_s": batch * new / seconds,
+                       "cache_bytes": nbytes[impl]}
                 records.append(rec)
-                print(f"{impl:>10} {batch:>5} {new:>6} {rec['tokens_per_s']:>9.0f} "
-                      f"{nbytes / 1024:>10.1f}", flush=True)
+                print(f"{impl:>12} {batch:>5} {new:>6} {rec['tokens_per_s']:>9.0f} "
+                      f"{nbytes[impl] / 1024:>10.1f}", flush=True)
+    load.append(os.getloadavg())
     write_json(args.out, {
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
-        "model": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "vocab", "prompt")},
+        "model": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "vocab", "prompt",
+                                                "window")},
         "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
-                        "python": platform.python_version(), "cpu": platform.processor(),
-                        "cpu_count": os.cpu_count(), "threads": torch.get_num_threads()},
+                        "python": platform.python_version(), "machine": machine_info(),
+                        "threads": torch.get_num_threads(),
+                        "load_average_before_after": load},
         "records": records,
     })
     print(f"wrote {args.out}")

@@ -7,7 +7,7 @@ from conftest import padding, qkv
 import effattn
 from effattn import naive as R
 from effattn.mechanisms.bigbird import draw_random_blocks
-from effattn.sparse import blockwise, masked_scores
+from effattn.sparse import blockwise
 
 
 def _out_and_grads(fn, q, k, v):
@@ -140,11 +140,12 @@ def test_option_validation(option, value):
 def test_scores_never_n_by_n(monkeypatch):
     seen = []
 
-    def spy(q, k, allowed, scale):
+    def spy(out, q, k, scale, biases, softcap=None):
         seen.append(q.shape[-2] * k.shape[-2] * q.shape[:-2].numel())
-        return masked_scores(q, k, allowed, scale)
+        return scores(out, q, k, scale, biases, softcap)
 
-    monkeypatch.setattr(blockwise, "masked_scores", spy)
+    scores = blockwise._scores
+    monkeypatch.setattr(blockwise, "_scores", spy)
     q, k, v = qkv(b=1, h=1, n=2048, d=8)
     effattn.attention(q, k, v, "bigbird", block_size=32, seed=0)
     # 3 window + 1 global + 3 random blocks per query block, the global block's dense rows

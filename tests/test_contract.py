@@ -284,6 +284,9 @@ def test_every_call_input_switch_is_the_module_attribute():
     ((CallInput("causal", "", ("B",)),), r"call input name\(s\) \['causal'\]"),
     ((CallInput("x", "", ("B",)), CallInput("x", "", ("H",))), r"call input name\(s\) \['x'\]"),
     ((CallInput("x", "", ("B", "T")),), "spell it in"),
+    ((CallInput("x", "", ()),), "spell it in"),
+    ((CallInput("x", "", ("B",), kind="int"),), r"is an int: shape=\(\)"),
+    ((CallInput("x", "", (), kind="bool"),), "has kind 'bool'"),
 ])
 def test_spec_checks_its_call_inputs(inputs, match):
     promises = dict(name="x", summary="", paper="", complexity="", causal=True,

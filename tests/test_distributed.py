@@ -31,10 +31,10 @@ B, H, D, DV = 2, 2, 7, 5
 
 # (id, method, options, dtype): every method that can be split, with the variants that change
 # the strategy (log-scale stabiliser or none, eps of sign-changing features, learned sigma or
-# feature maps, gate, window within or beyond a slice). Checked in fp32 to 1e-5, except FAVOR's
-# trigonometric maps: their denominators cancel (unbounded variance), so one process's fp32
-# result is itself uncertain beyond 1e-5; they are checked in float64 to 1e-10. rfa needs
-# F = 128 for the same reason in fp32.
+# feature maps, gate, softmax's soft cap, sliding window and sinks, window within or beyond a
+# slice). Checked in fp32 to 1e-5, except FAVOR's trigonometric maps: their denominators cancel
+# (unbounded variance), so one process's fp32 result is itself uncertain beyond 1e-5; they are
+# checked in float64 to 1e-10. rfa needs F = 128 for the same reason in fp32.
 METHODS = [
     ("performer", "performer", {"num_features": 16}, torch.float32),
     ("performer-trig", "performer", {"num_features": 16, "feature_map": "trig"}, torch.float64),
@@ -46,18 +46,24 @@ METHODS = [
     ("hedgehog-softmax_dim", "hedgehog", {"feature_map": "softmax_dim"}, torch.float32),
     ("taylor", "taylor", {"proj_dim": 4}, torch.float32),
     ("softmax", "softmax", {}, torch.float32),
+    ("softmax-softcap", "softmax", {"softcap": 2.0}, torch.float32),
+    ("softmax-window-sinks", "softmax", {}, torch.float32),
     ("local", "local", {"window": 5}, torch.float32),
     ("local-wide-dilated", "local", {"window": 17, "dilation": 2}, torch.float32),
 ]
 # (id, ragged): the even split N = 6 P without a mask, and N = 6 P + 3 with total_length and
 # ragged padding (batch 0: the first slice and one more token, batch 1: the last 3 tokens).
 SPLITS = [("even", False), ("ragged", True)]
-EQUAL = {f"{key}-{'causal' if causal else 'full'}-{split}": (name, opts, dtype, causal, ragged)
+# Call inputs besides the gate, by id: softmax's causal sliding window of 7 (past a slice of 6)
+# and its sinks (H,), replicated on every rank, so their gradient is summed like a parameter's.
+CALLS = {"softmax-window-sinks": {"sliding_window": 7, "sinks": True}}
+EQUAL = {f"{key}-{'causal' if causal else 'full'}-{split}":
+         (name, opts, dtype, causal, ragged, CALLS.get(key, {}))
          for key, name, opts, dtype in METHODS
-         for causal in (False, True) if causal or not opts.get("gated")
+         for causal in (False, True) if causal or not (opts.get("gated") or key in CALLS)
          for split, ragged in SPLITS}
 ERRORS = ["uneven-without-length", "length-mismatch", "seeds-differ", "one-rank-bad-input",
-          "ranks-disagree"]
+          "ranks-disagree", "windows-differ"]
 BYTES = ["performer-bytes-independent-of-n"]
 REDRAW = "rfa-training-redraws"
 CASES = [*ERRORS, *EQUAL, REDRAW, *BYTES]
@@ -92,15 +98,19 @@ def _close(actual, expected, what):
     assert actual.shape == expected.shape and excess <= 0, f"{what}: off by {excess:.3g} + tol"
 
 
-def _equal_case(group, name, opts, dtype, causal, ragged):
+def _equal_case(group, name, opts, dtype, causal, ragged, calls):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     n = 6 * world + (3 if ragged else 0)
     attn = _build(name, opts).to(dtype)
     q, k, v, gate, weight, mask = _inputs(n, world, ragged, dtype)
     gate = gate if opts.get("gated") else None
     inputs = [t.requires_grad_() for t in (q, k, v) + (() if gate is None else (gate,))]
-    params = [p for p in attn.parameters() if p.requires_grad]
-    extra = {} if gate is None else {"gate": gate}
+    shared = {}
+    if calls.get("sinks"):
+        shared["sinks"] = torch.linspace(-1.0, 1.0, H, dtype=dtype).requires_grad_()
+    params = [*shared.values(), *(p for p in attn.parameters() if p.requires_grad)]
+    window = {key: value for key, value in calls.items() if key == "sliding_window"}
+    extra = {**shared, **window, **({} if gate is None else {"gate": gate})}
     full = attn(q, k, v, causal=causal, key_padding_mask=mask, **extra)
     grads = torch.autograd.grad((full * weight).sum(), inputs + params)
 
@@ -108,7 +118,7 @@ def _equal_case(group, name, opts, dtype, causal, ragged):
         return None if t is None else t.detach().tensor_split(world, dim)[rank]
 
     local = [part(t).requires_grad_() for t in inputs]
-    extra = {} if gate is None else {"gate": local[3]}
+    extra = {**shared, **window, **({} if gate is None else {"gate": local[3]})}
     out = SequenceParallel(attn, group)(*local[:3], causal=causal, key_padding_mask=part(mask, 1),
                                         total_length=n if ragged else None, **extra)
     local_grads = torch.autograd.grad((out * part(weight)).sum(), local + params)
@@ -118,6 +128,13 @@ def _equal_case(group, name, opts, dtype, causal, ragged):
     for got, want in zip(local_grads[len(local):], grads[len(inputs):], strict=True):
         dist.all_reduce(got, group=group)  # each rank holds its slice's share of the gradient
         _close(got, want, "parameter grad")
+    if window:
+        # Inputs that record no gradient: an int call input is no tensor to ask about it.
+        plain = {key: value.detach() for key, value in shared.items()}
+        out = SequenceParallel(attn, group)(*(t.detach() for t in local[:3]), causal=causal,
+                                            key_padding_mask=part(mask, 1),
+                                            total_length=n if ragged else None, **plain, **window)
+        _close(out, part(full), "output without gradients")
 
 
 def _redraw_case(group):
@@ -154,6 +171,10 @@ def _error_case(group, case):
         expected = "heads" if rank == world - 1 else rf"rank\(s\) \[{world - 1}\] rejected"
     elif case == "ranks-disagree":
         kwargs, expected = {"causal": rank == 0}, "disagree on causal"
+    elif case == "windows-differ":
+        # An int call input decides the pattern: the ranks must agree on its value.
+        sp = SequenceParallel(_build("softmax", {}), group)
+        kwargs, expected = {"causal": True, "sliding_window": 5 + rank}, "disagree on call_inputs"
     with pytest.raises(ValueError, match=expected):
         sp(*local, **kwargs)
 

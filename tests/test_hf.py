@@ -173,14 +173,12 @@ def test_method_that_cannot_do_causal_is_refused():
         outputs(llama("nystrom"), tokens())
 
 
-def test_sliding_window_mask_is_refused():
-    cfg = transformers.MistralConfig(
-        vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
-    )
-    model = _model(transformers.AutoModelForCausalLM, cfg, "softmax")
-    with pytest.raises(ValueError, match="neither causal nor bidirectional"):
-        outputs(model, tokens())
+def test_packed_sequences_are_refused():
+    """position_ids restarting without an attention mask: transformers masks each sequence."""
+    model = llama()
+    positions = torch.cat([torch.arange(7), torch.arange(LENGTH - 7)])[None].expand(2, -1)
+    with pytest.raises(ValueError, match="packed sequences"):
+        outputs(model, tokens(), position_ids=positions, use_cache=False)
 
 
 @pytest.mark.parametrize("kind", ["bool", "float"])
@@ -191,17 +189,20 @@ def test_custom_4d_masks(kind):
     causal = (i[None, :] <= i[:, None]).expand(2, 1, LENGTH, LENGTH).clone()
     causal[1, :, :, :3] = False  # left padding of row 1, as a 4-D mask
     window = causal & (i[None, :] > i[:, None] - 4)
+    chunks = causal & (i[None, :] // 4 == i[:, None] // 4)
     if kind == "float":
-        causal, window = (
-            torch.zeros(m.shape).masked_fill(~m, float("-inf")) for m in (causal, window)
+        causal, window, chunks = (
+            torch.zeros(m.shape).masked_fill(~m, float("-inf")) for m in (causal, window, chunks)
         )
-    ours = outputs(model, ids, attention_mask=causal)
+    ours = [outputs(model, ids, attention_mask=m) for m in (causal, window)]
     model.set_attn_implementation("sdpa")
-    torch.testing.assert_close(ours[:, 3:], outputs(model, ids, attention_mask=causal)[:, 3:],
-                               atol=1e-5, rtol=1e-5)
+    for a, m in zip(ours, (causal, window), strict=True):
+        torch.testing.assert_close(a[:, 3:], outputs(model, ids, attention_mask=m)[:, 3:],
+                                   atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(ours[0], ours[1])
     model.set_attn_implementation("effattn-softmax")
-    with pytest.raises(ValueError, match="neither causal nor bidirectional"):
-        outputs(model, ids, attention_mask=window)
+    with pytest.raises(ValueError, match="neither causal"):
+        outputs(model, ids, attention_mask=chunks)
     if kind == "float":
         with pytest.raises(ValueError, match="additive bias"):
             outputs(model, ids, attention_mask=causal + 0.5 * causal.isfinite())

@@ -6,13 +6,7 @@ from conftest import padding, qkv
 
 import effattn
 from effattn import naive as R
-from effattn.sparse import (
-    banded_attention,
-    blockwise,
-    masked_partial,
-    masked_scores,
-    merge_partials,
-)
+from effattn.sparse import banded_attention, blockwise
 
 
 def _out_and_grads(fn, q, k, v):
@@ -54,24 +48,6 @@ def test_banded_engine_any_block_size_matches_dense(block_size, left, right, dil
     allowed = (i - j <= left) & (j - i <= right) & ((i - j) % dilation == 0) & ~mask[:, None, None]
     scores = (0.3 * q @ k.transpose(-2, -1)).masked_fill(~allowed, float("-inf"))
     torch.testing.assert_close(out, torch.softmax(scores, -1).nan_to_num(0.0) @ v)
-    torch.testing.assert_close(lse, torch.logsumexp(scores, -1))
-
-
-def test_merge_partials_of_disjoint_key_sets_is_softmax_over_the_union():
-    q, k, v = qkv(n=20, dv=4)
-    part_of_key = torch.randint(0, 3, (20,), generator=torch.Generator().manual_seed(3))
-    part_of_key[:5] = 0  # part 0 also holds keys 0..4; part 2 is empty for batch 1 below
-    empty = torch.zeros(2, 1, 1, 20, dtype=torch.bool)
-    empty[0] = True
-    pieces = [
-        masked_partial(q, k, v, (part_of_key == p) & (empty if p == 2 else True), 0.5)
-        for p in range(3)
-    ]
-    assert torch.isinf(pieces[2][1][1]).all()
-    allowed = (part_of_key < 2) | empty
-    out, lse = merge_partials(pieces)
-    scores = (0.5 * q @ k.transpose(-2, -1)).masked_fill(~allowed, float("-inf"))
-    torch.testing.assert_close(out, torch.softmax(scores, -1) @ v)
     torch.testing.assert_close(lse, torch.logsumexp(scores, -1))
 
 
@@ -167,11 +143,12 @@ def test_option_validation(option, value):
 def test_scores_are_banded_never_n_by_n(monkeypatch):
     seen = []
 
-    def spy(q, k, allowed, scale):
+    def spy(out, q, k, scale, biases, softcap=None):
         seen.append(q.shape[-2] * k.shape[-2] * q.shape[:-2].numel())
-        return masked_scores(q, k, allowed, scale)
+        return scores(out, q, k, scale, biases, softcap)
 
-    monkeypatch.setattr(blockwise, "masked_scores", spy)
+    scores = blockwise._scores
+    monkeypatch.setattr(blockwise, "_scores", spy)
     q, k, v = qkv(b=1, h=1, n=2048, d=8)
     effattn.attention(q, k, v, "local", window=64)
     undilated = sum(seen)
@@ -246,11 +223,25 @@ def test_banded_with_global_tokens_matches_dense_in_any_slicing(
         torch.testing.assert_close(a, b)
 
 
-def test_global_tokens_need_an_undilated_band():
-    q, k, v = qkv(n=20)
-    with pytest.raises(ValueError, match="global_tokens only with dilation=1"):
-        banded_attention(q, k, v, left=4, right=4, dilation=2, scale=0.3,
-                         global_tokens=torch.tensor([0]))
+@pytest.mark.parametrize("slice_elements", [1, 1 << 21])
+def test_dilated_band_with_global_tokens_matches_dense(monkeypatch, slice_elements):
+    # Residue classes of unequal length (61 = 4 * 15 + 1) and a global key inside the band.
+    monkeypatch.setattr(blockwise, "SLICE_ELEMENTS", slice_elements)
+    q, k, v = qkv(n=61, dv=5)
+    mask = padding(2, 61)
+    tokens = (3, 40)
+    i, j = torch.arange(61)[:, None], torch.arange(61)[None, :]
+    is_global = torch.zeros(61, dtype=torch.bool)
+    is_global[list(tokens)] = True
+    band = (i - j <= 9) & (j - i <= 5) & ((i - j) % 4 == 0)
+    allowed = (band | is_global[:, None] | is_global[None, :]) & ~mask[:, None, None]
+    fast, dense = _engine_vs_dense(
+        lambda q, k, v: banded_attention(q, k, v, left=9, right=5, dilation=4, scale=0.3,
+                                         key_mask=mask, global_tokens=torch.tensor(tokens)),
+        allowed, q, k, v,
+    )
+    for a, b in zip(fast, dense, strict=True):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("slice_elements", [1, 1 << 21])
@@ -327,18 +318,40 @@ def test_gathered_global_tokens_need_aligned_positions():
                                          block_size=4, scale=0.3, global_tokens=torch.tensor([0]))
 
 
-@pytest.mark.parametrize("name", ["local", "longformer", "bigbird"])
-def test_backward_keeps_inputs_sized_tensors_not_scores(name):
-    # Autograd of the slices would keep the gathered keys and values and the scores and
-    # probabilities of every slice, allocated anew on every call.
+@pytest.mark.parametrize(
+    "name, options, causal, n",
+    [
+        ("local", {"window": 64}, False, 1024),
+        ("local", {"window": 64}, False, 1000),
+        ("local", {"window": 64}, True, 1000),
+        ("local", {"window": 64, "dilation": 3}, True, 1000),
+        ("longformer", {"window": 64, "global_tokens": (0, 500)}, False, 1000),
+        ("bigbird", {"block_size": 32}, False, 1000),
+        ("sparse-strided", {}, True, 1000),
+        ("sparse-strided", {}, False, 1024),
+        ("sparse-fixed", {}, True, 1000),
+        ("sparse-fixed", {}, False, 1024),
+    ],
+)
+def test_forward_keeps_only_q_k_v_out_and_lse_for_backward(name, options, causal, n):
+    # What the banded engine saves for its backward: the inputs themselves (no padded, folded
+    # or gathered copy), out and one log-sum-exp per row; no scores, probabilities or gathered
+    # keys of any piece. Was: padded or folded copies of q, k, v wherever N is not a multiple
+    # of the block size or dilation > 1, and the scores of sparse-*'s second piece (10-15x q).
     saved = {}
 
     def pack(t):
         saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    q, k, v = (t.requires_grad_(True) for t in qkv(b=1, h=2, n=2048, d=16, dtype=torch.float32))
+    q, k, v = (t.requires_grad_(True)
+               for t in qkv(b=2, h=2, n=n, d=16, dv=8, dtype=torch.float32))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        effattn.attention(q, k, v, name, seed=0)
-    # q, k, v, out, lse of the blocks (4 q) and the small global pieces; was 23x, 29x, 50x.
-    assert sum(saved.values()) <= 10 * q.nbytes
+        out = effattn.attention(q, k, v, name, causal=causal, key_padding_mask=padding(2, n),
+                                seed=0, **options)
+    assert {t.untyped_storage().data_ptr() for t in (q, k, v, out)} <= saved.keys()
+    rows = out.shape[:-1].numel()
+    # At most one block (<= 128 rows) of spare rows beyond out and lse.
+    spare = 128 * (out.shape[-1] + 1) * out.element_size()
+    kept = q.nbytes + k.nbytes + v.nbytes + out.nbytes + rows * out.element_size()
+    assert sum(saved.values()) <= kept + spare

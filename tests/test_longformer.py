@@ -6,7 +6,7 @@ from conftest import padding, qkv
 
 import effattn
 from effattn import naive as R
-from effattn.sparse import blockwise, masked_scores
+from effattn.sparse import blockwise
 
 
 def _out_and_grads(fn, q, k, v):
@@ -99,11 +99,12 @@ def test_refusals_name_the_reason():
 def test_scores_never_n_by_n(monkeypatch):
     seen = []
 
-    def spy(q, k, allowed, scale):
+    def spy(out, q, k, scale, biases, softcap=None):
         seen.append(q.shape[-2] * k.shape[-2] * q.shape[:-2].numel())
-        return masked_scores(q, k, allowed, scale)
+        return scores(out, q, k, scale, biases, softcap)
 
-    monkeypatch.setattr(blockwise, "masked_scores", spy)
+    scores = blockwise._scores
+    monkeypatch.setattr(blockwise, "_scores", spy)
     q, k, v = qkv(b=1, h=1, n=2048, d=8)
     effattn.attention(q, k, v, "longformer", window=64, global_tokens=(0, 1000))
     # band (65 keys, at most 2.5x in blocks) + 2 global columns + 2 global rows

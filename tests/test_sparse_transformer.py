@@ -6,7 +6,7 @@ from conftest import padding, qkv
 
 import effattn
 from effattn import naive as R
-from effattn.sparse import blockwise, masked_scores
+from effattn.sparse import blockwise
 
 REFERENCES = {
     "sparse-strided": R.sparse_strided_attention,
@@ -128,11 +128,12 @@ def test_c_is_a_fixed_only_option():
 def test_scores_are_blockwise_never_n_by_n(monkeypatch, name):
     seen = []
 
-    def spy(q, k, allowed, scale):
+    def spy(out, q, k, scale, biases, softcap=None):
         seen.append(q.shape[-2] * k.shape[-2] * q.shape[:-2].numel())
-        return masked_scores(q, k, allowed, scale)
+        return scores(out, q, k, scale, biases, softcap)
 
-    monkeypatch.setattr(blockwise, "masked_scores", spy)
+    scores = blockwise._scores
+    monkeypatch.setattr(blockwise, "_scores", spy)
     n = 4096
     q, k, v = qkv(b=1, h=1, n=n, d=4, dv=1)
     effattn.attention(q, k, v, name, causal=True)

@@ -186,7 +186,7 @@ class AttentionMethod(nn.Module):
         *,
         causal: bool = False,
         key_padding_mask: Tensor | None = None,
-        **call: Tensor | None,
+        **call: Tensor | int | None,
     ) -> None:
         """Check a forward call against the contract, as :meth:`forward` does before computing.
 
@@ -218,7 +218,7 @@ class AttentionMethod(nn.Module):
         self._check_call(call, q, k, v, causal)
 
     def _check_call(
-        self, call: dict[str, Tensor | None], q: Tensor, k: Tensor, v: Tensor, causal: bool
+        self, call: dict[str, Tensor | int | None], q: Tensor, k: Tensor, v: Tensor, causal: bool
     ) -> None:
         """The call inputs of ``call`` against the spec's ``call_inputs`` (see :meth:`validate`)."""
         if not call and not self.spec.call_inputs:
@@ -247,8 +247,12 @@ class AttentionMethod(nn.Module):
                                      f"{c.name} {shape} in the call")
                 continue
             if c.causal_only and not causal:
-                raise ValueError(f"{self.spec.name} with {c.enabled_by}=True needs causal=True: "
+                given = f"{c.name}={value}" if c.kind == "int" else f"{c.enabled_by}=True"
+                raise ValueError(f"{self.spec.name} with {given} needs causal=True: "
                                  f"{c.name} is defined for causal attention only")
+            if c.kind == "int":
+                _check_int_input(c, value)
+                continue
             if not isinstance(value, Tensor) or not value.is_floating_point():
                 raise ValueError(f"{c.name} must be a floating-point tensor, got "
                                  f"{getattr(value, 'dtype', type(value).__name__)}")
@@ -285,7 +289,7 @@ class AttentionMethod(nn.Module):
         v: Tensor,
         causal: bool = False,
         key_padding_mask: Tensor | None = None,
-        **call: Tensor | None,
+        **call: Tensor | int | None,
     ) -> Tensor:
         """Attention of q (B, H, N, D) over k (B, H, M, D), v (B, H, M, Dv) -> (B, H, N, Dv).
 
@@ -308,7 +312,7 @@ class AttentionMethod(nn.Module):
             )
 
     def step(
-        self, q: Tensor, k: Tensor, v: Tensor, state: Any = None, **call: Tensor | None
+        self, q: Tensor, k: Tensor, v: Tensor, state: Any = None, **call: Tensor | int | None
     ) -> tuple[Tensor, Any]:
         """One decoding step: q, k, v of shape (B, H, 1, D); returns (out (B, H, 1, Dv), state).
 
@@ -326,7 +330,7 @@ class AttentionMethod(nn.Module):
         return out.to(q.dtype), state
 
     def prefill(
-        self, q: Tensor, k: Tensor, v: Tensor, state: Any = None, **call: Tensor | None
+        self, q: Tensor, k: Tensor, v: Tensor, state: Any = None, **call: Tensor | int | None
     ) -> tuple[Tensor, Any]:
         """Causal attention over a block of L tokens that continues ``state`` (None: the start).
 
@@ -412,6 +416,14 @@ class AttentionMethod(nn.Module):
         return torch.cat(outs, 2), state
 
 
-def _given(call: dict[str, Tensor | None]) -> dict[str, Tensor]:
+def _check_int_input(c: CallInput, value: Any) -> None:
+    """An int call input: a Python int (no bool, no tensor) within ``c.bounds``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{c.name} must be an int, got {value!r}")
+    if c.bounds is not None and not c.bounds[0] <= value <= c.bounds[1]:
+        raise ValueError(f"{c.name} must lie in [{c.bounds[0]:g}, {c.bounds[1]:g}], got {value}")
+
+
+def _given(call: dict[str, Tensor | int | None]) -> dict[str, Tensor | int]:
     """The call inputs actually given: a mechanism's code sees no None for an absent one."""
     return {name: value for name, value in call.items() if value is not None}

@@ -82,13 +82,13 @@ class SequenceStrategy(ABC):
         *,
         causal: bool,
         key_padding_mask: Tensor | None,
-        **call: Tensor,
+        **call: Tensor | int,
     ) -> Tensor:
         """This rank's slice (B, H, n_r, Dv) of ``attn`` over the whole sequence.
 
         q, k (B, H, n_r, D), v (B, H, n_r, Dv), key_padding_mask (B, n_r) and the call inputs
-        given (``call``) are this rank's slices, already validated (``attn.validate``) and
-        agreed between the ranks; ``attn.prepare_call`` has run. The result equals the slice
-        of ``attn(q, k, v, ...)`` on the whole sequence, up to rounding, in any dtype (the
-        caller casts it to q's).
+        given (``call``; an int one, a sliding window, is the same on every rank) are this
+        rank's slices, already validated (``attn.validate``) and agreed between the ranks;
+        ``attn.prepare_call`` has run. The result equals the slice of ``attn(q, k, v, ...)`` on
+        the whole sequence, up to rounding, in any dtype (the caller casts it to q's).
         """

@@ -81,18 +81,26 @@ RESERVED_NAMES = frozenset({"q", "k", "v", "causal", "key_padding_mask", "state"
                             "seed", "head_dim", "heads", "max_len", *COMMON_OPTIONS})
 
 
+# The kinds of value a call input takes: a floating-point tensor of its ``shape``, or a Python
+# int (``shape=()``), a structural setting such as a sliding window that decides which keys a
+# query sees (torch.compile specialises on it, as on ``causal``).
+CALL_INPUT_KINDS = ("tensor", "int")
+
+
 @dataclass(frozen=True)
 class CallInput:
-    """A tensor a module takes at call time besides q, k and v: a keyword of ``forward``,
+    """A value a module takes at call time besides q, k and v: a keyword of ``forward``,
     ``step`` and ``prefill`` (and of ``effattn.attention``), checked by ``AttentionMethod``.
 
-    ``shape`` spells its dimensions in :data:`SHAPE_LETTERS` (``("B", "H", "N")``: one value
-    per batch, head and query). ``enabled_by`` names the bool option that makes the module take
-    it: the input is then required, and refused while the option is off; None: the module always
-    accepts it, and it is optional. ``causal_only``: defined for causal attention only (with
-    ``causal=True``; ``step`` and ``prefill`` are causal). ``bounds``: the closed interval its
-    values must lie in, or None; values are checked (finite, within bounds) in eager mode only.
-    A layer around the mechanism computes each required input (``effattn.nn``, by ``name``).
+    ``kind`` (:data:`CALL_INPUT_KINDS`): a floating-point ``"tensor"``, or an ``"int"`` with
+    ``shape=()``. ``shape`` spells a tensor's dimensions in :data:`SHAPE_LETTERS`
+    (``("B", "H", "N")``: one value per batch, head and query). ``enabled_by`` names the bool
+    option that makes the module take it: the input is then required, and refused while the
+    option is off; None: the module always accepts it, and it is optional. ``causal_only``:
+    defined for causal attention only (with ``causal=True``; ``step`` and ``prefill`` are causal).
+    ``bounds``: the closed interval its values must lie in, or None; a tensor's values are
+    checked (finite, within bounds) in eager mode only, an int always. A layer around the
+    mechanism computes each required input (``effattn.nn``, by ``name``).
     """
 
     name: str
@@ -101,6 +109,7 @@ class CallInput:
     enabled_by: str | None = None
     causal_only: bool = False
     bounds: tuple[float, float] | None = None
+    kind: str = "tensor"
 
     @property
     def required(self) -> bool:
@@ -213,7 +222,16 @@ class MethodSpec:
                 "or an argument of forward, step, build or effattn.attention"
             )
         for c in self.call_inputs:
-            if not c.shape or not set(c.shape) <= set(SHAPE_LETTERS):
+            if c.kind not in CALL_INPUT_KINDS:
+                raise ValueError(
+                    f"MethodSpec {self.name!r}: call input {c.name!r} has kind {c.kind!r}; "
+                    f"kinds: {', '.join(CALL_INPUT_KINDS)}"
+                )
+            if c.kind == "int" and c.shape != ():
+                raise ValueError(
+                    f"MethodSpec {self.name!r}: call input {c.name!r} is an int: shape=()"
+                )
+            if c.kind == "tensor" and (not c.shape or not set(c.shape) <= set(SHAPE_LETTERS)):
                 raise ValueError(
                     f"MethodSpec {self.name!r}: call input {c.name!r} has shape {c.shape}; "
                     f"spell it in {SHAPE_LETTERS}"

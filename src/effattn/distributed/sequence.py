@@ -102,7 +102,7 @@ class SequenceParallel(nn.Module):
         key_padding_mask: Tensor | None = None,
         *,
         total_length: int | None = None,
-        **call: Tensor | None,
+        **call: Tensor | int | None,
     ) -> Tensor:
         """This rank's slice of attention over the whole sequence; see the class docstring.
 
@@ -130,7 +130,7 @@ class SequenceParallel(nn.Module):
         v: Tensor,
         causal: bool,
         key_padding_mask: Tensor | None,
-        call: dict[str, Tensor | None],
+        call: dict[str, Tensor | int | None],
         total_length: int | None,
     ) -> None:
         check_bool("causal", causal)
@@ -156,7 +156,7 @@ class SequenceParallel(nn.Module):
         v: Tensor,
         causal: bool,
         key_padding_mask: Tensor | None,
-        call: dict[str, Tensor | None],
+        call: dict[str, Tensor | int | None],
         total_length: int | None,
     ) -> _Ranks:
         """Exchange the header; the same error on every rank if anything is off."""
@@ -226,16 +226,19 @@ class SequenceParallel(nn.Module):
         return ranks
 
 
-def _records_grad(attn: AttentionMethod, *tensors: Tensor | None) -> bool:
-    """Will autograd record the call? Then every rank must, or a backward collective waits."""
+def _records_grad(attn: AttentionMethod, *values: Tensor | int | None) -> bool:
+    """Will autograd record the call? Then every rank must, or a backward collective waits.
+    ``values``: q, k, v and the call inputs (an int one, a sliding window, records nothing)."""
     return torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (*tensors, *attn.parameters())
+        isinstance(t, Tensor) and t.requires_grad for t in (*values, *attn.parameters())
     )
 
 
-def _given(call: dict[str, Tensor | None]) -> int:
-    """A number for the set of call inputs given, equal on ranks given the same names."""
-    return zlib.crc32(",".join(sorted(n for n, t in call.items() if t is not None)).encode())
+def _given(call: dict[str, Tensor | int | None]) -> int:
+    """A number for the set of call inputs given, equal on ranks given the same names and the
+    same int inputs (a sliding window decides the pattern: every rank must use the same)."""
+    return zlib.crc32(",".join(sorted(f"{n}={t}" if isinstance(t, int) else n
+                                      for n, t in call.items() if t is not None)).encode())
 
 
 def _describe(name: str, value: float) -> str | int:

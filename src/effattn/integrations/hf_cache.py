@@ -10,11 +10,12 @@ folded into the state), so the mask the attention function receives covers exact
 
 What the state holds is the method's: a fixed ``(B, H, F, Dv + 1)`` for kernelized methods
 (performer, favor, rfa, linear), a ``window``-sized ring buffer for ``local``, the growing keys
-and values for ``softmax``.
+and values for ``softmax`` (those of its sliding window only, in a layer that has one).
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -34,14 +35,19 @@ class RowStates(list):
 
 
 class RecurrentLayer(CacheLayerMixin):
-    """One layer's effattn decoding state; ``seen`` tokens have been folded into it."""
+    """One layer's effattn decoding state; ``seen`` tokens have been folded into it.
+
+    ``max_length``: the length the generation will reach, when the cache was told (see
+    :class:`RecurrentCache`).
+    """
 
     is_sliding = False
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, max_length: int | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.state: Any = None
         self.seen = 0
+        self.max_length = max_length
         self._pending: Tensor | None = None
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
@@ -103,10 +109,21 @@ class RecurrentCache(Cache):
     decodes (``effattn.spec(method).decoding``). Batches may be left-padded (each row then keeps
     its own state and steps alone); beam search and assisted decoding, which reorder or crop
     the cache, are refused.
+
+    ``max_length`` (optional): the length the sequences will reach (prompt + new tokens). A
+    state cannot drop old tokens, so a method that cannot honour a model's sliding window is
+    refused at the token where the window starts to hide keys; told the length, the cache
+    refuses at the prompt instead, before any token is generated.
     """
 
-    def __init__(self) -> None:
-        super().__init__(layer_class_to_replicate=RecurrentLayer)
+    def __init__(self, max_length: int | None = None) -> None:
+        if max_length is not None and (
+            isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1
+        ):
+            raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
+        super().__init__(
+            layer_class_to_replicate=functools.partial(RecurrentLayer, max_length=max_length)
+        )
 
     def nbytes(self) -> int:
         """Bytes held by the states of all layers."""

@@ -177,7 +177,7 @@ register(
         name="bigbird",
         summary="block-sparse: 3 window blocks, global blocks and seeded random blocks",
         paper="Zaheer et al. 2020, Big Bird: Transformers for Longer Sequences",
-        complexity="O(N (3 + g + r) block_size D) time and memory",
+        complexity="O(N (3 + g + r) block_size D) time, O(N D) memory",
         causal=False,
         padding_mask=True,
         cross=False,

@@ -6,24 +6,29 @@ Query i attends to key j when
   positions, the query's own included; a decoder keeps exactly ``window`` keys).
 
 So the causal form equals causal softmax once ``window >= N``, the non-causal form equals softmax
-once ``window // 2 >= N - 1`` (dilation 1). Dilated windows as in Beltagy et al. 2020
-(Longformer, section 3.1); sliding windows go back to Parmar et al. 2018 (Image Transformer).
+once ``window // 2 >= N - 1`` (dilation 1). With dilation 1 the causal form is exactly the
+sliding window of Mistral-style models; the call input ``sliding_window=w`` asks for that
+pattern, and the module accepts it only when it is its own (``window == w``, ``dilation == 1``).
+Dilated windows as in Beltagy et al. 2020 (Longformer, section 3.1); sliding windows go back to
+Parmar et al. 2018 (Image Transformer).
 
 Computed banded (:func:`effattn.sparse.banded_attention`): blocks of queries against the few key
 blocks their window touches, dilation as independent bands over the residue classes mod d.
-O(N window / dilation D) time and O(N window / dilation) memory; no N x N mask.
+O(N window / dilation D) time; O(N D) memory kept for the backward (q, k, v, out and one
+log-sum-exp per row; the backward recomputes the scores); no N x N mask.
 q, k: (B, H, N, D), v: (B, H, N, Dv) -> (B, H, N, Dv).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from effattn.base import AttentionMethod, check_positive_int, compute_dtype
-from effattn.registry import Budget, MethodSpec, register
+from effattn.registry import Budget, CallInput, MethodSpec, register
 from effattn.sparse import Band, banded_attention
 from effattn.sparse.parallel import Halo
 
@@ -67,7 +72,20 @@ class LocalAttention(AttentionMethod):
         left, right = (self.window - 1, 0) if causal else (self.window // 2, self.window // 2)
         return Band(left, right, self.dilation)
 
-    def _attend(self, q, k, v, *, causal, key_padding_mask):
+    def _check_call(self, call, q, k, v, causal):
+        """Besides the declarations: a caller's required causal ``sliding_window`` must be this
+        module's own pattern, which the computation then is (forward, step, prefill and the
+        sequence-parallel halo all check it here)."""
+        super()._check_call(call, q, k, v, causal)
+        window = call.get("sliding_window")
+        if window is not None and (window != self.window or self.dilation != 1):
+            raise ValueError(
+                f"local computes the causal window {self.window} with dilation {self.dilation}, "
+                f"not the required sliding_window={window}: build it with window={window}, "
+                "dilation=1"
+            )
+
+    def _attend(self, q, k, v, *, causal, key_padding_mask, sliding_window=None):
         dtype = compute_dtype(q.dtype)
         band = self.band(causal)
         out, _ = banded_attention(
@@ -76,7 +94,7 @@ class LocalAttention(AttentionMethod):
         )
         return out
 
-    def _step(self, q, k, v, state):
+    def _step(self, q, k, v, state, sliding_window=None):
         dtype = compute_dtype(q.dtype)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         w = self.window
@@ -111,8 +129,10 @@ def _reference(
     *,
     causal: bool = False,
     key_padding_mask: Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> Tensor:
-    """Masked softmax over the explicit N x N window pattern of the module."""
+    """Masked softmax over the explicit N x N window pattern of the module (a required
+    ``sliding_window`` is that pattern: the module refuses any other)."""
     from effattn import naive  # imported here: the references stay off the runtime path
 
     return naive.local_attention(
@@ -126,13 +146,18 @@ register(
         name="local",
         summary="sliding-window attention, optionally dilated; banded blockwise computation",
         paper="Parmar et al. 2018, Image Transformer; dilation: Beltagy et al. 2020, Longformer",
-        complexity="O(N window / dilation D) time, O(N window / dilation) memory",
+        complexity="O(N window / dilation D) time, O(N D) memory",
         causal=True,
         padding_mask=True,
         cross=False,
         decoding=True,
         options={"window": 128, "dilation": 1},
         budget=Budget("window", (16, 32, 64, 128, 256)),
+        call_inputs=(
+            CallInput("sliding_window", "a required causal sliding window (0 <= i - j < "
+                      "sliding_window); taken only when it is the module's own window, dilation 1",
+                      (), causal_only=True, bounds=(1, math.inf), kind="int"),
+        ),
         bench_default=True,
         published={"lra_listops": 15.82},
         refusals={

@@ -7,7 +7,7 @@ Computed by the band engine with global tokens (:func:`effattn.sparse.banded_att
 row's softmax over its band (global keys excluded) and the G global keys is merged by log-sum-exp
 in place, and the G global rows are replaced by their dense row over all keys; the backward
 recomputes the probabilities (FlashAttention-style) and adds the global pieces' gradients in
-place. O(N (window + G) D) time and memory; no N x N mask.
+place. O(N (window + G) D) time, O(N D) memory kept for the backward; no N x N mask.
 q, k: (B, H, N, D), v: (B, H, N, Dv) -> (B, H, N, Dv).
 """
 
@@ -106,7 +106,7 @@ register(
         name="longformer",
         summary="sliding window plus global tokens that attend to and are attended by all",
         paper="Beltagy et al. 2020, Longformer: The Long-Document Transformer",
-        complexity="O(N (window + G) D) time and memory, G global tokens",
+        complexity="O(N (window + G) D) time, O(N D) memory, G global tokens",
         causal=False,
         padding_mask=True,
         cross=False,

@@ -9,12 +9,15 @@ and, with ``causal=True`` (the paper's setting), ``j <= i``. Without ``causal`` 
 hold in both directions (the bidirectional form; the paper only uses the causal one).
 ``stride >= N`` gives exact softmax (causal or not).
 
-Computed as two disjoint pieces merged by log-sum-exp, never by masking an N x N matrix:
-- strided: the band ``|i - j| < s`` (:func:`effattn.sparse.banded_attention`), plus the column
-  part: positions laid out as an (N / s, s) grid, each residue column attends within itself to
-  the other rows (earlier rows when causal);
-- fixed: the block-diagonal part (blocks of s), plus every query against the summary positions of
-  the other blocks (earlier blocks when causal).
+Computed as two disjoint pieces of :func:`effattn.sparse.sparse_attention` (one softmax over
+their union, FlashAttention-style: the backward recomputes the scores), never by masking an
+N x N matrix:
+- strided: the band ``|i - j| < s`` (:class:`effattn.sparse.Band`), plus the columns
+  (:class:`effattn.sparse.Columns`): each residue class mod s attends within itself to its other
+  positions (earlier ones when causal);
+- fixed: the block-diagonal part (:class:`effattn.sparse.Blocks` of s), plus every query against
+  the summary positions of the other blocks (:class:`effattn.sparse.Summary`; earlier blocks when
+  causal).
 O(N (s + N / s) D) for strided and O(N (s + c N / s) D) for fixed: O(N^1.5 D) at s = sqrt(N).
 q, k: (B, H, N, D), v: (B, H, N, Dv) -> (B, H, N, Dv).
 """
@@ -24,30 +27,16 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from effattn.base import AttentionMethod, check_positive_int, compute_dtype
 from effattn.registry import MethodSpec, register
-from effattn.sparse import banded_attention, block_gather_attention, dense_partial, merge_partials
+from effattn.sparse import Band, Blocks, Columns, Summary, sparse_attention
 
 
 def default_stride(n: int) -> int:
     """round(sqrt(N)), at least 1."""
     return max(1, round(math.sqrt(n)))
-
-
-def _grid(x: Tensor, rows: int, s: int) -> Tensor:
-    """(B, H, N, D) -> (B, H, rows, s, D), zero-padded to rows * s positions."""
-    return F.pad(x, (0, 0, 0, rows * s - x.shape[2])).reshape(*x.shape[:2], rows, s, -1)
-
-
-def _padding_grid(key_padding_mask: Tensor | None, b: int, n: int, rows: int, s: int,
-                  device: torch.device) -> Tensor:
-    """(B, rows, s) bool, True for padded keys and for the positions added to fill the grid."""
-    ignore = torch.ones(b, rows * s, dtype=torch.bool, device=device)
-    ignore[:, :n] = False if key_padding_mask is None else key_padding_mask
-    return ignore.reshape(b, rows, s)
 
 
 def strided_attention(
@@ -61,35 +50,11 @@ def strided_attention(
     scale: float | None = None,
 ) -> Tensor:
     """Strided Sparse Transformer attention (see the module docstring)."""
-    b, h, n, _ = q.shape
+    n = q.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     s = min(default_stride(n) if stride is None else stride, n)
-    band = banded_attention(
-        q, k, v, left=s - 1, right=0 if causal else s - 1, key_mask=key_padding_mask, scale=scale
-    )
-    rows = -(-n // s)
-    if rows == 1:
-        return band[0]
-    # Column part: in the (rows, s) grid, i - j is a nonzero multiple of s exactly when i and j
-    # share a column and sit in different rows.
-    ignore = _padding_grid(key_padding_mask, b, n, rows, s, q.device).transpose(1, 2)
-    row = torch.arange(rows, device=q.device)
-    other_rows = row[None, :] < row[:, None] if causal else row[None, :] != row[:, None]
-    key_ok = ~ignore[:, None, :, None, :]
-
-    def allowed(r0: int, r1: int) -> Tensor:
-        return key_ok & other_rows[r0:r1]
-
-    def columns(x: Tensor) -> Tensor:
-        return _grid(x, rows, s).transpose(2, 3)
-
-    out, lse = dense_partial(
-        columns(q), columns(k), columns(v), allowed, scale=scale,
-        key_prefix=(lambda r0, r1: r1 - 1) if causal else None,
-    )
-    out = out.transpose(2, 3).reshape(b, h, rows * s, -1)[:, :, :n]
-    lse = lse.transpose(2, 3).reshape(b, h, rows * s)[:, :, :n]
-    return merge_partials([band, (out, lse)])[0]
+    pieces = [Band(s - 1, 0 if causal else s - 1), Columns(s, causal)]
+    return sparse_attention(q, k, v, pieces, scale=scale, key_mask=key_padding_mask)[0]
 
 
 def fixed_attention(
@@ -104,37 +69,13 @@ def fixed_attention(
     scale: float | None = None,
 ) -> Tensor:
     """Fixed Sparse Transformer attention (see the module docstring)."""
-    b, h, n, _ = q.shape
+    n = q.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     s = min(default_stride(n) if stride is None else stride, n)
-    c = min(c, s)
-    rows = -(-n // s)
     # Causal within the own block: key j <= query a, the same in every block.
     earlier = torch.ones(s, s, dtype=torch.bool, device=q.device).tril() if causal else None
-    own = block_gather_attention(
-        q, k, v, torch.arange(rows, device=q.device)[:, None], block_size=s, scale=scale,
-        key_mask=key_padding_mask, pattern=earlier,
-    )
-    if rows == 1:
-        return own[0]
-    # Summary keys: the last c positions of every block, (B, H, rows * c, D).
-    ignore = _padding_grid(key_padding_mask, b, n, rows, s, q.device)[:, :, s - c :]
-    key_ok = ~ignore.reshape(b, 1, 1, rows * c)
-    key_block = torch.arange(rows, device=q.device).repeat_interleave(c)
-    query_block = torch.arange(n, device=q.device)[:, None] // s
-
-    def allowed(r0: int, r1: int) -> Tensor:
-        qb = query_block[r0:r1]
-        return key_ok & ((key_block < qb) if causal else (key_block != qb))
-
-    def summary(x: Tensor) -> Tensor:
-        return _grid(x, rows, s)[:, :, :, s - c :].reshape(b, h, rows * c, -1)
-
-    summaries = dense_partial(
-        q, summary(k), summary(v), allowed, scale=scale,
-        key_prefix=(lambda r0, r1: (r1 - 1) // s * c) if causal else None,
-    )
-    return merge_partials([own, summaries])[0]
+    pieces = [Blocks(None, s, earlier), Summary(s, c, causal)]
+    return sparse_attention(q, k, v, pieces, scale=scale, key_mask=key_padding_mask)[0]
 
 
 class _SparseTransformerAttention(AttentionMethod):
@@ -224,7 +165,7 @@ register(
         name="sparse-strided",
         summary="Sparse Transformer strided pattern: band of s plus every s-th position",
         paper="Child et al. 2019, Generating Long Sequences with Sparse Transformers",
-        complexity="O(N (s + N/s) D) time and memory; O(N^1.5 D) at s = sqrt(N)",
+        complexity="O(N (s + N/s) D) time, O(N D) memory; O(N^1.5 D) at s = sqrt(N)",
         causal=True,
         padding_mask=True,
         cross=False,
@@ -243,7 +184,7 @@ register(
         summary="Sparse Transformer fixed pattern: own block of s plus c summary positions "
         "per block",
         paper="Child et al. 2019, Generating Long Sequences with Sparse Transformers",
-        complexity="O(N (s + c N/s) D) time and memory; O(c N^1.5 D) at s = sqrt(N)",
+        complexity="O(N (s + c N/s) D) time, O(N D) memory; O(c N^1.5 D) at s = sqrt(N)",
         causal=True,
         padding_mask=True,
         cross=False,

@@ -6,22 +6,24 @@ strategy of banded methods (halos).
 
 from effattn.sparse.blockwise import (
     Band,
+    Blocks,
+    Columns,
+    Globals,
+    Summary,
     band_block_size,
     banded_attention,
     block_gather_attention,
-    dense_partial,
-    masked_partial,
-    masked_scores,
-    merge_partials,
+    sparse_attention,
 )
 
 __all__ = [
     "Band",
+    "Blocks",
+    "Columns",
+    "Globals",
+    "Summary",
     "band_block_size",
     "banded_attention",
     "block_gather_attention",
-    "dense_partial",
-    "masked_partial",
-    "masked_scores",
-    "merge_partials",
+    "sparse_attention",
 ]

@@ -42,10 +42,12 @@ class Halo(SequenceStrategy):
         *,
         causal: bool,
         key_padding_mask: Tensor | None,
+        sliding_window: int | None = None,
     ) -> Tensor:
         """The band over [halo before, own slice, halo after]. The halo queries are zeros whose
         outputs are dropped: the banded kernel needs aligned queries and keys, and they cost
-        (left + right) / n_r of the work."""
+        (left + right) / n_r of the work. A ``sliding_window`` the method takes is its own band
+        (its ``validate`` refuses any other), so the band is all there is to compute."""
         dt = compute_dtype(q.dtype)
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
         band = attn.band(causal)
