@@ -21,7 +21,8 @@ from effattn.cli.common import UsageError
 LIBRARY_COMMANDS = ("effattn.cli.methods",)
 TOOL_COMMANDS = {"effattn.cli.bench": ("bench", "approx"),
                  "effattn.cli.bench_distributed": ("bench-distributed",),
-                 "effattn.cli.decode": ("decode",), "effattn.cli.train": ("train", "compare")}
+                 "effattn.cli.decode": ("decode",), "effattn.cli.train": ("train", "compare"),
+                 "effattn.cli.convert": ("convert",)}
 INSTALL_TOOLS = "pip install 'effattn[tools]'"
 
 EXIT_USAGE = 2

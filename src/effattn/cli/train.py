@@ -58,7 +58,8 @@ def _config(args: argparse.Namespace, method: str, options: dict) -> TrainConfig
                        d_model=args.d_model, layers=args.layers, heads=args.heads,
                        seq_len=args.seq_len, seed=args.seed, dropout=args.dropout,
                        checkpoint_every=args.checkpoint_every,
-                       eval_every=getattr(args, "eval_every", 0), device=args.device).resolved()
+                       eval_every=getattr(args, "eval_every", 0), device=args.device,
+                       init_from=getattr(args, "init_from", None)).resolved()
 
 
 def _check(cfg: TrainConfig) -> None:
@@ -136,6 +137,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _budget_args(p)
     p.add_argument("--eval-every", type=int, default=0,
                    help="evaluate on the validation set every N steps (0: only at the end)")
+    p.add_argument("--init-from", metavar="DIR",
+                   help="start from the checkpoint of another run (DIR/checkpoint.pt, same task "
+                   "and model size, any method): every weight of the same name is loaded, the "
+                   "new method's own ones are initialised and named in the log (fine-tuning a "
+                   "converted model)")
     p.add_argument("--out", help="run directory (default runs/<task>-<method>)")
     p.add_argument("--data-dir", help="cache of generated data sets (default <out>/data)")
     p.add_argument("--resume", action="store_true",

@@ -262,16 +262,24 @@ class MultiheadAttention(nn.Module):
 
     @classmethod
     def from_torch(
-        cls, module: nn.MultiheadAttention, method: str = DEFAULT_METHOD, **kwargs: Any
+        cls, module: nn.MultiheadAttention | MultiheadAttention, method: str = DEFAULT_METHOD,
+        **kwargs: Any
     ) -> MultiheadAttention:
         """A layer with ``module``'s settings and weights, using ``method`` inside.
 
-        ``kwargs`` override the constructor's arguments (``dropout=0.0`` for a method that cannot
-        drop attention weights) or are ``max_len``, ``seed`` and the method's options.
+        ``module`` is torch's layer or effattn's own (another method): its projections are
+        copied, and so is a call input's projection (``gate_proj``) that the new method uses too;
+        the old mechanism's own state (``attn.*``: random features, learned feature maps) is
+        not, since it belongs to that mechanism. ``kwargs`` override the constructor's arguments
+        (``dropout=0.0`` for a method that cannot drop attention weights) or are ``max_len``
+        (default: effattn's layer's own), ``seed`` and the method's options.
         """
+        if isinstance(module, MultiheadAttention):
+            return cls._from_effattn(module, method, **kwargs)
         if not isinstance(module, nn.MultiheadAttention):
             raise ValueError(
-                f"module must be a torch.nn.MultiheadAttention, got {type(module).__name__}"
+                "module must be a torch.nn.MultiheadAttention or effattn.nn.MultiheadAttention, "
+                f"got {type(module).__name__}"
             )
         weight = module.out_proj.weight
         settings = {
@@ -290,6 +298,35 @@ class MultiheadAttention(nn.Module):
         ours = [k for k in missing if not k.startswith(own)]
         if unexpected or ours:
             raise ValueError(f"cannot copy {module}: missing {ours}, unexpected {unexpected}")
+        return new
+
+    @classmethod
+    def _from_effattn(cls, module: MultiheadAttention, method: str,
+                      **kwargs: Any) -> MultiheadAttention:
+        """:meth:`from_torch` of effattn's own layer (see there)."""
+        if module.parameter_free:
+            raise ValueError(f"{module.method} has no projections to copy weights from")
+        weight = module.out_proj.weight
+        settings = {
+            "dropout": module.dropout, "bias": module.in_proj_bias is not None,
+            "add_bias_kv": module.bias_k is not None, "add_zero_attn": module.add_zero_attn,
+            "kdim": module.kdim, "vdim": module.vdim, "batch_first": module.batch_first,
+            "device": weight.device, "dtype": weight.dtype,
+            "max_len": getattr(module.attn, "max_len", None),
+        }
+        new = cls(module.embed_dim, module.num_heads, method=method, **{**settings, **kwargs})
+        if new.parameter_free:
+            raise ValueError(f"{method} has no projections to copy weights into")
+        kept = tuple(f"{name}_proj." for name in new.call_inputs)
+        dropped = ("attn.", *(f"{name}_proj." for name in module.call_inputs))
+        state = {k: v for k, v in module.state_dict().items()
+                 if k.startswith(kept) or not k.startswith(dropped)}
+        missing, unexpected = new.load_state_dict(state, strict=False)
+        own = ("attn.", *kept)
+        ours = [k for k in missing if not k.startswith(own)]
+        if unexpected or ours:
+            raise ValueError(f"cannot copy {module}: missing {ours}, unexpected {unexpected}")
+        new.train(module.training)
         return new
 
     def extra_repr(self) -> str:
@@ -547,27 +584,37 @@ class MultiheadAttention(nn.Module):
 
 
 def swap(model: nn.Module, method: str = DEFAULT_METHOD, **options: Any) -> nn.Module:
-    """Replace, in place, every ``torch.nn.MultiheadAttention`` of ``model`` by effattn's, with the
-    same settings and weights (:meth:`MultiheadAttention.from_torch`), and return ``model``.
+    """Replace, in place, every attention layer of ``model`` by effattn's with ``method``, with
+    the same settings and weights (:meth:`MultiheadAttention.from_torch`), and return ``model``.
 
-    ``options`` go to ``from_torch`` (``max_len``, the method's options, constructor overrides
-    such as ``dropout=0.0``); ``seed`` becomes a distinct seed per layer. A model that is itself
-    a torch ``MultiheadAttention`` is returned converted. torch's ``TransformerEncoder`` turns
-    padded batches into nested tensors in inference: swapped encoders stop (``use_nested_tensor
-    = False``). A layer whose call the method cannot do (a decoder's causal self-attention with a
+    The layers converted are torch's ``nn.MultiheadAttention`` and effattn's own
+    ``MultiheadAttention`` (effattn's models: ``DecoderLM``, ``EncoderClassifier``,
+    ``EncoderDecoder``); a model with neither raises ``ValueError`` rather than coming back
+    unchanged. ``options`` go to ``from_torch`` (``max_len``, the method's options, constructor
+    overrides such as ``dropout=0.0``); ``seed`` becomes a distinct seed per layer. A model that
+    is itself such a layer is returned converted. torch's ``TransformerEncoder`` turns padded
+    batches into nested tensors in inference: swapped encoders stop (``use_nested_tensor =
+    False``). A layer whose call the method cannot do (a decoder's causal self-attention with a
     non-causal method) raises, at call time, ``ValueError`` with the method's reason.
     """
     seed = options.pop("seed", None)
-    if isinstance(model, nn.MultiheadAttention):
+    layers = (nn.MultiheadAttention, MultiheadAttention)
+    if isinstance(model, layers):
         return MultiheadAttention.from_torch(model, method, seed=seed, **options)
     converted: dict[int, MultiheadAttention] = {}
     for parent in list(model.modules()):
         for name, child in parent.named_children():
-            if isinstance(child, nn.MultiheadAttention):
+            if isinstance(child, layers):
                 if id(child) not in converted:  # a shared module stays shared
                     converted[id(child)] = MultiheadAttention.from_torch(
                         child, method, seed=layer_seed(seed, len(converted)), **options)
                 setattr(parent, name, converted[id(child)])
+    if not converted:
+        raise ValueError(
+            f"{type(model).__name__} has no attention layer to convert: swap replaces "
+            "torch.nn.MultiheadAttention and effattn.nn.MultiheadAttention (a Hugging Face model "
+            "takes effattn through attn_implementation, see effattn.integrations.transformers)"
+        )
     for module in model.modules():
         if isinstance(module, nn.TransformerEncoder):
             module.use_nested_tensor = False

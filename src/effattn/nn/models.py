@@ -101,7 +101,6 @@ class EncoderClassifier(nn.Module):
         _no_causal_inputs(method, options, "EncoderClassifier")
         self.pool = pool
         self.pad_id = pad_id
-        self.masks_padding = spec(method).padding_mask
         if pool == "cls":
             self.cls = nn.Parameter(torch.randn(d_model) * d_model ** -0.5)
             max_len = None if max_len is None else max_len + 1
@@ -113,6 +112,12 @@ class EncoderClassifier(nn.Module):
         )
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, num_classes)
+
+    @property
+    def masks_padding(self) -> bool:
+        """Whether the attention takes the padding mask (read from the layers, which
+        :func:`effattn.nn.swap` may have given another method)."""
+        return spec(self.blocks[0].self_attn.method).padding_mask
 
     def forward(self, tokens: Tensor) -> Tensor:
         _check_tokens(tokens, self.embed.vocab_size)
@@ -249,8 +254,6 @@ class EncoderDecoder(nn.Module):
         check_capability(cross_method, "cross", "the EncoderDecoder's cross-attention "
                          "(pass cross_method='softmax' to use exact cross-attention)")
         self.pad_id = pad_id
-        self.masks_padding = spec(method).padding_mask
-        self.cross_masks_padding = spec(cross_method).padding_mask
         dec_layers = num_layers if dec_layers is None else dec_layers
         common = {"ff_mult": ff_mult, "dropout": dropout, "max_len": max_len}
         self.src_embed = _Embed(src_vocab, d_model, dropout)
@@ -269,6 +272,16 @@ class EncoderDecoder(nn.Module):
         self.enc_norm = nn.LayerNorm(d_model)
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, tgt_vocab)
+
+    @property
+    def masks_padding(self) -> bool:
+        """Whether the encoder's attention takes the padding mask (read from its layers)."""
+        return spec(self.encoder[0].self_attn.method).padding_mask
+
+    @property
+    def cross_masks_padding(self) -> bool:
+        """Whether the cross-attention takes the padding mask (read from its layers)."""
+        return spec(self.decoder[0].cross_attn.method).padding_mask
 
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor | None]:
         """src (B, M) -> (memory (B, M, d), padding mask (B, M) or None)."""

@@ -10,7 +10,10 @@ matplotlib and tqdm, listed in :data:`REQUIRES`.
 - :mod:`effattn.tools.decode`   token-by-token decoding speed and state memory (``effattn decode``)
 - :mod:`effattn.tools.tasks`    the generated data sets: ListOps, recall, copy, reverse, char LM
 - :mod:`effattn.tools.train`    the training loop (``effattn train``)
+- :mod:`effattn.tools.runs`     a trained model rebuilt from its run folder (``load_run``)
 - :mod:`effattn.tools.compare`  every method trained on one budget, one table (``effattn compare``)
+- :mod:`effattn.tools.convert`  a softmax teacher converted to other methods, every stage
+                                measured (``effattn convert``)
 """
 
 from __future__ import annotations

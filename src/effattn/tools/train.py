@@ -8,6 +8,9 @@ A run lives in its own directory:
 - ``train.log``: human-readable log; ``log.jsonl``: one JSON record per logged step or evaluation.
 - ``results.json``: configuration, capabilities, held-out metrics, speed and memory; atomic.
 
+A run may start from another run's checkpoint (``init_from``, ``effattn train --init-from``),
+with another method: every weight of the same name is loaded and the report names the new ones.
+
 Re-running with the same configuration resumes from the checkpoint; since every batch is a
 function of (seed, step) and the RNG states are restored, the result equals an uninterrupted run.
 
@@ -101,6 +104,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     eval_every: int = 0
     device: str = "cpu"
+    init_from: str | None = None
 
     def resolved(self) -> TrainConfig:
         """A copy with the task defaults filled in and every field checked."""
@@ -125,6 +129,9 @@ class TrainConfig:
             raise ValueError(f"d_model={cfg.d_model} must be divisible by heads={cfg.heads}")
         if cfg.d_model % 2:
             raise ValueError(f"d_model must be even (sinusoidal positions), got {cfg.d_model}")
+        if cfg.init_from is not None and not (Path(cfg.init_from) / CHECKPOINT).is_file():
+            raise ValueError(f"init_from {cfg.init_from}: no {CHECKPOINT} there (a run folder of "
+                             "effattn train is expected)")
         return cfg
 
 
@@ -353,6 +360,7 @@ class _Run:
     optimizer: torch.optim.Optimizer
     device: torch.device
     saved: dict[str, Any] | None
+    init: dict[str, Any] | None
 
 
 def _prepare(config: TrainConfig, out: Path, resume: bool | None, data_dir: str | Path | None,
@@ -397,6 +405,7 @@ def _prepare(config: TrainConfig, out: Path, resume: bool | None, data_dir: str 
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr)
+    init = None
     if saved is not None:
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
@@ -404,7 +413,37 @@ def _prepare(config: TrainConfig, out: Path, resume: bool | None, data_dir: str 
         random.setstate(saved["python_rng"])
         if device.type == "cuda" and saved.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(saved["cuda_rng"], device)
-    return _Run(cfg, task, model, optimizer, device, saved)
+        init = saved.get("init")
+    elif cfg.init_from is not None:
+        init = initialize_from(model, cfg)
+    return _Run(cfg, task, model, optimizer, device, saved, init)
+
+
+def initialize_from(model: nn.Module, cfg: TrainConfig) -> dict[str, Any]:
+    """Load into ``model`` every weight of ``cfg.init_from``'s checkpoint that it has under the
+    same name (another method's run: the projections, embeddings, norms and output layer); the
+    report names the new weights (the new method's own) and the unused ones (the old method's).
+
+    ``ValueError`` when the checkpoint's task differs or a weight of the same name has another
+    shape (another model size), naming them."""
+    path = Path(cfg.init_from) / CHECKPOINT
+    source = torch.load(path, map_location="cpu", weights_only=False)
+    if source["config"]["task"] != cfg.task:
+        raise ValueError(f"init_from {cfg.init_from}: a run of task {source['config']['task']}, "
+                         f"not {cfg.task}")
+    own = model.state_dict()
+    state = source["model"]
+    # Entries that are not tensors (a generator's state) have no shape to disagree on.
+    mismatched = [f"{k} {tuple(state[k].shape)} != {tuple(v.shape)}" for k, v in own.items()
+                  if isinstance(v, torch.Tensor) and k in state and state[k].shape != v.shape]
+    if mismatched:
+        raise ValueError(f"init_from {cfg.init_from}: weights of another shape (checkpoint != "
+                         "this run; same --d-model, --layers, --heads needed): "
+                         + "; ".join(mismatched))
+    model.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
+    return {"from": str(cfg.init_from), "method": source["config"]["method"],
+            "step": source.get("step"), "loaded": sum(k in state for k in own),
+            "new": [k for k in own if k not in state], "unused": [k for k in state if k not in own]}
 
 
 def check_parallel(cfg: TrainConfig, world: World) -> None:
@@ -480,12 +519,18 @@ def train(
         step, train_time, peak, losses = (run.saved["step"], run.saved["train_time"],
                                           run.saved["peak_bytes"], run.saved["losses"])
         log({"event": "resume", "step": step}, f"resumed from step {step}")
+    elif run.init is not None:
+        init = run.init
+        log({"event": "init", **init},
+            f"initialised from {init['from']} ({init['method']}, step {init['step']}): "
+            f"{init['loaded']} weights loaded; new: {', '.join(init['new']) or 'none'}; "
+            f"unused: {', '.join(init['unused']) or 'none'}")
 
     def save_checkpoint() -> None:
         state = {"config": dataclasses.asdict(cfg), "model": model.state_dict(),
                  "optimizer": optimizer.state_dict(), "step": step, "train_time": train_time,
                  "peak_bytes": peak, "losses": losses, "torch_rng": torch.get_rng_state(),
-                 "python_rng": random.getstate(),
+                 "python_rng": random.getstate(), "init": run.init,
                  "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
         _atomic_write(ckpt_path, lambda p: torch.save(state, p))
 
@@ -567,6 +612,7 @@ def train(
         "environment": {"torch": torch.__version__, "python": platform.python_version(),
                         "device": str(device), "threads": torch.get_num_threads()},
         "processes": {"parallel": world.mode, "count": world.size},
+        "init": run.init,
     }
     if task.kind == "seq2seq":
         results["decoding_at_length"] = decoding_at_length(model, task, device)

@@ -1,0 +1,254 @@
+"""Converting a trained softmax model: swap of effattn's own models, linearize, attention transfer,
+``effattn train --init-from``, rebuilding a run, ``effattn convert``, and the documented
+defaults."""
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import effattn
+from effattn.cli import main
+from effattn.convert import layer_errors, linearize, transfer
+from effattn.nn import DecoderLM, MultiheadAttention, swap
+from effattn.registry import DEFAULT_METHOD
+from effattn.tools import convert as tools_convert
+from effattn.tools.runs import load_run
+from effattn.tools.train import TASK_DEFAULTS, TrainConfig, evaluate, train
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {"d_model": 16, "layers": 1, "heads": 2, "batch_size": 4, "seq_len": 24}
+# A method with a learned feature map (what attention transfer trains) and one without any.
+LEARNED = "hedgehog"
+FIXED = "linear"
+
+
+def _lm(seed=0, **kw):
+    torch.manual_seed(seed)
+    return DecoderLM(30, 16, 2, 2, max_len=32, seed=seed, **kw)
+
+
+def _tokens(seed, shape=(3, 21)):
+    return torch.randint(0, 30, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_swap_converts_effattn_models_keeping_weights():
+    model = _lm()
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    assert swap(model, FIXED) is model
+    assert {layer.method for layer in model.modules() if isinstance(layer, MultiheadAttention)} \
+        == {FIXED}
+    after = dict(model.named_parameters())
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    # and back to softmax: the same outputs as the original model
+    swap(model, DEFAULT_METHOD)
+    x = _tokens(1)
+    torch.testing.assert_close(model(x), _lm()(x), rtol=0, atol=0)
+
+
+def test_swap_and_linearize_refuse_a_model_without_attention():
+    with pytest.raises(ValueError, match="no attention layer to convert"):
+        swap(nn.Sequential(nn.Linear(4, 4)), FIXED)
+    with pytest.raises(ValueError, match="no attention layer to convert"):
+        linearize(nn.Linear(4, 4), FIXED)
+
+
+def test_linearize_keeps_every_weight_and_returns_the_new_parameters():
+    model = _lm()
+    before = copy.deepcopy(model.state_dict())
+    new = linearize(model, LEARNED)
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert sorted(new) == sorted(f"blocks.{i}.self_attn.attn.{p}" for i in (0, 1)
+                                 for p in ("weight", "bias"))
+    assert all(new[name] is p for name, p in model.named_parameters() if name in new)
+    assert linearize(model, FIXED) == {}  # no parameters of its own; the old map is dropped
+    assert not any(".attn." in name for name, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("kind", ["effattn", "torch"])
+def test_linearize_to_softmax_leaves_outputs_unchanged(kind):
+    if kind == "effattn":
+        model, x = _lm().eval(), _tokens(2)
+    else:
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        model, x = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval(), \
+            torch.randn(2, 9, 16)
+    expected = model(x)
+    assert linearize(model, DEFAULT_METHOD) == {}
+    torch.testing.assert_close(model(x), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_linearize_errors_name_the_problem():
+    with pytest.raises(KeyError, match="no_such_method"):
+        linearize(_lm(), "no_such_method")
+    cannot = [m for m in effattn.methods() if not effattn.spec(m).decoding]
+    with pytest.raises(ValueError, match="cannot decode"):
+        linearize(_lm(), cannot[0], decoding=True)
+    assert linearize(_lm(), LEARNED, decoding=True)
+    non_causal = [m for m in effattn.methods() if not effattn.spec(m).causal]
+    with pytest.raises(ValueError, match="causal"):
+        linearize(_lm(), non_causal[0])
+    with pytest.raises(ValueError, match="from_torch"):
+        linearize(nn.MultiheadAttention(8, 2), FIXED)
+
+
+def test_transfer_lowers_the_layer_output_error_and_trains_only_the_new_parameters():
+    model = _lm()
+    new = linearize(model, LEARNED)
+    frozen = {k: p.detach().clone() for k, p in model.named_parameters() if k not in new}
+    probe = _tokens(99, (4, 31))
+    before = layer_errors(model, probe)
+    losses = transfer(model, (_tokens(s, (4, 31)) for s in range(20)), steps=20, parameters=new)
+    after = layer_errors(model, probe)
+    assert len(losses) == 20 and len(before) == 2
+    assert sum(after) < 0.8 * sum(before), (before, after)
+    now = dict(model.named_parameters())
+    assert all(torch.equal(now[k], v) for k, v in frozen.items())
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_transfer_refuses_what_it_cannot_train():
+    model = _lm()
+    with pytest.raises(ValueError, match="linearize it first"):
+        transfer(model, iter([_tokens(0)]), steps=1)
+    linearize(model, FIXED)
+    with pytest.raises(ValueError, match="nothing to transfer"):
+        transfer(model, iter([_tokens(0)]), steps=1)
+    linearize(model, LEARNED)
+    with pytest.raises(ValueError, match="ran out after 1 of 2"):
+        transfer(model, iter([_tokens(0)]), steps=2)
+    with pytest.raises(ValueError, match="steps"):
+        transfer(model, iter([_tokens(0)]), steps=0)
+
+
+@pytest.fixture(scope="module")
+def softmax_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("softmax")
+    cfg = TrainConfig(task="recall", steps=6, checkpoint_every=3, **TINY)
+    return out, train(cfg, out, progress=False)
+
+
+def test_load_run_rebuilds_the_trained_model(softmax_run, tmp_path):
+    out, results = softmax_run
+    run = load_run(out)
+    assert run.step == 6 and run.config.method == DEFAULT_METHOD and not run.model.training
+    assert evaluate(run.model, run.task, "test", run.device)["loss"] == pytest.approx(
+        results["test"]["loss"], rel=1e-6)
+    with pytest.raises(ValueError, match="no checkpoint.pt"):
+        load_run(tmp_path)
+
+
+def test_train_init_from_loads_every_matching_weight_and_names_the_new(softmax_run, tmp_path):
+    source, _ = softmax_run
+    cfg = TrainConfig(task="recall", method=LEARNED, steps=1, init_from=str(source), **TINY)
+    results = train(cfg, tmp_path / "ft2", progress=False)
+    init = results["init"]
+    assert init["method"] == DEFAULT_METHOD and init["step"] == 6
+    # the feature map's W and b, and the state of the generator that drew its init
+    assert {"blocks.0.self_attn.attn.weight", "blocks.0.self_attn.attn.bias"} <= set(init["new"])
+    assert all(k.startswith("blocks.0.self_attn.attn.") for k in init["new"])
+    assert init["unused"] == [] and init["loaded"] > 0
+    log = (tmp_path / "ft2" / "train.log").read_text()
+    assert "initialised from" in log and "blocks.0.self_attn.attn.weight" in log
+
+
+def test_init_from_failures_name_the_cause(softmax_run, tmp_path):
+    source, _ = softmax_run
+    with pytest.raises(ValueError, match="no checkpoint.pt"):
+        TrainConfig(task="recall", init_from=str(tmp_path), **TINY).resolved()
+    other_task = TrainConfig(task="copy", steps=1, init_from=str(source), **TINY)
+    with pytest.raises(ValueError, match="a run of task recall, not copy"):
+        train(other_task, tmp_path / "a", progress=False)
+    wider = TrainConfig(task="recall", steps=1, init_from=str(source),
+                        **{**TINY, "d_model": 32})
+    with pytest.raises(ValueError, match="weights of another shape"):
+        train(wider, tmp_path / "b", progress=False)
+
+
+def test_train_help_documents_init_from(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "--init-from DIR" in capsys.readouterr().out
+
+
+CONVERT = ["convert", "--task", "recall", "--teacher-steps", "4", "--seq-len", "24",
+           "--d-model", "16", "--heads", "2", "--layers", "1", "--batch-size", "4",
+           "--transfer-steps", "2", "--finetune-steps", "2", "--device", "cpu"]
+
+
+def test_convert_writes_every_stage_and_resumes(tmp_path, capsys):
+    argv = [*CONVERT, "--methods", LEARNED, FIXED, "--out", str(tmp_path)]
+    assert main(argv) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())
+    assert all(set(r) == {"task", "method", "stage", "steps", "accuracy"} for r in rows)
+    stages = [(r["method"].split(":")[0], r["stage"], r["steps"]) for r in rows]
+    assert stages == [(DEFAULT_METHOD, "teacher", 4), (LEARNED, "swap", 0),
+                      (LEARNED, "transfer", 2), (LEARNED, "finetune", 4),
+                      (LEARNED, "scratch", 8), (FIXED, "swap", 0), (FIXED, "finetune", 2),
+                      (FIXED, "scratch", 6)]
+    assert all(0.0 <= r["accuracy"] <= 100.0 for r in rows)
+    for name in ("results.csv", "convert.md", "convert.png"):
+        assert (tmp_path / name).is_file()
+    stamp = (tmp_path / "teacher" / "checkpoint.pt").stat().st_mtime_ns
+    capsys.readouterr()
+    assert main(argv) == 0  # everything done: nothing is trained again
+    assert (tmp_path / "teacher" / "checkpoint.pt").stat().st_mtime_ns == stamp
+    assert json.loads((tmp_path / "results.json").read_text()) == rows
+    # --teacher: the run folder of another softmax training
+    other = tmp_path / "from-teacher"
+    assert main([*CONVERT, "--methods", FIXED, "--stages", "swap", "--teacher",
+                 str(tmp_path / "teacher"), "--out", str(other)]) == 0
+    assert [r["stage"] for r in json.loads((other / "results.json").read_text())] == ["swap"]
+
+
+def test_convert_usage_errors_exit_2(tmp_path, capsys):
+    assert main([*CONVERT, "--methods", "no_such_method", "--out", str(tmp_path)]) == 2
+    assert "no_such_method" in capsys.readouterr().err
+    non_causal = [m for m in effattn.methods() if not effattn.spec(m).causal][0]
+    assert main([*CONVERT, "--methods", non_causal, "--out", str(tmp_path)]) == 2
+    assert "cannot run recall" in capsys.readouterr().err
+    assert main([*CONVERT, "--methods", FIXED, "--teacher", str(tmp_path),
+                 "--out", str(tmp_path)]) == 2
+    assert "no checkpoint.pt" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*CONVERT, "--methods", FIXED, "--stages", "bogus"])
+
+
+def test_ctrl_c_in_convert_exits_130_with_a_resume_hint(tmp_path, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("effattn.cli.convert.convert", interrupted)
+    assert main([*CONVERT, "--methods", FIXED, "--out", str(tmp_path)]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "run the same command again to resume" in err
+
+
+def test_convert_table_marks_the_change_against_the_teacher():
+    rows = [{"task": "charlm", "method": DEFAULT_METHOD, "stage": "teacher", "steps": 10,
+             "bpc": 2.0},
+            {"task": "charlm", "method": "m", "stage": "transfer", "steps": 3, "bpc": 2.2},
+            {"task": "charlm", "method": "m", "stage": "finetune", "steps": 8, "bpc": 2.1}]
+    text = tools_convert.table(rows)
+    assert "| `m` | - | 2.200 (+10.0%) @3 | 2.100 (+5.0%) @8 | - |" in text
+    assert "finetune (+5)" in text
+
+
+def test_docs_give_the_task_defaults_the_code_uses():
+    """docs/training.md's default budget names each task's learning rate as TASK_DEFAULTS does."""
+    text = (ROOT / "docs" / "training.md").read_text()
+    budget = text[text.index("### Default budget"):text.index("### What the table means")]
+    for task, defaults in TASK_DEFAULTS.items():
+        line = next(line for line in budget.splitlines() if line.startswith(f"| {task} "))
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[1:4] == [str(defaults["seq_len"]), str(defaults["steps"]),
+                              f"{defaults['lr']:g}"], (task, cells)
+    assert re.search(r"warm-up min\(100, steps/10\) steps", budget)
