@@ -57,13 +57,14 @@ Shapes: B batch, H heads, N queries, M keys, F features, Dv value dim, C chunk, 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from effattn.kernelized.features import LOG2E
 from effattn.registry import Problem
@@ -127,22 +128,42 @@ def _with_ones(v: Tensor) -> Tensor:
     return torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
 
 
-def _ratio(out: Tensor, eps: float, log_scale: Tensor) -> Tensor:
-    """[num, den] held at scale exp(log_scale) -> num / den, with |den| pushed to ``eps`` at the
-    true scale (as the reference does), so that the result does not depend on where a
-    stabiliser put the scale: a key far larger than the others in its chunk must not push its
-    neighbours' denominators under eps. The sign is kept (trigonometric features can give
-    negative denominators); a query that sees no key gets 0. ``eps = 0`` (non-negative
-    features) only keeps 0 / 0 at 0: any positive denominator, however small, is divided by."""
+def _divisor(den: Tensor, eps: float, log_scale: Tensor) -> Tensor:
+    """The denominator Σ_j w_ij φ(q_i)·φ(k_j) (..., 1), held at scale exp(log_scale), as divided
+    by: |den| pushed to ``eps`` at the true scale (as the reference does), so that the result
+    does not depend on where a stabiliser put the scale: a key far larger than the others in its
+    chunk must not push its neighbours' denominators under eps. The sign is kept (trigonometric
+    features can give negative denominators); 0 (a query that sees no key) becomes 1, so that
+    the output 0 / 1 and its gradient stay 0. ``eps = 0`` (non-negative features) only keeps
+    0 / 0 at 0: any positive denominator, however small, is divided by."""
     log_eps = math.log(eps) if eps > 0 else -math.inf
     with torch.no_grad():
         # In log space: eps / exp(log_scale) overflows for the tiny true scales of positive
         # features (exp(-|x|²/2)), and 0 * inf would be NaN.
         floor = torch.exp(log_eps - log_scale)
-    den = out[..., -1:]
     den = torch.where(den >= 0, torch.maximum(den, floor), torch.minimum(den, -floor))
-    # num = den = 0 when no key is seen: 0 / 1 keeps the output and its gradient at 0.
-    return out[..., :-1] / torch.where(den == 0, 1.0, den)
+    return torch.where(den == 0, 1.0, den)
+
+
+def _ratio(out: Tensor, eps: float, log_scale: Tensor) -> Tensor:
+    """[num, den] held at scale exp(log_scale) -> num / den, with den as :func:`_divisor`."""
+    return out[..., :-1] / _divisor(out[..., -1:], eps, log_scale)
+
+
+def _ratio_into(out: Tensor, raw: Tensor, eps: float, log_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`_ratio` of ``raw`` written into ``out`` (no autograd), and what its backward needs
+    (:func:`_ratio_grad`): the divisor d (..., 1) and back = -1/d where the gradient reaches the
+    denominator, 0 where the eps floor or the 0 -> 1 rule replaced it."""
+    den = raw[..., -1:]
+    div = _divisor(den, eps, log_scale)
+    torch.div(raw[..., :-1], div, out=out)
+    return div, torch.where(div == den, -1.0 / div, 0.0)
+
+
+def _ratio_grad(d_out: Tensor, out: Tensor, div: Tensor, back: Tensor) -> Tensor:
+    """Gradient of [num, den] from that of out = num / d: [d_out / d, -(d_out·out) / d]
+    (the second 0 where d is not the denominator; see :func:`_ratio_into`). (..., Dv + 1)."""
+    return torch.cat([d_out / div, (d_out * out).sum(-1, keepdim=True).mul_(back)], -1)
 
 
 def _lost_rows(out: Tensor, eps: float, log_scale: Tensor) -> Tensor | None:
@@ -158,6 +179,11 @@ def _lost_rows(out: Tensor, eps: float, log_scale: Tensor) -> Tensor | None:
     if eps != 0 or torch.compiler.is_compiling():
         return None
     return ((out[..., -1:] == 0) & (log_scale > LOG_FLOOR)).any()
+
+
+def _check_chunk(chunk_size: int) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
 
 
 class DenominatorUnderflowError(ValueError):
@@ -252,22 +278,35 @@ def accumulate_keys(
     """
     _check_shapes(phi_k, phi_k, v, key_log_scale)
     state = _state_for(state, phi_k, v)
-    v1 = _with_ones(v)
     pad = None if key_padding_mask is None else key_padding_mask[:, None, :, None]
     if key_log_scale is None:
         # Features at their true scale, 0, once the state holds an unpadded key; until then
         # the scale stays at the floor, which marks a state without keys (see _lost_rows).
         scale = state.log_scale.clamp_min(0.0)
         if pad is not None:
-            v1 = v1.masked_fill(pad, 0.0)
             scale = torch.where(pad.all(-2, keepdim=True), state.log_scale, scale)
     else:
-        if pad is not None:
-            key_log_scale = key_log_scale.masked_fill(pad, float("-inf"))
-        scale = torch.maximum(state.log_scale, _shared_max(key_log_scale, -2))
-        v1 = v1 * torch.exp(key_log_scale - scale)
+        seen = key_log_scale if pad is None else key_log_scale.masked_fill(pad, float("-inf"))
+        scale = torch.maximum(state.log_scale, _shared_max(seen, -2))
+    v1 = _weighted_values(v, key_log_scale, pad, scale)
     kv = state.kv * torch.exp(state.log_scale - scale) + _key_value_products(phi_k, v1)
     return RecurrentState(kv, scale, state.position + phi_k.shape[2])
+
+
+def _weighted_values(
+    v: Tensor, key_log_scale: Tensor | None, pad: Tensor | None, scale: Tensor
+) -> Tensor:
+    """The keys' rows of [V, 1] at a state's scale: [v_j, 1] exp(ls_j - scale), 0 where padded.
+
+    v (B, H, M, Dv), key_log_scale (B, H, M, 1) or None (true scale 0, weight 1), pad
+    (B, 1, M, 1) or None, scale (B, H, 1, 1) -> (B, H, M, Dv + 1).
+    """
+    v1 = _with_ones(v)
+    if key_log_scale is None:
+        return v1 if pad is None else v1.masked_fill(pad, 0.0)
+    if pad is not None:
+        key_log_scale = key_log_scale.masked_fill(pad, float("-inf"))
+    return v1 * torch.exp(key_log_scale - scale)
 
 
 def read_out(state: RecurrentState, phi_q: Tensor, eps: float = 1e-6) -> Tensor:
@@ -333,8 +372,7 @@ def _causal_block(
     n = phi_q.shape[2]
     if phi_k.shape[2] != n:
         raise ValueError(f"causal needs N == M, got {n} and {phi_k.shape[2]}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    _check_chunk(chunk_size)
     if gate is not None and gate.shape != phi_q.shape[:3]:
         raise ValueError(
             f"gate must be (B, H, N) = {tuple(phi_q.shape[:3])}, got {tuple(gate.shape)}"
@@ -344,28 +382,37 @@ def _causal_block(
     pieces = _slices(SCAN_CHUNKS * chunk_size, (phi_q, 2), (phi_k, 2), (v, 2),
                      (key_log_scale, 2), (key_padding_mask, 1), (gate, 2))
     for q_g, k_g, v_g, ls_g, pad_g, gate_g in zip(*pieces, strict=True):
-        out, state, lost_g = _causal_group(
-            q_g, k_g, v_g, state, ls_g, pad_g, gate_g, chunk_size, eps
-        )
-        outs.append(out)
-        lost.append(lost_g)
+        raw, out_scale, state = _causal_group(q_g, k_g, v_g, state, ls_g, pad_g, gate_g,
+                                              chunk_size)
+        outs.append(_ratio(raw, eps, out_scale))
+        # A gate can decay what a query sees to a legitimate 0: only ungated rows are checked.
+        lost.append(None if gate is not None else _lost_rows(raw, eps, out_scale))
     return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), state, lost
 
 
-def _causal_group(
-    phi_q: Tensor,
-    phi_k: Tensor,
-    v: Tensor,
-    state: RecurrentState,
-    key_log_scale: Tensor | None,
-    key_padding_mask: Tensor | None,
-    gate: Tensor | None,
-    chunk: int,
-    eps: float,
-) -> tuple[Tensor, RecurrentState, Tensor | None]:
-    b, h, n, f = phi_q.shape
+@dataclass
+class _Factors:
+    """The per-token weights of a causal group of n tokens, padded to nc whole chunks of C.
+
+    With P_j the prefix max of the key log-scales inside j's chunk, g the gate and Λ_j the
+    inclusive cumulative log-gate inside the chunk:
+
+    - v (B, H, nc, C, Dv + 1): [v_j, 1] (1 - g_j) exp(ls_j - P_j), 0 at padded and tail keys;
+    - prefix: P (B, H, nc, C, 1), no gradient;
+    - log_weight: a_j = Λ_j + P_last - P_j (B, H, nc, C), None when every a_j is 0;
+    - cum: Λ (B, H, nc, C), None ungated.
+    """
+
+    v: Tensor
+    prefix: Tensor
+    log_weight: Tensor | None
+    cum: Tensor | None
+
+
+def _factors(v: Tensor, key_log_scale: Tensor | None, key_padding_mask: Tensor | None,
+             gate: Tensor | None, chunk: int) -> _Factors:
+    b, h, n = v.shape[:3]
     v1 = _with_ones(v)
-    dv1 = v1.shape[-1]
     log_gate = None
     if gate is not None:
         v1 = v1 * (1.0 - gate)[..., None]
@@ -380,113 +427,231 @@ def _causal_group(
             # key keep the floor (see _lost_rows).
             key_log_scale = v.new_zeros(*v.shape[:-1], 1)
         key_log_scale = key_log_scale.masked_fill(pad[..., None], float("-inf"))
-
     tail = (-n) % chunk
     if tail:
-        phi_q = F.pad(phi_q, (0, 0, 0, tail))
-        phi_k = F.pad(phi_k, (0, 0, 0, tail))
         v1 = F.pad(v1, (0, 0, 0, tail))
         if log_gate is not None:
             log_gate = F.pad(log_gate, (0, tail))
         if key_log_scale is not None:
             key_log_scale = F.pad(key_log_scale, (0, 0, 0, tail), value=float("-inf"))
     nc = (n + tail) // chunk
-    # Copied once if strided (a group cut from a longer block), not by each GEMM below.
-    q_c = phi_q.contiguous().view(b, h, nc, chunk, f)
-    k_c = phi_k.contiguous().view(b, h, nc, chunk, f)
-    v_c = v1.reshape(b, h, nc, chunk, dv1)
-
+    v_c = v1.reshape(b, h, nc, chunk, v1.shape[-1])
     # Query i of a chunk sums its keys j <= i at the prefix-max scale P_i = max_{j<=i} ls_j: a
     # key later in the chunk cannot set the scale of earlier queries (their keys would underflow
     # against it). Key j enters at exp(ls_j - P_j) <= 1 and moves to scale P_i through
-    # exp(P_j - P_i) <= 1, a C x C factor of the same form as the gate's decay exp(cum_i - cum_j):
-    # both are exp(a_i - a_j) with a = cum - P. The last prefix max is the chunk's max, the
+    # exp(P_j - P_i) <= 1, a C x C factor of the same form as the gate's decay exp(Λ_i - Λ_j):
+    # both are exp(a_i - a_j) with a = Λ - P. The last prefix max is the chunk's max, the
     # scale of its delta for later chunks, which only see it complete.
     # Only differences of a enter, so its stabiliser part is taken from the chunk's max,
     # P_last - P_j >= 0: the log-scales themselves can be large (|x̃|²/2 ~ 56 for trigonometric
     # keys of norm 30 at D = 64), and -P_j * log2(e) rounded at that size put ~ε|P| of error into
     # every weight exp2(a_i - a_j) (5e-6 at 56, 1e-4 at 1024), which decoding, subtracting
     # log-scales first, does not have.
-    log_weight = None  # a up to a constant per chunk (B, H, nc, C), None when every a is 0
+    log_weight = None
     if key_log_scale is None:
         prefix = v1.new_zeros(b, h, nc, chunk, 1)
     else:
         ls_c = key_log_scale.reshape(b, h, nc, chunk, 1)
         with torch.no_grad():
-            prefix = torch.cummax(ls_c, -2).values.clamp_min_(LOG_FLOOR)  # P, (B, H, nc, C, 1)
+            prefix = torch.cummax(ls_c, -2).values.clamp_min_(LOG_FLOOR)
         v_c = v_c * torch.exp(ls_c - prefix)
         log_weight = prefix[..., -1:, 0] - prefix[..., 0]
+    cum = None
     if log_gate is not None:
-        cum = log_gate.reshape(b, h, nc, chunk).cumsum(-1)  # inclusive, within the chunk
+        cum = log_gate.reshape(b, h, nc, chunk).cumsum(-1)
         log_weight = cum if log_weight is None else cum + log_weight
-    chunk_max = prefix[..., -1:, :]  # (B, H, nc, 1, 1)
-
-    scores = q_c @ k_c.transpose(-1, -2)  # (B, H, nc, C, C)
-    if log_weight is None:
-        intra = scores.tril_() @ v_c  # (B, H, nc, C, Dv + 1)
-        deltas = _key_value_products(k_c, v_c)  # (B, H, nc, F, Dv + 1), at scale chunk_max
-    else:
-        upper = torch.ones(chunk, chunk, dtype=torch.bool, device=scores.device).triu_(1)
-        log2_weight = log_weight * LOG2E  # exp2 on the C x C weights (see features.LOG2E)
-        weight = (log2_weight[..., :, None] - log2_weight[..., None, :]).masked_fill_(
-            upper, float("-inf")
-        ).exp2_()
-        # In place when the weights carry no gradient (no gate): mul then keeps only them.
-        scores = scores * weight if weight.requires_grad else scores.mul_(weight)
-        intra = scores @ v_c
-        to_end = torch.exp(log_weight[..., -1:] - log_weight)[..., None]  # exp(a_last - a_j)
-        deltas = _key_value_products(k_c, v_c * to_end)
-    chunk_log_decay = None if log_gate is None else cum[..., -1]  # (B, H, nc)
-
-    states, state_scale, final = _chunk_scan(state, deltas, chunk_max[..., 0, 0], chunk_log_decay)
-    common = torch.maximum(prefix, state_scale)  # (B, H, nc, C, 1): query i's output scale
-    inter_weight = torch.exp(state_scale - common)
-    if log_gate is not None:
-        inter_weight = inter_weight * cum.exp()[..., None]  # decay of the entering state to i
-    # In place on fresh GEMM outputs (bmm keeps its inputs, not its output, for backward).
-    out = (q_c @ states).mul_(inter_weight).add_(intra.mul_(torch.exp(prefix - common)))
-    final.position = state.position + n
-    out_scale = common.reshape(b, h, nc * chunk, 1)[:, :, :n]
-    out = out.reshape(b, h, nc * chunk, dv1)[:, :, :n]
-    # A gate can decay what a query sees to a legitimate 0: only ungated rows are checked.
-    lost = None if gate is not None else _lost_rows(out, eps, out_scale)
-    return _ratio(out, eps, out_scale), final, lost
+    return _Factors(v_c, prefix, log_weight, cum)
 
 
-def _chunk_scan(
-    state: RecurrentState, deltas: Tensor, chunk_max: Tensor, chunk_log_decay: Tensor | None
-) -> tuple[Tensor, Tensor, RecurrentState]:
-    """States before each chunk and after the last, by the recurrence over the chunk axis.
+def _intra_weights(log_weight: Tensor) -> Tensor:
+    """exp(a_i - a_j) for j <= i, 0 above the diagonal: (B, H, nc, C) -> (B, H, nc, C, C)."""
+    chunk = log_weight.shape[-1]
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=log_weight.device).triu_(1)
+    log2_weight = log_weight * LOG2E  # exp2 on the C x C weights (see features.LOG2E)
+    return (log2_weight[..., :, None] - log2_weight[..., None, :]).masked_fill_(
+        upper, float("-inf")
+    ).exp2_()
 
-    With ΔS_c at log-scale r_c, a_c the total gate of chunk c and the incoming state S_0 = S_in at
-    scale R_0 = s, the state before chunk c + 1 is kept at R_{c+1} = max(R_c, r_c):
 
-        S_{c+1} = exp(R_c - R_{c+1} + log a_c) S_c + exp(r_c - R_{c+1}) ΔS_c.
+def _to_end(log_weight: Tensor) -> Tensor:
+    """exp(a_last - a_j), key j's weight in its chunk's state delta: (B, H, nc, C, 1)."""
+    return torch.exp(log_weight[..., -1:] - log_weight)[..., None]
 
-    Every exponent is <= 0: nothing overflows, and no subtraction of large partial sums can cancel
-    (unlike an exclusive cumsum formed as cumsum - ΔS). Two elementwise passes per chunk over a
-    cache-sized (F, Dv + 1) state: the same states as one (nc + 1) x nc GEMM over the chunk axis,
-    whose shape (M = nc + 1, K = nc, N = F·(Dv + 1)) ran at about 11 GFLOP/s, a tenth of this
-    CPU's GEMM rate, and took 10% of the causal forward. Returns the states (B, H, nc, F, Dv + 1),
-    their scales R_0..R_{nc-1} (B, H, nc, 1, 1) and the state after the last chunk.
+
+def _scan_factors(
+    state_scale: Tensor, chunk_max: Tensor, chunk_log_decay: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Scales and factors of the recurrence over the chunks (see :func:`_chunk_scan`).
+
+    With ΔS_c at log-scale r_c (``chunk_max`` (B, H, nc)), a_c the total gate of chunk c
+    (``chunk_log_decay``) and the incoming state at scale R_0 = s (``state_scale`` (B, H, 1, 1)),
+    the state before chunk c + 1 is kept at R_{c+1} = max(R_c, r_c):
+
+        S_{c+1} = keep_c S_c + enter_c ΔS_c,
+        keep_c = exp(R_c - R_{c+1} + log a_c),  enter_c = exp(r_c - R_{c+1}).
+
+    Every exponent is <= 0: nothing overflows. Returns R_0..R_nc (B, H, nc + 1) and keep, enter
+    (B, H, nc, 1, 1); only keep carries a gradient (the gate's).
     """
-    b, h, nc = deltas.shape[:3]
-    scales = torch.cat([state.log_scale.reshape(b, h, 1), chunk_max], -1)  # (B, H, nc + 1)
-    running = torch.cummax(scales, -1).values  # R_0 .. R_nc
+    b, h, nc = chunk_max.shape
+    scales = torch.cat([state_scale.reshape(b, h, 1), chunk_max], -1)  # (B, H, nc + 1)
+    running = torch.cummax(scales, -1).values
     log_keep = running[..., :-1] - running[..., 1:]
     if chunk_log_decay is not None:
         log_keep = log_keep + chunk_log_decay
-    keep = torch.exp(log_keep)[..., None, None]  # (B, H, nc, 1, 1)
+    keep = torch.exp(log_keep)[..., None, None]
     enter = torch.exp(chunk_max - running[..., 1:])[..., None, None]
-    kv = state.kv.to(deltas.dtype)
+    return running, keep, enter
+
+
+def _out_weights(fac: _Factors, running: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Query i of chunk c reads the state at scale R_c and its chunk at P_i; its output is held
+    at the larger, m_i = max(P_i, R_c). Returns the state's weight exp(R_c - m_i + Λ_i), the
+    chunk's exp(P_i - m_i) and m_i, each (B, H, nc, C, 1)."""
+    state_scale = running[..., :-1, None, None]
+    common = torch.maximum(fac.prefix, state_scale)
+    inter = torch.exp(state_scale - common)
+    if fac.cum is not None:
+        inter = inter * fac.cum.exp()[..., None]  # decay of the entering state to i
+    return inter, torch.exp(fac.prefix - common), common
+
+
+def _chunked(x: Tensor, nc: int, chunk: int) -> Tensor:
+    """(B, H, n, E) -> (B, H, nc, C, E), zero rows after n; copied once if strided (a group cut
+    from a longer block), not by each GEMM below."""
+    tail = nc * chunk - x.shape[2]
+    if tail:
+        x = F.pad(x, (0, 0, 0, tail))
+    return x.contiguous().view(*x.shape[:2], nc, chunk, x.shape[-1])
+
+
+def _causal_group(
+    phi_q: Tensor,
+    phi_k: Tensor,
+    v: Tensor,
+    state: RecurrentState,
+    key_log_scale: Tensor | None,
+    key_padding_mask: Tensor | None,
+    gate: Tensor | None,
+    chunk: int,
+) -> tuple[Tensor, Tensor, RecurrentState]:
+    """Causal attention of n tokens after ``state``, chunkwise (see :func:`causal_block`).
+
+    Returns [num, den] (B, H, n, Dv + 1) at log-scale m (B, H, n, 1) and the state after.
+    """
+    b, h, n, _ = phi_q.shape
+    fac = _factors(v, key_log_scale, key_padding_mask, gate, chunk)
+    nc = fac.v.shape[2]
+    q_c, k_c = _chunked(phi_q, nc, chunk), _chunked(phi_k, nc, chunk)
+    scores = q_c @ k_c.transpose(-1, -2)  # (B, H, nc, C, C)
+    if fac.log_weight is None:
+        intra = scores.tril_() @ fac.v  # (B, H, nc, C, Dv + 1)
+        deltas = _key_value_products(k_c, fac.v)  # (B, H, nc, F, Dv + 1), at scale P_last
+    else:
+        weight = _intra_weights(fac.log_weight)
+        # In place when the weights carry no gradient (no gate): mul then keeps only them.
+        scores = scores * weight if weight.requires_grad else scores.mul_(weight)
+        intra = scores @ fac.v
+        deltas = _key_value_products(k_c, fac.v * _to_end(fac.log_weight))
+    running, keep, enter = _scan_factors(
+        state.log_scale, fac.prefix[..., -1, 0], None if fac.cum is None else fac.cum[..., -1]
+    )
+    states, kv = _chunk_scan(state.kv, deltas, keep, enter)
+    inter, intra_weight, common = _out_weights(fac, running)
+    # In place on fresh GEMM outputs (bmm keeps its inputs, not its output, for backward).
+    out = (q_c @ states).mul_(inter).add_(intra.mul_(intra_weight))
+    final = RecurrentState(kv, running[..., -1:, None], state.position + n)
+    dv1 = out.shape[-1]
+    return (out.reshape(b, h, nc * chunk, dv1)[:, :, :n],
+            common.reshape(b, h, nc * chunk, 1)[:, :, :n], final)
+
+
+def _chunk_scan(kv: Tensor, deltas: Tensor, keep: Tensor, enter: Tensor) -> tuple[Tensor, Tensor]:
+    """States before each chunk (B, H, nc, F, Dv + 1) and after the last, by the recurrence of
+    :func:`_scan_factors` from kv (B, H, F, Dv + 1).
+
+    Two elementwise passes per chunk over a cache-sized (F, Dv + 1) state: the same states as
+    one (nc + 1) x nc GEMM over the chunk axis, whose shape (M = nc + 1, K = nc,
+    N = F·(Dv + 1)) ran at about 11 GFLOP/s, a tenth of this CPU's GEMM rate, and took 10% of
+    the causal forward. No subtraction of large partial sums can cancel (unlike an exclusive
+    cumsum formed as cumsum - ΔS).
+    """
+    kv = kv.to(deltas.dtype)
     states = []
     # unbind, not indexing: the backward of nc selected views would allocate nc zero tensors of
     # the group's size, that of one unbind is a single stack.
     for delta, k_c, e_c in zip(deltas.unbind(2), keep.unbind(2), enter.unbind(2), strict=True):
         states.append(kv)
         kv = (delta * e_c).addcmul_(kv, k_c)  # in place on mul's fresh output
-    scale = running[..., None, None]
-    return torch.stack(states, 2), scale[:, :, :nc], RecurrentState(kv, scale[:, :, nc])
+    return torch.stack(states, 2), kv
+
+
+def _chunk_scan_back(local: Tensor, keep: Tensor, d_final: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The scan's backward: given local_c = ∂L/∂S_c through chunk c's queries (B, H, nc, F, E)
+    and ∂L/∂S_nc (``d_final``; None: 0), ∂L/∂S_c = keep_c ∂L/∂S_{c+1} + local_c.
+    Returns ∂L/∂S_{c+1} for c = 0..nc-1 (B, H, nc, F, E) and ∂L/∂S_0 (B, H, F, E)."""
+    d = torch.zeros_like(local[:, :, 0]) if d_final is None else d_final
+    after = []
+    for c in range(local.shape[2] - 1, -1, -1):
+        after.append(d)
+        d = local[:, :, c].addcmul(d, keep[:, :, c])
+    return torch.stack(after[::-1], 2), d
+
+
+def _causal_group_backward(
+    q_c: Tensor,
+    k_c: Tensor,
+    fac_v: Tensor,
+    weight: Tensor | None,
+    to_end: Tensor | None,
+    keep: Tensor,
+    enter: Tensor,
+    inter: Tensor,
+    intra_weight: Tensor,
+    kv: Tensor,
+    g: Tensor,
+    d_final: Tensor | None,
+    needs: tuple[bool, bool, bool, bool],
+) -> tuple[Tensor, ...]:
+    """Gradients of one causal group, from recomputed values (no autograd).
+
+    The forward of :func:`_causal_group`, per chunk: A = (φ(Q) φ(K)^T) ⊙ W (W: the weights
+    exp(a_i - a_j), or the causal mask), intra = A V', ΔS = φ(K)^T (V' ⊙ t) (t = exp(a_last - a)),
+    the scan S_{c+1} = keep S_c + enter ΔS, and o = (φ(Q) S_c) ⊙ ω + intra ⊙ ν. From
+    G = ∂L/∂o (B, H, nc, C, E), with G1 = G ⊙ ω, G2 = G ⊙ ν, dA = G2 V'^T and
+    dX = dA ⊙ W:
+
+        dφ(Q) = G1 S_c^T + dX φ(K),   dφ(K) = dX^T φ(Q) + (V' ⊙ t) dΔS^T,
+        dV' = A^T G2 + (φ(K) dΔS) ⊙ t,  dΔS_c = enter_c ∂L/∂S_{c+1}  (:func:`_chunk_scan_back`,
+        with local_c = φ(Q_c)^T G1_c),
+
+    and, for the factors that carry the gate's gradient (``needs``: W, t, keep, ω), dW = dA ⊙ X,
+    dt = rowsum((φ(K) dΔS) ⊙ V'), dkeep_c = <∂L/∂S_{c+1}, S_c>, dω = rowsum(G ⊙ φ(Q) S_c).
+    Inputs are values (B, H, nc, C, ·) and kv (B, H, F, E), the state entering the group.
+    Returns dφ(Q), dφ(K), dV', dW, dt, dkeep, dω (None where not needed) and ∂L/∂kv.
+    """
+    need_weight, need_to_end, need_keep, need_inter = needs
+    scores = q_c @ k_c.transpose(-1, -2)  # X
+    a = scores.tril() if weight is None else scores * weight
+    u = fac_v if to_end is None else fac_v * to_end
+    states, _ = _chunk_scan(kv, _key_value_products(k_c, u), keep, enter)
+    g1, g2 = g * inter, g * intra_weight
+    d_q = g1 @ states.transpose(-1, -2)
+    d_inter = (g * (q_c @ states)).sum(-1, keepdim=True) if need_inter else None
+    d_a = g2 @ fac_v.transpose(-1, -2)
+    d_scores = d_a.tril() if weight is None else d_a * weight
+    d_weight = d_a.mul_(scores) if need_weight else None
+    d_v = a.transpose(-1, -2) @ g2
+    d_q += d_scores @ k_c
+    d_k = d_scores.transpose(-1, -2) @ q_c
+    d_after, d_kv = _chunk_scan_back(q_c.transpose(-1, -2) @ g1, keep, d_final)
+    d_keep = (d_after * states).sum((-2, -1), keepdim=True) if need_keep else None
+    d_delta = d_after * enter
+    d_k += u @ d_delta.transpose(-1, -2)
+    d_u = k_c @ d_delta
+    d_to_end = (d_u * fac_v).sum(-1, keepdim=True) if need_to_end else None
+    d_v += d_u if to_end is None else d_u * to_end
+    return d_q, d_k, d_v, d_weight, d_to_end, d_keep, d_inter, d_kv
 
 
 def linear_attention(
@@ -573,13 +738,16 @@ def kernelized_attention(
     chunk_size: int = 64,
     eps: float = 1e-6,
     slice_elements: int = SLICE_ELEMENTS,
+    feature_tensors: Sequence[Tensor] | None = None,
 ) -> Tensor:
     """Kernelized attention from raw q, k, v, computing ``features`` slice by slice.
 
     q (B, H, N, D), k (B, H, M, D), v (B, H, M, Dv) -> (B, H, N, Dv). ``features(x, is_query=)``
-    returns (φ, key_log_scale); ``feature_dim`` is its width F, used to size the slices.
+    returns (φ, key_log_scale); ``feature_dim`` is its width F, used to size the slices;
+    ``feature_tensors`` are the tensors ``features`` reads (see :func:`_feature_inputs`).
     Same result as :func:`linear_attention` on the full feature tensors (up to rounding), with
-    peak memory O(S·F + F·Dv) instead of O(N·F) when no gradient is recorded.
+    peak memory O(S·F + F·Dv) instead of O(N·F), in training too: the backward recomputes the
+    features slice by slice (:class:`_KeyState`, :class:`_ReadQueries`).
     Raises :class:`DenominatorUnderflowError` (a ValueError), after the last slice (one host
     sync), where a query that sees a key gets a denominator of 0 (see :func:`_lost_rows`).
     """
@@ -589,11 +757,12 @@ def kernelized_attention(
         return kernelized_causal(
             q, k, v, features, feature_dim=feature_dim, key_padding_mask=key_padding_mask,
             gate=gate, chunk_size=chunk_size, eps=eps, slice_elements=slice_elements,
+            feature_tensors=feature_tensors,
         )[0]
-    state = key_state(k, v, features, feature_dim=feature_dim,
-                      key_padding_mask=key_padding_mask, slice_elements=slice_elements)
+    state = key_state(k, v, features, feature_dim=feature_dim, key_padding_mask=key_padding_mask,
+                      slice_elements=slice_elements, feature_tensors=feature_tensors)
     return read_queries(q, state, features, feature_dim=feature_dim, eps=eps,
-                        slice_elements=slice_elements)
+                        slice_elements=slice_elements, feature_tensors=feature_tensors)
 
 
 def key_state(
@@ -604,13 +773,28 @@ def key_state(
     feature_dim: int,
     key_padding_mask: Tensor | None = None,
     slice_elements: int = SLICE_ELEMENTS,
+    feature_tensors: Sequence[Tensor] | None = None,
 ) -> RecurrentState:
     """[S, z] = φ(K)^T [V, 1] of all keys k (B, H, M, D), v (B, H, M, Dv), slice by slice.
 
     The non-causal half of :func:`kernelized_attention`, and the memory a decoder's
-    cross-attention forms once per source.
+    cross-attention forms once per source. Recording gradients, it keeps k and v only
+    (:class:`_KeyState`).
     """
-    step = slice_tokens(k.shape[0] * k.shape[1], feature_dim, 1, slice_elements)
+    bh = k.shape[0] * k.shape[1]
+    step = slice_tokens(bh, feature_dim, 1, slice_elements)
+    if _recording():
+        tensors = _feature_inputs(features, k, False, feature_tensors)
+        if _needs_grad(k, v, *tensors):
+            back = slice_tokens(bh, feature_dim, 1, slice_elements // BACKWARD_SLICE_SHARE)
+            kv, scale = _KeyState.apply(k, v, key_padding_mask, features, step, back, *tensors)
+            return RecurrentState(kv, scale, k.shape[2])
+    return _key_state(k, v, features, key_padding_mask, step)
+
+
+def _key_state(
+    k: Tensor, v: Tensor, features: FeatureFn, key_padding_mask: Tensor | None, step: int
+) -> RecurrentState:
     state = None
     for k_s, v_s, pad_s in zip(*_slices(step, (k, 2), (v, 2), (key_padding_mask, 1)), strict=True):
         phi_k, log_scale = features(k_s, is_query=False)
@@ -626,9 +810,20 @@ def read_queries(
     feature_dim: int,
     eps: float = 1e-6,
     slice_elements: int = SLICE_ELEMENTS,
+    feature_tensors: Sequence[Tensor] | None = None,
 ) -> Tensor:
-    """Queries q (B, H, N, D) against a finished :func:`key_state`, in slices: (B, H, N, Dv)."""
-    step = slice_tokens(q.shape[0] * q.shape[1], feature_dim, 1, slice_elements)
+    """Queries q (B, H, N, D) against a finished :func:`key_state`, in slices: (B, H, N, Dv).
+
+    Recording gradients, it keeps q, the output and the divisors only (:class:`_ReadQueries`).
+    """
+    bh = q.shape[0] * q.shape[1]
+    step = slice_tokens(bh, feature_dim, 1, slice_elements)
+    if _recording():
+        tensors = _feature_inputs(features, q, True, feature_tensors)
+        if _needs_grad(q, state.kv, *tensors):
+            back = slice_tokens(bh, feature_dim, 1, slice_elements // BACKWARD_SLICE_SHARE)
+            return _ReadQueries.apply(q, state.kv, state.log_scale, features, eps, step, back,
+                                      *tensors)
     outs, lost = zip(*(_read_out(state, features(q_s, is_query=True)[0], eps)
                        for q_s in q.split(step, 2)), strict=True)
     _raise_if_lost(list(lost), q.dtype)
@@ -646,6 +841,217 @@ def _slices(step: int, *tensors: tuple[Tensor | None, int]) -> list[list[Tensor 
     return [[None] * count if p is None else p for p in parts]
 
 
+# Recompute instead of store (FlashAttention's trade, Dao et al. 2022, applied to linear
+# attention): recording gradients, the forward keeps q, k, v, the output, its divisors and the
+# fixed-size states, and the backward recomputes φ(Q), φ(K) a slice at a time and backpropagates
+# through the feature map with autograd. Autograd through the forward would keep every slice's
+# N x F features (and, causal, N/C states of F x (Dv + 1)): 3x SDPA's training memory.
+# The backward's slices are a quarter of the forward's: it holds three or four N x F-sized
+# tensors of a slice at once (φ, dφ and the feature map's own), the forward one or two.
+BACKWARD_SLICE_SHARE = 4
+
+
+def _recording() -> bool:
+    """Whether the recomputing autograd functions apply: gradients on, and eager (under
+    torch.compile autograd records the forward as it is: dynamo does not trace a backward that
+    calls autograd itself)."""
+    return torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
+def _needs_grad(*tensors: Tensor | None) -> bool:
+    return any(t is not None and t.requires_grad for t in tensors)
+
+
+def _feature_inputs(
+    features: FeatureFn, x: Tensor, is_query: bool, feature_tensors: Sequence[Tensor] | None
+) -> tuple[Tensor, ...]:
+    """The tensors that ``features`` reads, as inputs of a recomputing autograd function.
+
+    Given (a module's parameters and buffers), they are saved for backward, so that one changed
+    in place between forward and backward (a redraw) raises, as for any saved tensor, rather than
+    being recomputed with; those that require grad get their gradients. Not given, the ones that
+    require grad are found in the autograd graph of φ of one token of x: its leaves.
+    """
+    if feature_tensors is not None:
+        return tuple(feature_tensors)
+    with torch.enable_grad():
+        phi, log_scale = features(x[:, :, :1].detach(), is_query=is_query)
+    found: dict[int, Tensor] = {}
+    seen, stack = set(), []
+    for t in (phi, log_scale):
+        if t is not None and t.requires_grad:
+            if t.grad_fn is None:
+                found[id(t)] = t
+            stack.append(t.grad_fn)
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # AccumulateGrad: a leaf that requires grad
+        if leaf is not None:
+            found[id(leaf)] = leaf
+        stack.extend(fn for fn, _ in node.next_functions)
+    return tuple(found.values())
+
+
+def _spans(total: int, step: int) -> list[tuple[int, int]]:
+    return [(a, min(total, a + step)) for a in range(0, total, step)]
+
+
+def _leaf(x: Tensor | None, grad: bool) -> Tensor | None:
+    """x cut off from the graph, recording its own gradient when ``grad``."""
+    return None if x is None else x.detach().requires_grad_(grad)
+
+
+def _backprop(
+    outputs: Sequence[Tensor | None], grads: Sequence[Tensor | None], inputs: Sequence[Tensor]
+) -> list[Tensor | None]:
+    """Vector-Jacobian product of a recomputed piece of graph: d outputs -> d inputs (None
+    where an input does not require grad or is not reached)."""
+    pairs = [(o, g) for o, g in zip(outputs, grads, strict=True)
+             if o is not None and g is not None and o.requires_grad]
+    wanted = [i for i, t in enumerate(inputs) if t.requires_grad]
+    result: list[Tensor | None] = [None] * len(inputs)
+    if pairs and wanted:
+        # retain_graph: a feature map may read a tensor computed outside it (w = 2 w0, a
+        # dtype cast of a parameter), whose graph every slice's backward goes through.
+        got = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in wanted],
+                                  [g for _, g in pairs], retain_graph=True, allow_unused=True)
+        for i, g in zip(wanted, got, strict=True):
+            result[i] = g
+    return result
+
+
+def _put(total: Tensor | None, a: int, b: int, part: Tensor | None) -> None:
+    """Positions a..b of a gradient (B, H, L, ·): ``part``, or 0 where nothing reached them."""
+    if total is not None:
+        total[:, :, a:b] = 0.0 if part is None else part
+
+
+def _add(total: Tensor | None, part: Tensor | None) -> Tensor | None:
+    if part is None:
+        return total
+    return part if total is None else total.add_(part)
+
+
+def _key_slice_backward(
+    features: FeatureFn,
+    k: Tensor,
+    v: Tensor,
+    pad: Tensor | None,
+    scale: Tensor,
+    d_kv: Tensor,
+    tensors: Sequence[Tensor],
+) -> list[Tensor | None]:
+    """One key slice of :class:`_KeyState`'s backward: gradients of k, v (leaves) and
+    ``tensors`` from dKV (B, H, F, Dv + 1). A function, so that the slice's recomputed graph is
+    freed before the next slice's is built."""
+    with torch.enable_grad():
+        phi, log_scale = features(k, is_query=False)
+        w = _weighted_values(v, log_scale, pad, scale)
+    return _backprop((phi, w), (w.detach() @ d_kv.transpose(-2, -1), phi.detach() @ d_kv),
+                     (k, v, *tensors))
+
+
+def _query_slice_backward(
+    features: FeatureFn,
+    q: Tensor,
+    g: Tensor,
+    kv: Tensor,
+    d_kv: Tensor | None,
+    tensors: Sequence[Tensor],
+) -> list[Tensor | None]:
+    """One query slice of :class:`_ReadQueries`'s backward: adds φ(Q)^T G to ``d_kv`` (when
+    given) and returns the gradients of q (a leaf) and ``tensors``."""
+    with torch.enable_grad():
+        phi = features(q, is_query=True)[0]
+    if d_kv is not None:
+        d_kv += phi.detach().transpose(-2, -1) @ g
+    return _backprop((phi,), (g @ kv.transpose(-2, -1) if phi.requires_grad else None,),
+                     (q, *tensors))
+
+
+class _KeyState(torch.autograd.Function):
+    """[S, z] = Σ_j φ(k_j) [v_j, 1]^T exp(ls_j - s) (:func:`key_state`), keeping k and v only.
+
+    The stabiliser s (the keys' max log-scale) carries no gradient, so the state's gradient
+    dKV (B, H, F, Dv + 1) reaches each key slice directly: with W = [V, 1] exp(ls - s),
+    dφ(K) = W dKV^T and dW = φ(K) dKV, then autograd through the recomputed feature map and
+    weights gives dk, dv and the feature tensors' gradients.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
+                features: FeatureFn, step: int, back: int, *tensors: Tensor
+                ) -> tuple[Tensor, Tensor]:
+        state = _key_state(k, v, features, key_padding_mask, step)
+        ctx.features, ctx.back = features, back
+        ctx.save_for_backward(k, v, key_padding_mask, state.log_scale, *tensors)
+        ctx.mark_non_differentiable(state.log_scale)
+        return state.kv, state.log_scale
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, d_kv: Tensor, _: Tensor | None) -> tuple[Tensor | None, ...]:
+        k, v, pad, scale, *tensors = ctx.saved_tensors
+        need_k, need_v = ctx.needs_input_grad[:2]
+        dk = torch.empty_like(k) if need_k else None
+        dv = torch.empty_like(v) if need_v else None
+        d_tensors: list[Tensor | None] = [None] * len(tensors)
+        for a, b in _spans(k.shape[2], ctx.back):
+            grads = _key_slice_backward(
+                ctx.features, _leaf(k[:, :, a:b], need_k), _leaf(v[:, :, a:b], need_v),
+                None if pad is None else pad[:, None, a:b, None], scale, d_kv, tensors,
+            )
+            _put(dk, a, b, grads[0])
+            _put(dv, a, b, grads[1])
+            d_tensors = [_add(t, g) for t, g in zip(d_tensors, grads[2:], strict=True)]
+        return dk, dv, None, None, None, None, *d_tensors
+
+
+class _ReadQueries(torch.autograd.Function):
+    """out = num / d with [num, den] = φ(Q) [S, z] (:func:`read_queries`), keeping q, the
+    output and the divisors (B, H, N, 1) only.
+
+    With G = [d_out / d, -(d_out·out) / d] the gradient of [num, den] (:func:`_ratio_grad`),
+    dφ(Q) = G [S, z]^T and d[S, z] = φ(Q)^T G, then autograd through the recomputed feature map
+    gives dq and the feature tensors' gradients.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, kv: Tensor, log_scale: Tensor, features: FeatureFn,
+                eps: float, step: int, back: int, *tensors: Tensor) -> Tensor:
+        b, h, n = q.shape[:3]
+        out = q.new_empty(b, h, n, kv.shape[-1] - 1)
+        div, sign = q.new_empty(b, h, n, 1), q.new_empty(b, h, n, 1)
+        lost = []
+        for a, e in _spans(n, step):
+            raw = features(q[:, :, a:e], is_query=True)[0] @ kv
+            div[:, :, a:e], sign[:, :, a:e] = _ratio_into(out[:, :, a:e], raw, eps, log_scale)
+            lost.append(_lost_rows(raw, eps, log_scale))
+        _raise_if_lost(lost, q.dtype)
+        ctx.features, ctx.back = features, back
+        ctx.save_for_backward(q, kv, out, div, sign, *tensors)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
+        q, kv, out, div, sign, *tensors = ctx.saved_tensors
+        need_q, need_kv = ctx.needs_input_grad[:2]
+        dq = torch.empty_like(q) if need_q else None
+        d_kv = torch.zeros_like(kv) if need_kv else None
+        d_tensors: list[Tensor | None] = [None] * len(tensors)
+        for a, b in _spans(q.shape[2], ctx.back):
+            g = _ratio_grad(d_out[:, :, a:b], out[:, :, a:b], div[:, :, a:b], sign[:, :, a:b])
+            grads = _query_slice_backward(ctx.features, _leaf(q[:, :, a:b], need_q), g, kv, d_kv,
+                                          tensors)
+            _put(dq, a, b, grads[0])
+            d_tensors = [_add(t, g) for t, g in zip(d_tensors, grads[1:], strict=True)]
+        return dq, d_kv, None, None, None, None, None, *d_tensors
+
+
 def kernelized_causal(
     q: Tensor,
     k: Tensor,
@@ -659,6 +1065,7 @@ def kernelized_causal(
     chunk_size: int = 64,
     eps: float = 1e-6,
     slice_elements: int = SLICE_ELEMENTS,
+    feature_tensors: Sequence[Tensor] | None = None,
 ) -> tuple[Tensor, RecurrentState]:
     """Causal :func:`kernelized_attention` that continues ``state`` and returns the state after.
 
@@ -674,6 +1081,16 @@ def kernelized_causal(
     # group would copy.
     step = min(slice_tokens(b * h, feature_dim, chunk_size, slice_elements),
                SCAN_CHUNKS * chunk_size)
+    _check_chunk(chunk_size)
+    if _recording():
+        tensors = _feature_inputs(features, q, True, feature_tensors)
+        if feature_tensors is None:
+            tensors = _unique(tensors + _feature_inputs(features, k, False, None))
+        if _needs_grad(q, k, v, gate, None if state is None else state.kv, *tensors):
+            kv, scale = (None, None) if state is None else (state.kv, state.log_scale)
+            out, kv, scale = _Causal.apply(q, k, v, gate, key_padding_mask, kv, scale, features,
+                                           chunk_size, eps, step, *tensors)
+            return out, RecurrentState(kv, scale, n + (0 if state is None else state.position))
     outs, lost = [], []
     pieces = _slices(step, (q, 2), (k, 2), (v, 2), (key_padding_mask, 1), (gate, 2))
     for q_s, k_s, v_s, pad_s, gate_s in zip(*pieces, strict=True):
@@ -686,6 +1103,131 @@ def kernelized_causal(
         lost += lost_s
     _raise_if_lost(lost, q.dtype)
     return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), state
+
+
+def _unique(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    return tuple({id(t): t for t in tensors}.values())
+
+
+class _Causal(torch.autograd.Function):
+    """Causal attention of q, k, v after the state (kv, log_scale) (:func:`kernelized_causal`),
+    slice by slice, keeping q, k, v, the gate, the output, its divisors and the state entering
+    each slice (S tokens): O(N·(D + Dv) + (N / S)·F·(Dv + 1)).
+
+    Backward, slice by slice from the last: recompute φ(Q), φ(K) and the per-token factors
+    under autograd, the slice's chunk states from the state entering it (one GEMM per chunk and
+    the scan), then :func:`_causal_group_backward` gives the gradients of the features, of the
+    factors and of the entering state, which goes on to the previous slice; autograd through the
+    recomputed features and factors gives dq, dk, dv, the gate's and the feature tensors'.
+    Per-chunk states (N/C of F x (Dv + 1): as large as φ(K)) are never kept: the slice's states
+    cost one chunk GEMM per chunk to recompute.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None,
+                key_padding_mask: Tensor | None, kv: Tensor | None, log_scale: Tensor | None,
+                features: FeatureFn, chunk: int, eps: float, step: int, *tensors: Tensor
+                ) -> tuple[Tensor, Tensor, Tensor]:
+        b, h, n = q.shape[:3]
+        state = None if kv is None else RecurrentState(kv, log_scale)
+        out = q.new_empty(b, h, n, v.shape[-1])
+        div, sign = q.new_empty(b, h, n, 1), q.new_empty(b, h, n, 1)
+        entering, lost = [], []
+        for a, e in _spans(n, step):
+            phi_q, _ = features(q[:, :, a:e], is_query=True)
+            phi_k, key_log_scale = features(k[:, :, a:e], is_query=False)
+            state = _state_for(state, phi_k, v)
+            entering += [state.kv, state.log_scale]
+            raw, out_scale, state = _causal_group(
+                phi_q, phi_k, v[:, :, a:e], state, key_log_scale,
+                None if key_padding_mask is None else key_padding_mask[:, a:e],
+                None if gate is None else gate[:, :, a:e], chunk,
+            )
+            div[:, :, a:e], sign[:, :, a:e] = _ratio_into(out[:, :, a:e], raw, eps, out_scale)
+            # A gate can decay what a query sees to a legitimate 0: only ungated rows are checked.
+            lost.append(None if gate is not None else _lost_rows(raw, eps, out_scale))
+        _raise_if_lost(lost, q.dtype)
+        ctx.features, ctx.chunk, ctx.step, ctx.slices = features, chunk, step, len(entering) // 2
+        ctx.save_for_backward(q, k, v, gate, key_padding_mask, out, div, sign, *entering,
+                              *tensors)
+        ctx.mark_non_differentiable(state.log_scale)
+        return out, state.kv, state.log_scale
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, d_out: Tensor, d_kv: Tensor | None, _: Tensor | None
+                 ) -> tuple[Tensor | None, ...]:
+        q, k, v, gate, pad, out, div, sign, *rest = ctx.saved_tensors
+        entering, tensors = rest[:2 * ctx.slices], rest[2 * ctx.slices:]
+        need_q, need_k, need_v, need_gate = ctx.needs_input_grad[:4]
+        grads = [torch.empty_like(t) if need else None
+                 for t, need in zip((q, k, v, gate), (need_q, need_k, need_v, need_gate),
+                                    strict=True)]
+        d_tensors: list[Tensor | None] = [None] * len(tensors)
+        spans = _spans(q.shape[2], ctx.step)
+        for i in range(len(spans) - 1, -1, -1):
+            a, e = spans[i]
+            leaves = [_leaf(None if t is None else t[:, :, a:e], need)
+                      for t, need in zip((q, k, v, gate), (need_q, need_k, need_v, need_gate),
+                                         strict=True)]
+            g = _ratio_grad(d_out[:, :, a:e], out[:, :, a:e], div[:, :, a:e], sign[:, :, a:e])
+            d_kv, got = _causal_slice_backward(
+                ctx.features, *leaves, None if pad is None else pad[:, a:e],
+                entering[2 * i], entering[2 * i + 1], ctx.chunk, g, d_kv, tensors,
+            )
+            for total, part in zip(grads, got[:4], strict=True):
+                _put(total, a, e, part)
+            d_tensors = [_add(t, part) for t, part in zip(d_tensors, got[4:], strict=True)]
+        d_kv = d_kv if ctx.needs_input_grad[5] else None
+        return (*grads, None, d_kv, None, None, None, None, None, *d_tensors)
+
+
+def _causal_slice_backward(
+    features: FeatureFn,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    gate: Tensor | None,
+    pad: Tensor | None,
+    kv: Tensor,
+    log_scale: Tensor,
+    chunk: int,
+    g: Tensor,
+    d_final: Tensor | None,
+    tensors: Sequence[Tensor],
+) -> tuple[Tensor, list[Tensor | None]]:
+    """One slice of :class:`_Causal`'s backward: q, k, v, gate (leaves), the state (kv,
+    log_scale) entering the slice, g = ∂L/∂[num, den] (B, H, n, Dv + 1) and ∂L/∂(state after).
+    Returns ∂L/∂kv and the gradients of q, k, v, gate and ``tensors``."""
+    n = q.shape[2]
+    with torch.enable_grad():
+        phi_q, _ = features(q, is_query=True)
+        phi_k, key_log_scale = features(k, is_query=False)
+        fac = _factors(v, key_log_scale, pad, gate, chunk)
+        weight = to_end = None
+        if fac.log_weight is not None:
+            weight, to_end = _intra_weights(fac.log_weight), _to_end(fac.log_weight)
+        running, keep, enter = _scan_factors(
+            log_scale, fac.prefix[..., -1, 0], None if fac.cum is None else fac.cum[..., -1]
+        )
+        inter, intra_weight, _ = _out_weights(fac, running)
+    nc = fac.v.shape[2]
+    values = [None if t is None else t.detach() for t in (weight, to_end, keep, inter)]
+    needs = tuple(t is not None and t.requires_grad for t in (weight, to_end, keep, inter))
+    d_q, d_k, d_v, *d_factors, d_kv = _causal_group_backward(
+        _chunked(phi_q.detach(), nc, chunk), _chunked(phi_k.detach(), nc, chunk),
+        fac.v.detach(), values[0], values[1], values[2], enter, values[3], intra_weight,
+        kv.detach(), _chunked(g, nc, chunk), d_final, needs,
+    )
+    f = phi_q.shape[-1]
+    d_q = d_q.view(*d_q.shape[:2], nc * chunk, f)[:, :, :n]
+    d_k = d_k.view(*d_k.shape[:2], nc * chunk, f)[:, :, :n]
+    grads = _backprop((phi_q, phi_k, fac.v, weight, to_end, keep, inter),
+                      (d_q, d_k, d_v, *d_factors), (q, k, v, *(() if gate is None else (gate,)),
+                                                    *tensors))
+    if gate is None:
+        grads.insert(3, None)
+    return d_kv, grads
 
 
 def linear_attention_step(
