@@ -253,13 +253,20 @@ class RecurrentState:
 
 def _state_for(state: RecurrentState | None, phi_k: Tensor, v: Tensor) -> RecurrentState:
     b, h, _, f = phi_k.shape
+    return _state_of(state, b, h, f, v.shape[-1], phi_k)
+
+
+def _state_of(
+    state: RecurrentState | None, b: int, h: int, f: int, dv: int, like: Tensor
+) -> RecurrentState:
+    """``state``, checked to be (B, H, F, Dv + 1), or an empty one like ``like``."""
     if state is None:
-        return RecurrentState.empty(b, h, f, v.shape[-1], phi_k)
+        return RecurrentState.empty(b, h, f, dv, like)
     if not isinstance(state, RecurrentState):
         raise ValueError(f"state must be a RecurrentState or None, got {type(state).__name__}")
-    if state.kv.shape != (b, h, f, v.shape[-1] + 1):
+    if state.kv.shape != (b, h, f, dv + 1):
         raise ValueError(
-            f"state.kv has shape {tuple(state.kv.shape)}, expected {(b, h, f, v.shape[-1] + 1)}"
+            f"state.kv has shape {tuple(state.kv.shape)}, expected {(b, h, f, dv + 1)}"
         )
     return state
 
@@ -382,25 +389,62 @@ def _causal_block(
     pieces = _slices(SCAN_CHUNKS * chunk_size, (phi_q, 2), (phi_k, 2), (v, 2),
                      (key_log_scale, 2), (key_padding_mask, 1), (gate, 2))
     for q_g, k_g, v_g, ls_g, pad_g, gate_g in zip(*pieces, strict=True):
-        raw, out_scale, state = _causal_group(q_g, k_g, v_g, state, ls_g, pad_g, gate_g,
-                                              chunk_size)
+        ls_c = None if ls_g is None else _chunk_major(ls_g, chunk_size)
+        raw, out_scale, state = _causal_group(
+            _chunk_major(q_g, chunk_size), _chunk_major(k_g, chunk_size), ls_c, v_g, state,
+            pad_g, gate_g, chunk_size,
+        )
+        raw, out_scale = _from_chunks(raw, q_g.shape[2]), _from_chunks(out_scale, q_g.shape[2])
         outs.append(_ratio(raw, eps, out_scale))
         # A gate can decay what a query sees to a legitimate 0: only ungated rows are checked.
         lost.append(None if gate is not None else _lost_rows(raw, eps, out_scale))
     return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), state, lost
 
 
+def _chunk_major(x: Tensor, chunk: int, fill: float | None = 0.0) -> Tensor:
+    """(B, H, n, ...) -> (nc, B, H, C, ...): the sequence cut into nc = ceil(n / C) chunks, chunk
+    first, so that each chunk's (B·H, C, ...) block is contiguous (a GEMM from or into a strided
+    one runs one small GEMM per matrix, and the per-chunk loops feed them one chunk at a time).
+    The tail is filled with ``fill``, or with copies of the last row (None: inputs of a feature
+    map, which must stay finite there; no gradient comes back through them)."""
+    b, h, n = x.shape[:3]
+    rest = x.shape[3:]
+    tail = -n % chunk
+    if tail:
+        if fill is None:
+            x = torch.cat([x, x[:, :, -1:].expand(b, h, tail, *rest)], 2)
+        else:
+            x = F.pad(x, (0, 0) * len(rest) + (0, tail), value=fill)
+    return x.reshape(b, h, -1, chunk, *rest).movedim(2, 0).contiguous()
+
+
+def _from_chunks(x: Tensor, n: int) -> Tensor:
+    """(nc, B, H, C, ...) -> (B, H, n, ...), the inverse of :func:`_chunk_major`."""
+    return x.movedim(0, 2).flatten(2, 3)[:, :, :n]
+
+
+def _chunk_features(
+    features: FeatureFn, x: Tensor, chunk: int, is_query: bool
+) -> tuple[Tensor, Tensor | None]:
+    """φ of x (B, H, n, D), chunk-major (nc, B, H, C, F), and the log-scales (nc, B, H, C, 1) or
+    None: the map runs on the chunk-major input as a batch of nc·B sequences of C tokens."""
+    x_c = _chunk_major(x, chunk, fill=None)
+    phi, log_scale = features(x_c.flatten(0, 1), is_query=is_query)
+    nc, b = x_c.shape[:2]
+    return phi.unflatten(0, (nc, b)), None if log_scale is None else log_scale.unflatten(0, (nc, b))
+
+
 @dataclass
 class _Factors:
-    """The per-token weights of a causal group of n tokens, padded to nc whole chunks of C.
+    """The per-token weights of a causal group of n tokens, chunk-major over nc chunks of C.
 
     With P_j the prefix max of the key log-scales inside j's chunk, g the gate and Λ_j the
     inclusive cumulative log-gate inside the chunk:
 
-    - v (B, H, nc, C, Dv + 1): [v_j, 1] (1 - g_j) exp(ls_j - P_j), 0 at padded and tail keys;
-    - prefix: P (B, H, nc, C, 1), no gradient;
-    - log_weight: a_j = Λ_j + P_last - P_j (B, H, nc, C), None when every a_j is 0;
-    - cum: Λ (B, H, nc, C), None ungated.
+    - v (nc, B, H, C, Dv + 1): [v_j, 1] (1 - g_j) exp(ls_j - P_j), 0 at padded and tail keys;
+    - prefix: P (nc, B, H, C, 1), no gradient;
+    - log_weight: a_j = Λ_j + P_last - P_j (nc, B, H, C), None when every a_j is 0;
+    - cum: Λ (nc, B, H, C), None ungated.
     """
 
     v: Tensor
@@ -411,6 +455,8 @@ class _Factors:
 
 def _factors(v: Tensor, key_log_scale: Tensor | None, key_padding_mask: Tensor | None,
              gate: Tensor | None, chunk: int) -> _Factors:
+    """Per-token weights from v (B, H, n, Dv), the keys' chunk-major log-scales
+    (nc, B, H, C, 1) or None, the padding mask (B, n) and the gate (B, H, n)."""
     b, h, n = v.shape[:3]
     v1 = _with_ones(v)
     log_gate = None
@@ -422,20 +468,19 @@ def _factors(v: Tensor, key_log_scale: Tensor | None, key_padding_mask: Tensor |
         v1 = v1.masked_fill(pad[..., None], 0.0)
         if log_gate is not None:
             log_gate = log_gate.masked_fill(pad, 0.0)  # a padded token leaves the state alone
-        if key_log_scale is None:
-            # Scale 0 from the first unpadded key on, the floor before it: queries that see no
-            # key keep the floor (see _lost_rows).
-            key_log_scale = v.new_zeros(*v.shape[:-1], 1)
-        key_log_scale = key_log_scale.masked_fill(pad[..., None], float("-inf"))
-    tail = (-n) % chunk
-    if tail:
-        v1 = F.pad(v1, (0, 0, 0, tail))
-        if log_gate is not None:
-            log_gate = F.pad(log_gate, (0, tail))
-        if key_log_scale is not None:
-            key_log_scale = F.pad(key_log_scale, (0, 0, 0, tail), value=float("-inf"))
-    nc = (n + tail) // chunk
-    v_c = v1.reshape(b, h, nc, chunk, v1.shape[-1])
+    v_c = _chunk_major(v1, chunk)  # zero rows after n
+    nc = v_c.shape[0]
+    if key_padding_mask is not None and key_log_scale is None:
+        # Scale 0 from the first unpadded key on, the floor before it: queries that see no
+        # key keep the floor (see _lost_rows).
+        key_log_scale = v.new_zeros(nc, b, h, chunk, 1)
+    if key_log_scale is not None and (key_padding_mask is not None or n % chunk):
+        # Padded keys and the tail after n carry no scale.
+        dropped = torch.ones(key_padding_mask.shape[0] if key_padding_mask is not None else 1,
+                             nc * chunk, dtype=torch.bool, device=v.device)
+        dropped[:, :n] = False if key_padding_mask is None else key_padding_mask
+        dropped = dropped.view(-1, nc, chunk).movedim(1, 0)[:, :, None, :, None]
+        key_log_scale = key_log_scale.masked_fill(dropped, float("-inf"))
     # Query i of a chunk sums its keys j <= i at the prefix-max scale P_i = max_{j<=i} ls_j: a
     # key later in the chunk cannot set the scale of earlier queries (their keys would underflow
     # against it). Key j enters at exp(ls_j - P_j) <= 1 and moves to scale P_i through
@@ -449,22 +494,21 @@ def _factors(v: Tensor, key_log_scale: Tensor | None, key_padding_mask: Tensor |
     # log-scales first, does not have.
     log_weight = None
     if key_log_scale is None:
-        prefix = v1.new_zeros(b, h, nc, chunk, 1)
+        prefix = v1.new_zeros(nc, b, h, chunk, 1)
     else:
-        ls_c = key_log_scale.reshape(b, h, nc, chunk, 1)
         with torch.no_grad():
-            prefix = torch.cummax(ls_c, -2).values.clamp_min_(LOG_FLOOR)
-        v_c = v_c * torch.exp(ls_c - prefix)
+            prefix = torch.cummax(key_log_scale, -2).values.clamp_min_(LOG_FLOOR)
+        v_c = v_c * torch.exp(key_log_scale - prefix)
         log_weight = prefix[..., -1:, 0] - prefix[..., 0]
     cum = None
     if log_gate is not None:
-        cum = log_gate.reshape(b, h, nc, chunk).cumsum(-1)
+        cum = _chunk_major(log_gate, chunk).cumsum(-1)
         log_weight = cum if log_weight is None else cum + log_weight
     return _Factors(v_c, prefix, log_weight, cum)
 
 
 def _intra_weights(log_weight: Tensor) -> Tensor:
-    """exp(a_i - a_j) for j <= i, 0 above the diagonal: (B, H, nc, C) -> (B, H, nc, C, C)."""
+    """exp(a_i - a_j) for j <= i, 0 above the diagonal: (nc, B, H, C) -> (nc, B, H, C, C)."""
     chunk = log_weight.shape[-1]
     upper = torch.ones(chunk, chunk, dtype=torch.bool, device=log_weight.device).triu_(1)
     log2_weight = log_weight * LOG2E  # exp2 on the C x C weights (see features.LOG2E)
@@ -474,7 +518,7 @@ def _intra_weights(log_weight: Tensor) -> Tensor:
 
 
 def _to_end(log_weight: Tensor) -> Tensor:
-    """exp(a_last - a_j), key j's weight in its chunk's state delta: (B, H, nc, C, 1)."""
+    """exp(a_last - a_j), key j's weight in its chunk's state delta: (nc, B, H, C, 1)."""
     return torch.exp(log_weight[..., -1:] - log_weight)[..., None]
 
 
@@ -483,32 +527,31 @@ def _scan_factors(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Scales and factors of the recurrence over the chunks (see :func:`_chunk_scan`).
 
-    With ΔS_c at log-scale r_c (``chunk_max`` (B, H, nc)), a_c the total gate of chunk c
+    With ΔS_c at log-scale r_c (``chunk_max`` (nc, B, H)), a_c the total gate of chunk c
     (``chunk_log_decay``) and the incoming state at scale R_0 = s (``state_scale`` (B, H, 1, 1)),
     the state before chunk c + 1 is kept at R_{c+1} = max(R_c, r_c):
 
         S_{c+1} = keep_c S_c + enter_c ΔS_c,
         keep_c = exp(R_c - R_{c+1} + log a_c),  enter_c = exp(r_c - R_{c+1}).
 
-    Every exponent is <= 0: nothing overflows. Returns R_0..R_nc (B, H, nc + 1) and keep, enter
-    (B, H, nc, 1, 1); only keep carries a gradient (the gate's).
+    Every exponent is <= 0: nothing overflows. Returns R_0..R_nc (nc + 1, B, H) and keep, enter
+    (nc, B, H, 1, 1); only keep carries a gradient (the gate's).
     """
-    b, h, nc = chunk_max.shape
-    scales = torch.cat([state_scale.reshape(b, h, 1), chunk_max], -1)  # (B, H, nc + 1)
-    running = torch.cummax(scales, -1).values
-    log_keep = running[..., :-1] - running[..., 1:]
+    scales = torch.cat([state_scale.reshape(1, *chunk_max.shape[1:]), chunk_max])
+    running = torch.cummax(scales, 0).values
+    log_keep = running[:-1] - running[1:]
     if chunk_log_decay is not None:
         log_keep = log_keep + chunk_log_decay
     keep = torch.exp(log_keep)[..., None, None]
-    enter = torch.exp(chunk_max - running[..., 1:])[..., None, None]
+    enter = torch.exp(chunk_max - running[1:])[..., None, None]
     return running, keep, enter
 
 
 def _out_weights(fac: _Factors, running: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Query i of chunk c reads the state at scale R_c and its chunk at P_i; its output is held
     at the larger, m_i = max(P_i, R_c). Returns the state's weight exp(R_c - m_i + Λ_i), the
-    chunk's exp(P_i - m_i) and m_i, each (B, H, nc, C, 1)."""
-    state_scale = running[..., :-1, None, None]
+    chunk's exp(P_i - m_i) and m_i, each (nc, B, H, C, 1)."""
+    state_scale = running[:-1, ..., None, None]
     common = torch.maximum(fac.prefix, state_scale)
     inter = torch.exp(state_scale - common)
     if fac.cum is not None:
@@ -516,86 +559,96 @@ def _out_weights(fac: _Factors, running: Tensor) -> tuple[Tensor, Tensor, Tensor
     return inter, torch.exp(fac.prefix - common), common
 
 
-def _chunked(x: Tensor, nc: int, chunk: int) -> Tensor:
-    """(B, H, n, E) -> (B, H, nc, C, E), zero rows after n; copied once if strided (a group cut
-    from a longer block), not by each GEMM below."""
-    tail = nc * chunk - x.shape[2]
-    if tail:
-        x = F.pad(x, (0, 0, 0, tail))
-    return x.contiguous().view(*x.shape[:2], nc, chunk, x.shape[-1])
-
-
 def _causal_group(
-    phi_q: Tensor,
-    phi_k: Tensor,
+    q_c: Tensor,
+    k_c: Tensor,
+    key_log_scale: Tensor | None,
     v: Tensor,
     state: RecurrentState,
-    key_log_scale: Tensor | None,
     key_padding_mask: Tensor | None,
     gate: Tensor | None,
     chunk: int,
 ) -> tuple[Tensor, Tensor, RecurrentState]:
-    """Causal attention of n tokens after ``state``, chunkwise (see :func:`causal_block`).
+    """Causal attention of n tokens after ``state``, chunkwise (see :func:`causal_block`), from
+    chunk-major φ(Q), φ(K) (nc, B, H, C, F) and key log-scales (nc, B, H, C, 1) (see
+    :func:`_chunk_major`), v (B, H, n, Dv), the padding mask (B, n) and the gate (B, H, n).
 
-    Returns [num, den] (B, H, n, Dv + 1) at log-scale m (B, H, n, 1) and the state after.
+    Returns [num, den] (nc, B, H, C, Dv + 1) at log-scale m (nc, B, H, C, 1), chunk-major, and
+    the state after.
     """
-    b, h, n, _ = phi_q.shape
     fac = _factors(v, key_log_scale, key_padding_mask, gate, chunk)
-    nc = fac.v.shape[2]
-    q_c, k_c = _chunked(phi_q, nc, chunk), _chunked(phi_k, nc, chunk)
-    scores = q_c @ k_c.transpose(-1, -2)  # (B, H, nc, C, C)
+    running, keep, enter = _scan_factors(
+        state.log_scale, fac.prefix[..., -1, 0], None if fac.cum is None else fac.cum[..., -1]
+    )
+    inter, intra_weight, common = _out_weights(fac, running)
+    scores = q_c @ k_c.transpose(-1, -2)  # (nc, B, H, C, C)
     if fac.log_weight is None:
-        intra = scores.tril_() @ fac.v  # (B, H, nc, C, Dv + 1)
-        deltas = _key_value_products(k_c, fac.v)  # (B, H, nc, F, Dv + 1), at scale P_last
+        # No log-scale, padding or gate: every key enters at scale 0, and the state entering
+        # is at 0 or, empty (zeros), at LOG_FLOOR (maps without log-scales make no other), so
+        # keep, enter and the output weights are 1 (or multiply zeros): the read-outs add onto
+        # the chunks' own parts, no pass over the state or the output is spent on them.
+        out, kv = _chunk_scan(state.kv, q_c, k_c, fac.v, None, scores.tril_() @ fac.v)
     else:
         weight = _intra_weights(fac.log_weight)
         # In place when the weights carry no gradient (no gate): mul then keeps only them.
         scores = scores * weight if weight.requires_grad else scores.mul_(weight)
-        intra = scores @ fac.v
-        deltas = _key_value_products(k_c, fac.v * _to_end(fac.log_weight))
-    running, keep, enter = _scan_factors(
-        state.log_scale, fac.prefix[..., -1, 0], None if fac.cum is None else fac.cum[..., -1]
-    )
-    states, kv = _chunk_scan(state.kv, deltas, keep, enter)
-    inter, intra_weight, common = _out_weights(fac, running)
-    # In place on fresh GEMM outputs (bmm keeps its inputs, not its output, for backward).
-    out = (q_c @ states).mul_(inter).add_(intra.mul_(intra_weight))
-    final = RecurrentState(kv, running[..., -1:, None], state.position + n)
-    dv1 = out.shape[-1]
-    return (out.reshape(b, h, nc * chunk, dv1)[:, :, :n],
-            common.reshape(b, h, nc * chunk, 1)[:, :, :n], final)
+        # In place on fresh GEMM outputs (bmm keeps its inputs, not its output, for backward).
+        intra = (scores @ fac.v).mul_(intra_weight)
+        u = fac.v * (_to_end(fac.log_weight) * enter)
+        read, kv = _chunk_scan(state.kv, q_c, k_c, u, keep, None)
+        out = read.mul_(inter).add_(intra)
+    return out, common, RecurrentState(kv, running[-1, ..., None, None],
+                                       state.position + v.shape[2])
 
 
-def _chunk_scan(kv: Tensor, deltas: Tensor, keep: Tensor, enter: Tensor) -> tuple[Tensor, Tensor]:
-    """States before each chunk (B, H, nc, F, Dv + 1) and after the last, by the recurrence of
-    :func:`_scan_factors` from kv (B, H, F, Dv + 1).
+def _chunk_scan(
+    kv: Tensor, q_c: Tensor, k_c: Tensor, u: Tensor, keep: Tensor | None, acc: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """The chunks' read-outs φ(Q_c) S_c (nc, B, H, C, E) of the states before them, added to
+    ``acc`` when given, and the state after the last (B, H, F, E), by the recurrence of
+    :func:`_scan_factors`, S_{c+1} = keep_c S_c + φ(K_c)^T U_c, from the state kv (B, H, F, E),
+    chunk-major φ(Q), φ(K) (nc, B, H, C, F) and rows U (nc, B, H, C, E) (enter_c folded in);
+    keep (nc, B, H, 1, 1), None: 1.
 
-    Two elementwise passes per chunk over a cache-sized (F, Dv + 1) state: the same states as
-    one (nc + 1) x nc GEMM over the chunk axis, whose shape (M = nc + 1, K = nc,
-    N = F·(Dv + 1)) ran at about 11 GFLOP/s, a tenth of this CPU's GEMM rate, and took 10% of
-    the causal forward. No subtraction of large partial sums can cancel (unlike an exclusive
-    cumsum formed as cumsum - ΔS).
+    A loop over the chunks: the same states as one (nc + 1) x nc GEMM over the chunk axis, whose
+    shape (M = nc + 1, K = nc, N = F·E) ran at about 11 GFLOP/s, a tenth of this CPU's GEMM
+    rate, and no subtraction of large partial sums can cancel (unlike an exclusive cumsum formed
+    as cumsum - ΔS). Each chunk reads the running state, then scales it and adds its delta GEMM
+    onto it: the (nc, F, E) states (as large as φ(K)) are never formed, and the state stays in
+    cache between its GEMMs. Without autograd in place; recorded (autograd, torch.compile) as
+    the same operations on fresh tensors, so that both agree to the last bit.
     """
-    kv = kv.to(deltas.dtype)
-    states = []
-    # unbind, not indexing: the backward of nc selected views would allocate nc zero tensors of
-    # the group's size, that of one unbind is a single stack.
-    for delta, k_c, e_c in zip(deltas.unbind(2), keep.unbind(2), enter.unbind(2), strict=True):
-        states.append(kv)
-        kv = (delta * e_c).addcmul_(kv, k_c)  # in place on mul's fresh output
-    return torch.stack(states, 2), kv
+    recorded = torch.compiler.is_compiling() or (
+        torch.is_grad_enabled() and _needs_grad(kv, q_c, k_c, u, keep, acc)
+    )
+    nc, b, h = q_c.shape[:3]
+    s3 = kv.to(q_c.dtype, copy=not recorded).flatten(0, 1)  # (B·H, F, E)
+    keeps = [None] * nc if keep is None else _per_chunk(keep)
+    accs = [None] * nc if acc is None else _per_chunk(acc)
+    if recorded:
+        reads = []
+        for q_i, k_i, u_i, acc_i, keep_i in zip(_per_chunk(q_c), _per_chunk(k_c.transpose(-1, -2)),
+                                                _per_chunk(u), accs, keeps, strict=True):
+            reads.append(torch.bmm(q_i, s3) if acc_i is None else torch.baddbmm(acc_i, q_i, s3))
+            s3 = torch.baddbmm(s3 if keep_i is None else s3 * keep_i, k_i, u_i)
+        return torch.stack(reads).unflatten(1, (b, h)), s3.unflatten(0, (b, h))
+    out = q_c.new_empty(*q_c.shape[:-1], u.shape[-1]) if acc is None else acc
+    for q_i, k_i, u_i, out_i, keep_i in zip(_per_chunk(q_c), _per_chunk(k_c.transpose(-1, -2)),
+                                            _per_chunk(u), _per_chunk(out), keeps, strict=True):
+        if acc is None:
+            torch.bmm(q_i, s3, out=out_i)
+        else:
+            out_i.baddbmm_(q_i, s3)
+        if keep_i is not None:
+            s3.mul_(keep_i)
+        s3.baddbmm_(k_i, u_i)
+    return out, s3.unflatten(0, (b, h))
 
 
-def _chunk_scan_back(local: Tensor, keep: Tensor, d_final: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The scan's backward: given local_c = ∂L/∂S_c through chunk c's queries (B, H, nc, F, E)
-    and ∂L/∂S_nc (``d_final``; None: 0), ∂L/∂S_c = keep_c ∂L/∂S_{c+1} + local_c.
-    Returns ∂L/∂S_{c+1} for c = 0..nc-1 (B, H, nc, F, E) and ∂L/∂S_0 (B, H, F, E)."""
-    d = torch.zeros_like(local[:, :, 0]) if d_final is None else d_final
-    after = []
-    for c in range(local.shape[2] - 1, -1, -1):
-        after.append(d)
-        d = local[:, :, c].addcmul(d, keep[:, :, c])
-    return torch.stack(after[::-1], 2), d
+def _per_chunk(x: Tensor) -> tuple[Tensor, ...]:
+    """(nc, B, H, ...) -> nc (B·H, ...) views, in one call (per-chunk indexing and reshaping
+    cost more than the small GEMMs they feed); contiguous for a chunk-major x."""
+    return x.flatten(1, 2).unbind(0)
 
 
 def _causal_group_backward(
@@ -612,46 +665,91 @@ def _causal_group_backward(
     g: Tensor,
     d_final: Tensor | None,
     needs: tuple[bool, bool, bool, bool],
-) -> tuple[Tensor, ...]:
+    query_backward: Callable[[Tensor], None],
+) -> tuple[Tensor | None, ...]:
     """Gradients of one causal group, from recomputed values (no autograd).
 
     The forward of :func:`_causal_group`, per chunk: A = (φ(Q) φ(K)^T) ⊙ W (W: the weights
-    exp(a_i - a_j), or the causal mask), intra = A V', ΔS = φ(K)^T (V' ⊙ t) (t = exp(a_last - a)),
-    the scan S_{c+1} = keep S_c + enter ΔS, and o = (φ(Q) S_c) ⊙ ω + intra ⊙ ν. From
-    G = ∂L/∂o (B, H, nc, C, E), with G1 = G ⊙ ω, G2 = G ⊙ ν, dA = G2 V'^T and
+    exp(a_i - a_j), or the causal mask), intra = A V', U = V' ⊙ t (t = enter exp(a_last - a)),
+    the scan S_{c+1} = keep S_c + φ(K)^T U, and o = (φ(Q) S_c) ⊙ ω + intra ⊙ ν. From
+    G = ∂L/∂o (nc, B, H, C, E), with G1 = G ⊙ ω, G2 = G ⊙ ν, dA = G2 V'^T and
     dX = dA ⊙ W:
 
-        dφ(Q) = G1 S_c^T + dX φ(K),   dφ(K) = dX^T φ(Q) + (V' ⊙ t) dΔS^T,
-        dV' = A^T G2 + (φ(K) dΔS) ⊙ t,  dΔS_c = enter_c ∂L/∂S_{c+1}  (:func:`_chunk_scan_back`,
-        with local_c = φ(Q_c)^T G1_c),
+        dφ(Q) = G1 S_c^T + dX φ(K),   dφ(K) = dX^T φ(Q) + U ∂S_{c+1}^T,
+        dV' = A^T G2 + (φ(K) ∂S_{c+1}) ⊙ t,   ∂S_c = keep_c ∂S_{c+1} + φ(Q_c)^T G1_c,
 
-    and, for the factors that carry the gate's gradient (``needs``: W, t, keep, ω), dW = dA ⊙ X,
-    dt = rowsum((φ(K) dΔS) ⊙ V'), dkeep_c = <∂L/∂S_{c+1}, S_c>, dω = rowsum(G ⊙ φ(Q) S_c).
-    Inputs are values (B, H, nc, C, ·) and kv (B, H, F, E), the state entering the group.
-    Returns dφ(Q), dφ(K), dV', dW, dt, dkeep, dω (None where not needed) and ∂L/∂kv.
+    with ∂S_c = ∂L/∂S_c. Two loops over the chunks, one chunk's GEMMs at a time: forwards,
+    the states S_c are recomputed from kv (B, H, F, E), the state entering the group, and read
+    into dφ(Q); backwards, ∂S runs from ∂S_nc = ``d_final`` (None: 0) into dφ(K) and dV'. No
+    per-chunk tensor of states is kept but for the gate's dkeep. For the factors that carry the
+    gate's gradient (``needs``: W, exp(a_last - a), keep, ω): dW = dA ⊙ X,
+    d exp(a_last - a) = enter rowsum((φ(K) ∂S_{c+1}) ⊙ V'), dkeep_c = <∂S_{c+1}, S_c>,
+    dω = rowsum(G ⊙ φ(Q) S_c). Without W (no log-scale, padding or gate: see
+    :func:`_causal_group`) every factor is 1 but keep_0 (0 after an empty state).
+    dφ(Q) goes to ``query_backward`` as soon as it is complete (so that it and the queries'
+    recomputed graph are freed before the keys' part). Returns dφ(K), dV', dW,
+    d exp(a_last - a), dkeep, dω (None where not needed) and ∂L/∂kv. Inputs are chunk-major
+    values (nc, B, H, C, ·).
     """
     need_weight, need_to_end, need_keep, need_inter = needs
+    nc, b, h, c, f = q_c.shape
+    e = g.shape[-1]
+    scaled = weight is not None
     scores = q_c @ k_c.transpose(-1, -2)  # X
-    a = scores.tril() if weight is None else scores * weight
-    u = fac_v if to_end is None else fac_v * to_end
-    states, _ = _chunk_scan(kv, _key_value_products(k_c, u), keep, enter)
-    g1, g2 = g * inter, g * intra_weight
-    d_q = g1 @ states.transpose(-1, -2)
-    d_inter = (g * (q_c @ states)).sum(-1, keepdim=True) if need_inter else None
+    if scaled:
+        a = scores * weight
+        t = to_end * enter
+        u, g1, g2 = fac_v * t, g * inter, g * intra_weight
+    else:
+        a, u, g1, g2 = scores.tril(), fac_v, g, g
     d_a = g2 @ fac_v.transpose(-1, -2)
-    d_scores = d_a.tril() if weight is None else d_a * weight
+    d_scores = d_a * weight if scaled else d_a.tril()
     d_weight = d_a.mul_(scores) if need_weight else None
+    del scores, d_a
     d_v = a.transpose(-1, -2) @ g2
-    d_q += d_scores @ k_c
+    del a
+    d_q = torch.empty_like(q_c)
+    d_inter = inter.new_empty(inter.shape) if need_inter else None
+    states = q_c.new_empty(nc, b, h, f, e) if need_keep else None
+    state = kv.to(q_c.dtype, copy=True)
+    s3 = state.flatten(0, 1)
+    keeps = _per_chunk(keep) if scaled else [None] * nc
+    k_t = _per_chunk(k_c.transpose(-1, -2))
+    chunks = zip(_per_chunk(q_c), k_t, _per_chunk(u), _per_chunk(g1), _per_chunk(d_q), keeps,
+                 strict=True)
+    for i, (q_i, k_i, u_i, g1_i, d_q_i, keep_i) in enumerate(chunks):
+        if states is not None:
+            states[i] = state
+        torch.bmm(g1_i, s3.transpose(1, 2), out=d_q_i)
+        if d_inter is not None:
+            d_inter[i] = (g[i] * torch.bmm(q_i, s3).view(b, h, c, e)).sum(-1, keepdim=True)
+        if keep_i is not None:
+            s3.mul_(keep_i)
+        s3.baddbmm_(k_i, u_i)
+    del state, s3
+    d_q.flatten(0, 2).baddbmm_(d_scores.flatten(0, 2), k_c.flatten(0, 2))
+    query_backward(d_q)
+    del d_q
     d_k = d_scores.transpose(-1, -2) @ q_c
-    d_after, d_kv = _chunk_scan_back(q_c.transpose(-1, -2) @ g1, keep, d_final)
-    d_keep = (d_after * states).sum((-2, -1), keepdim=True) if need_keep else None
-    d_delta = d_after * enter
-    d_k += u @ d_delta.transpose(-1, -2)
-    d_u = k_c @ d_delta
-    d_to_end = (d_u * fac_v).sum(-1, keepdim=True) if need_to_end else None
-    d_v += d_u if to_end is None else d_u * to_end
-    return d_q, d_k, d_v, d_weight, d_to_end, d_keep, d_inter, d_kv
+    del d_scores
+    d_u = torch.empty_like(fac_v)
+    d_keep = keep.new_empty(keep.shape) if need_keep else None
+    d = (torch.zeros_like(kv) if d_final is None else d_final).flatten(0, 1)  # ∂S_{i+1}
+    chunks = zip(_per_chunk(q_c), _per_chunk(k_c), _per_chunk(u), _per_chunk(g1),
+                 _per_chunk(d_k), _per_chunk(d_u), keeps, strict=True)
+    for i, (q_i, k_i, u_i, g1_i, d_k_i, d_u_i, keep_i) in reversed(list(enumerate(chunks))):
+        d_k_i.baddbmm_(u_i, d.transpose(1, 2))
+        torch.bmm(k_i, d, out=d_u_i)
+        if d_keep is not None:
+            d_keep[i] = (d.view(b, h, f, e) * states[i]).sum((-2, -1), keepdim=True)
+        d = torch.baddbmm(d if keep_i is None else d * keep_i, q_i.transpose(1, 2), g1_i)
+    d = d.view(b, h, f, e)
+    if not scaled:
+        # keep_0 = ω = 0 for the first chunk after an empty state (at LOG_FLOOR), 1 otherwise.
+        return d_k, d_v + d_u, None, None, None, None, d * keep[0]
+    d_to_end = (d_u * fac_v).sum(-1, keepdim=True).mul_(enter) if need_to_end else None
+    d_v += d_u.mul_(t)
+    return d_k, d_v, d_weight, d_to_end, d_keep, d_inter, d
 
 
 def linear_attention(
@@ -1070,18 +1168,18 @@ def kernelized_causal(
     """Causal :func:`kernelized_attention` that continues ``state`` and returns the state after.
 
     This is prefill for decoding: the prompt runs chunkwise, and decoding picks up the state.
+    Recording gradients, it keeps q, k, v, the gate, the output and the state entering each
+    slice (:class:`_Causal`).
     """
     b, h, n = q.shape[:3]
     if k.shape[2] != n:
         raise ValueError(f"causal needs N == M, got {n} and {k.shape[2]}")
     if gate is not None and gate.shape != (b, h, n):
         raise ValueError(f"gate must be (B, H, N) = {(b, h, n)}, got {tuple(gate.shape)}")
-    # At most one scan group per slice: the features of a slice are fresh contiguous tensors,
-    # while a group cut out of a longer slice is a strided view that every batched GEMM of the
-    # group would copy.
+    _check_chunk(chunk_size)
+    # At most one scan group per slice: the chunk states of a slice are formed in one loop.
     step = min(slice_tokens(b * h, feature_dim, chunk_size, slice_elements),
                SCAN_CHUNKS * chunk_size)
-    _check_chunk(chunk_size)
     if _recording():
         tensors = _feature_inputs(features, q, True, feature_tensors)
         if feature_tensors is None:
@@ -1091,18 +1189,59 @@ def kernelized_causal(
             out, kv, scale = _Causal.apply(q, k, v, gate, key_padding_mask, kv, scale, features,
                                            chunk_size, eps, step, *tensors)
             return out, RecurrentState(kv, scale, n + (0 if state is None else state.position))
+    out, state, _, _ = _causal_forward(q, k, v, gate, key_padding_mask, state, features,
+                                       chunk_size, eps, step, None)
+    return out, state
+
+
+def _causal_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    gate: Tensor | None,
+    key_padding_mask: Tensor | None,
+    state: RecurrentState | None,
+    features: FeatureFn,
+    chunk: int,
+    eps: float,
+    step: int,
+    entering: list[Tensor] | None,
+) -> tuple[Tensor, RecurrentState, Tensor | None, Tensor | None]:
+    """The slices of :func:`kernelized_causal`: output (B, H, N, Dv) and state after. Without
+    autograd the output is written in place, with the divisors and gradient factors of
+    :func:`_ratio_into` (B, H, N, 1) when ``entering`` (a list) is given, which then receives
+    the state (kv, log_scale) entering each slice; recorded, as autograd needs (None, None)."""
+    b, h, n = q.shape[:3]
+    recorded = torch.is_grad_enabled() or torch.compiler.is_compiling()
     outs, lost = [], []
-    pieces = _slices(step, (q, 2), (k, 2), (v, 2), (key_padding_mask, 1), (gate, 2))
-    for q_s, k_s, v_s, pad_s, gate_s in zip(*pieces, strict=True):
-        phi_q, _ = features(q_s, is_query=True)
-        phi_k, log_scale = features(k_s, is_query=False)
-        out, state, lost_s = _causal_block(
-            phi_q, phi_k, v_s, state, log_scale, pad_s, gate_s, chunk_size, eps
+    out = None if recorded else q.new_empty(b, h, n, v.shape[-1])
+    div = sign = None
+    if entering is not None:
+        div, sign = q.new_empty(b, h, n, 1), q.new_empty(b, h, n, 1)
+    for a, e in _spans(n, step):
+        phi_q, _ = _chunk_features(features, q[:, :, a:e], chunk, True)
+        phi_k, key_log_scale = _chunk_features(features, k[:, :, a:e], chunk, False)
+        state = _state_of(state, b, h, phi_k.shape[-1], v.shape[-1], phi_k)
+        if entering is not None:
+            entering += [state.kv, state.log_scale]
+        raw, out_scale, state = _causal_group(
+            phi_q, phi_k, key_log_scale, v[:, :, a:e], state,
+            None if key_padding_mask is None else key_padding_mask[:, a:e],
+            None if gate is None else gate[:, :, a:e], chunk,
         )
-        outs.append(out)
-        lost += lost_s
+        raw, out_scale = _from_chunks(raw, e - a), _from_chunks(out_scale, e - a)
+        if out is None:
+            outs.append(_ratio(raw, eps, out_scale))
+        else:
+            d, s = _ratio_into(out[:, :, a:e], raw, eps, out_scale)
+            if div is not None and sign is not None:
+                div[:, :, a:e], sign[:, :, a:e] = d, s
+        # A gate can decay what a query sees to a legitimate 0: only ungated rows are checked.
+        lost.append(None if gate is not None else _lost_rows(raw, eps, out_scale))
     _raise_if_lost(lost, q.dtype)
-    return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), state
+    if out is None:
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)
+    return out, state, div, sign
 
 
 def _unique(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
@@ -1115,12 +1254,12 @@ class _Causal(torch.autograd.Function):
     each slice (S tokens): O(N·(D + Dv) + (N / S)·F·(Dv + 1)).
 
     Backward, slice by slice from the last: recompute φ(Q), φ(K) and the per-token factors
-    under autograd, the slice's chunk states from the state entering it (one GEMM per chunk and
-    the scan), then :func:`_causal_group_backward` gives the gradients of the features, of the
-    factors and of the entering state, which goes on to the previous slice; autograd through the
-    recomputed features and factors gives dq, dk, dv, the gate's and the feature tensors'.
-    Per-chunk states (N/C of F x (Dv + 1): as large as φ(K)) are never kept: the slice's states
-    cost one chunk GEMM per chunk to recompute.
+    under autograd, then :func:`_causal_group_backward` recomputes the slice's chunk states from
+    the state entering it and gives the gradients of the features, of the factors and of the
+    entering state, which goes on to the previous slice; autograd through the recomputed
+    features and factors gives dq, dk, dv, the gate's and the feature tensors'. The per-chunk
+    states (N/C of F x (Dv + 1): as large as φ(K)) are never kept: recomputing a slice's costs
+    one chunk GEMM per chunk.
     """
 
     @staticmethod
@@ -1128,25 +1267,11 @@ class _Causal(torch.autograd.Function):
                 key_padding_mask: Tensor | None, kv: Tensor | None, log_scale: Tensor | None,
                 features: FeatureFn, chunk: int, eps: float, step: int, *tensors: Tensor
                 ) -> tuple[Tensor, Tensor, Tensor]:
-        b, h, n = q.shape[:3]
-        state = None if kv is None else RecurrentState(kv, log_scale)
-        out = q.new_empty(b, h, n, v.shape[-1])
-        div, sign = q.new_empty(b, h, n, 1), q.new_empty(b, h, n, 1)
-        entering, lost = [], []
-        for a, e in _spans(n, step):
-            phi_q, _ = features(q[:, :, a:e], is_query=True)
-            phi_k, key_log_scale = features(k[:, :, a:e], is_query=False)
-            state = _state_for(state, phi_k, v)
-            entering += [state.kv, state.log_scale]
-            raw, out_scale, state = _causal_group(
-                phi_q, phi_k, v[:, :, a:e], state, key_log_scale,
-                None if key_padding_mask is None else key_padding_mask[:, a:e],
-                None if gate is None else gate[:, :, a:e], chunk,
-            )
-            div[:, :, a:e], sign[:, :, a:e] = _ratio_into(out[:, :, a:e], raw, eps, out_scale)
-            # A gate can decay what a query sees to a legitimate 0: only ungated rows are checked.
-            lost.append(None if gate is not None else _lost_rows(raw, eps, out_scale))
-        _raise_if_lost(lost, q.dtype)
+        entering: list[Tensor] = []
+        out, state, div, sign = _causal_forward(
+            q, k, v, gate, key_padding_mask, None if kv is None else RecurrentState(kv, log_scale),
+            features, chunk, eps, step, entering,
+        )
         ctx.features, ctx.chunk, ctx.step, ctx.slices = features, chunk, step, len(entering) // 2
         ctx.save_for_backward(q, k, v, gate, key_padding_mask, out, div, sign, *entering,
                               *tensors)
@@ -1198,11 +1323,12 @@ def _causal_slice_backward(
 ) -> tuple[Tensor, list[Tensor | None]]:
     """One slice of :class:`_Causal`'s backward: q, k, v, gate (leaves), the state (kv,
     log_scale) entering the slice, g = ∂L/∂[num, den] (B, H, n, Dv + 1) and ∂L/∂(state after).
-    Returns ∂L/∂kv and the gradients of q, k, v, gate and ``tensors``."""
-    n = q.shape[2]
+    Returns ∂L/∂kv and the gradients of q, k, v, gate and ``tensors``. The tail after n is
+    padded with copies of the last token (see :func:`_chunk_major`): no gradient reaches them
+    (their keys are masked and their queries' g is 0)."""
     with torch.enable_grad():
-        phi_q, _ = features(q, is_query=True)
-        phi_k, key_log_scale = features(k, is_query=False)
+        phi_q, _ = _chunk_features(features, q, chunk, True)
+        phi_k, key_log_scale = _chunk_features(features, k, chunk, False)
         fac = _factors(v, key_log_scale, pad, gate, chunk)
         weight = to_end = None
         if fac.log_weight is not None:
@@ -1211,20 +1337,21 @@ def _causal_slice_backward(
             log_scale, fac.prefix[..., -1, 0], None if fac.cum is None else fac.cum[..., -1]
         )
         inter, intra_weight, _ = _out_weights(fac, running)
-    nc = fac.v.shape[2]
     values = [None if t is None else t.detach() for t in (weight, to_end, keep, inter)]
     needs = tuple(t is not None and t.requires_grad for t in (weight, to_end, keep, inter))
-    d_q, d_k, d_v, *d_factors, d_kv = _causal_group_backward(
-        _chunked(phi_q.detach(), nc, chunk), _chunked(phi_k.detach(), nc, chunk),
-        fac.v.detach(), values[0], values[1], values[2], enter, values[3], intra_weight,
-        kv.detach(), _chunked(g, nc, chunk), d_final, needs,
+    inputs = (q, k, v, *(() if gate is None else (gate,)), *tensors)
+    grads: list[Tensor | None] = [None] * len(inputs)
+
+    def query_backward(d_q: Tensor) -> None:
+        grads[:] = _backprop((phi_q,), (d_q,), inputs)
+
+    d_k, *d_rest, d_kv = _causal_group_backward(
+        phi_q.detach(), phi_k.detach(), fac.v.detach(), values[0], values[1], values[2], enter,
+        values[3], intra_weight, kv.detach(), _chunk_major(g, chunk), d_final, needs,
+        query_backward,
     )
-    f = phi_q.shape[-1]
-    d_q = d_q.view(*d_q.shape[:2], nc * chunk, f)[:, :, :n]
-    d_k = d_k.view(*d_k.shape[:2], nc * chunk, f)[:, :, :n]
-    grads = _backprop((phi_q, phi_k, fac.v, weight, to_end, keep, inter),
-                      (d_q, d_k, d_v, *d_factors), (q, k, v, *(() if gate is None else (gate,)),
-                                                    *tensors))
+    keys = _backprop((phi_k, fac.v, weight, to_end, keep, inter), (d_k, *d_rest), inputs)
+    grads = [_add(a, b) for a, b in zip(grads, keys, strict=True)]
     if gate is None:
         grads.insert(3, None)
     return d_kv, grads
