@@ -18,7 +18,7 @@ from conftest import padding, qkv
 import effattn
 from effattn import reference as R
 from effattn.kernelized import core
-from effattn.kernelized.core import SCAN_CHUNKS, kernelized_attention, slice_tokens
+from effattn.kernelized.core import causal_slice_tokens, kernelized_attention
 
 B, H, N, D, DV = 2, 3, 63, 21, 10
 VARIANTS = [
@@ -254,8 +254,7 @@ def test_forward_saves_no_n_by_f_tensor_for_backward(variant, causal, one_thread
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         module(q, k, v, causal=causal, **call)
     f, size = module.feature_dim, q.element_size()
-    step = min(slice_tokens(b * h, f, module.chunk_size, module.slice_elements),
-               SCAN_CHUNKS * module.chunk_size)
+    step = causal_slice_tokens(b * h, f, d, module.chunk_size, module.slice_elements)
     states = (math.ceil(n / step) if causal else 1) * b * h * (f * (d + 1) + 1) * size
     budget = (4 * q.nbytes + sum(t.nbytes for t in call.values()) + 2 * b * h * n * size
               + sum(t.nbytes for t in module.buffers()) + states + 1024)

@@ -47,7 +47,7 @@ class KernelizedAttention(RandomizedAttention):
         scale: float | None = None,
         *,
         redraw_interval: int | None = None,
-        chunk_size: int = 64,
+        chunk_size: int = 32,
         eps: float = 1e-6,
     ) -> None:
         super().__init__(head_dim, heads, max_len, seed, scale)

@@ -65,7 +65,7 @@ def rfa_attention(
     causal: bool = False,
     key_padding_mask: Tensor | None = None,
     gate: Tensor | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = 32,
 ) -> Tensor:
     """RFA with projection (F, D) (rows N(0, I)) and per-head sigma (H,)."""
     def features(x: Tensor, *, is_query: bool) -> fm.Features:
@@ -97,7 +97,7 @@ class RandomFeatureAttention(KernelizedAttention):
         feature_map: str = "sincos",
         gated: bool = False,
         redraw_interval: int | None = 1,
-        chunk_size: int = 64,
+        chunk_size: int = 32,
     ) -> None:
         super().__init__(head_dim, heads, max_len, seed, scale,
                          redraw_interval=redraw_interval, chunk_size=chunk_size)
@@ -183,7 +183,7 @@ register(
             "feature_map": "sincos",
             "gated": False,
             "redraw_interval": 1,
-            "chunk_size": 64,
+            "chunk_size": 32,
         },
         flops=_flops,
         budget=Budget("num_features", (16, 32, 64, 128, 256, 512, 1024), target=_target),
