@@ -47,8 +47,12 @@ for stage in "${STAGES[@]}"; do
             python3 -m effattn bench "${SWEEP[@]}" --dtype bfloat16 --causal \
                 --out "$OUT/causal-bf16" 2>&1 | tee "$OUT/causal-bf16.txt" ;;
         flex)
-            python3 benchmarks/flex.py --device cuda --dtype bfloat16 --lengths 4096 16384 65536 \
-                --out "$OUT/flex" 2>&1 | tee "$OUT/flex.txt" ;;
+            # BLOCK_SIZE 128 only: compiling create_block_mask takes minutes per point on a GPU.
+            for dtype in float32 bfloat16; do
+                python3 benchmarks/flex.py --device cuda --dtype "$dtype" --repeats 20 \
+                    --lengths 1024 4096 16384 --block-sizes 128 \
+                    --out "$OUT/flex-${dtype/float32/fp32}" 2>&1 | tee "$OUT/flex-$dtype.txt"
+            done ;;
         *)
             echo "gpu.sh: unknown stage '$stage' (stages: tests fp32 bf16 causal flex)" >&2
             exit 2 ;;

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import effattn
-from effattn import reference
+from effattn import naive
 from effattn.cli import main
 from effattn.registry import Budget
 from effattn.tools import approx
@@ -90,9 +90,9 @@ def test_rfa_target_uses_unit_length_queries_and_keys():
     assert torch.allclose(approx.exact_output("rfa", {"sigma": 0.5}, 3 * q, 0.2 * k, v, 0.5),
                           target)
     qn, kn = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
-    assert torch.allclose(target, reference.softmax_attention(qn, kn, v, scale=4.0))
+    assert torch.allclose(target, naive.softmax_attention(qn, kn, v, scale=4.0))
     assert torch.allclose(approx.exact_output("performer", {}, q, k, v, 0.5),
-                          reference.softmax_attention(q, k, v, scale=0.5))
+                          naive.softmax_attention(q, k, v, scale=0.5))
 
 
 def test_peaked_inputs_have_one_dominant_logit_per_query():

@@ -2,6 +2,10 @@
 
 import datetime
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -18,6 +22,7 @@ H, D, F = 2, 8, 16
 TINY = ["--heads", str(H), "--head-dim", str(D), "--option", f"num_features={F}",
         "--repeats", "1", "--warmup", "0"]
 HEADER = 16 * 8  # the call's header: 16 float64 values, gathered before any data
+SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def _run(argv, capsys):
@@ -67,6 +72,47 @@ def test_a_failing_rank_ends_the_configuration_and_skips_longer_ones(tmp_path, c
     assert records[65536]["status"].startswith("oom:"), records[65536]
     assert records[131072]["status"] == "skipped: oom at N=65536"
     assert "linear P=2 fwd: n/a (n/a MiB per rank); N=65536: oom" in out
+
+
+# A spawned rank's life in a fresh interpreter: the threads named gloo while its group exists
+# (after measure_rank, when they have served its collectives and named themselves) and once
+# _rank_main has returned.
+RANK_THREADS = """
+import json, os, sys
+from effattn.tools import bench_distributed as bd
+
+def gloo_threads():
+    tasks = os.listdir("/proc/self/task")
+    return sorted(n for n in (open(f"/proc/self/task/{t}/comm").read().strip() for t in tasks)
+                  if "gloo" in n)
+
+during, measure = [], bd.measure_rank
+def measured(cfg, settings):
+    result = measure(cfg, settings)
+    during.extend(gloo_threads())
+    return result
+
+bd.measure_rank = measured
+cfg = bd.DistConfig(method="performer", length=32, nproc=1, heads=2, head_dim=8,
+                    options=(("num_features", 8),))
+bd._rank_main(0, cfg, bd.DistSettings(warmup=0, repeats=1), sys.argv[1])
+print(json.dumps({"during": during, "after": gloo_threads()}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists threads in /proc")
+def test_a_rank_ends_its_group_before_interpreter_shutdown(tmp_path):
+    # The first call of effattn's custom ops imports torch._dynamo, after the group started;
+    # unless effattn.distributed imported torch.distributed.nn first, the group outlived
+    # destroy_process_group and gloo's threads were torn down at interpreter shutdown, which
+    # aborted the rank now and then on a busy machine (exit code -6).
+    proc = subprocess.run([sys.executable, "-c", RANK_THREADS, str(tmp_path)],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    threads = json.loads(proc.stdout.splitlines()[-1])
+    assert json.loads((tmp_path / "rank0.json").read_text())["status"] == "ok"
+    assert threads["during"] and threads["after"] == [], threads
 
 
 @pytest.fixture

@@ -71,7 +71,7 @@ def test_method_compiles_fullgraph_and_matches_eager(name, training):
     # One graph for every call: no recompilation on the redraw schedule or the call counter.
     assert backend.frame_count == 1
     # The module's random state moved as in eager (draws, redraws, call count).
-    if isinstance(eager, effattn.base.RandomizedAttention):
+    if isinstance(eager, effattn.random.RandomizedAttention):
         state_e, state_c = eager.get_extra_state(), module.get_extra_state()
         assert torch.equal(state_c["generator"], state_e["generator"])
         assert state_c["calls"] == state_e["calls"] == (3 if training else 0)

@@ -1,11 +1,16 @@
-"""The public contract of shared/design.md, for every registered method."""
+"""The public contract (README, "The contract"), for every registered method."""
+
+import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import qkv
 
 import effattn
-from effattn import reference as R
+from effattn import naive as R
+from effattn.registry import CallInput
+from effattn.sparse.parallel import Halo
 
 
 def test_methods_sorted_and_specs_consistent():
@@ -27,9 +32,10 @@ def test_spec_needs_a_known_sequence_parallel_strategy_or_a_reason():
                     padding_mask=True, cross=True, decoding=True)
     with pytest.raises(ValueError, match="sequence_parallel=None needs a reason in refusals"):
         effattn.MethodSpec(**promises)
-    with pytest.raises(ValueError, match="sequence_parallel must be one of"):
-        effattn.MethodSpec(**promises, sequence_parallel="scatter")
-    assert effattn.MethodSpec(**promises, sequence_parallel="halo").sequence_parallel == "halo"
+    with pytest.raises(ValueError, match="sequence_parallel must be a SequenceStrategy"):
+        effattn.MethodSpec(**promises, sequence_parallel="halo")
+    halo = Halo()
+    assert effattn.MethodSpec(**promises, sequence_parallel=halo).sequence_parallel is halo
 
 
 def test_unknown_name_lists_valid_names():
@@ -153,7 +159,140 @@ def test_step_rejects_more_than_one_token():
         m.step(q, k, v)
 
 
-def test_bf16_inputs_keep_dtype():
-    q, k, v = qkv(dtype=torch.bfloat16, n=16)
-    out = effattn.attention(q, k, v)
-    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+# Options that make each method do its real work at N = 50: chunks, windows, blocks, buckets,
+# landmarks and projections shorter than the sequence.
+HALF_OPTIONS = {"chunk_size": 16, "window": 8, "global_tokens": (0, 7), "block_size": 8,
+                "bucket_size": 8, "num_landmarks": 16, "proj_len": 16}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", effattn.methods())
+def test_half_precision_equals_fp32_to_its_rounding(name, dtype):
+    """fp16 and bf16 inputs give an output of their dtype (the base class casts it) that equals
+    the fp32 result on the same values to within the half-precision rounding of its inputs,
+    intermediates and output: methods compute features and sums in fp32, softmax in SDPA's own
+    half-precision kernel."""
+    spec = effattn.spec(name)
+    options = {key: value for key, value in HALF_OPTIONS.items() if key in spec.options}
+    module = effattn.build(name, head_dim=16, heads=2, max_len=64, seed=0, **options).eval()
+    q, k, v = qkv(b=2, h=2, n=50, d=16, dtype=torch.float32, scale=0.5)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    out = module(q, k, v, causal=spec.causal)
+    ref = module(q.float(), k.float(), v.float(), causal=spec.causal)
+    assert out.dtype == dtype
+    # About 4x the worst seen (3e-3 of the largest output in bf16, 3e-4 in fp16), relative to
+    # the output's size: fnet's unnormalised DFT sums N Dv values.
+    tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out.float(), ref, rtol=tol,
+                               atol=tol * max(1.0, ref.abs().max().item()))
+
+
+class _Toy(effattn.AttentionMethod):
+    """Causal softmax plus two call inputs: an optional offset (B, H, N) added to each output
+    row, and, with gain=True, a factor (H,) in [0, 2] per head (causal only)."""
+
+    spec = dataclasses.replace(
+        effattn.spec("softmax"), name="toy", options={"gain": False},
+        call_inputs=(
+            CallInput("offset", "added to each output row", ("B", "H", "N")),
+            CallInput("factor", "multiplies each head's output", ("H",), enabled_by="gain",
+                      causal_only=True, bounds=(0.0, 2.0)),
+        ),
+    )
+
+    def __init__(self, head_dim, heads, max_len=None, seed=None, scale=None, *, gain=False):
+        super().__init__(head_dim, heads, max_len, seed, scale)
+        self.gain = gain
+
+    def _finish(self, out, offset=None, factor=None):
+        out = out if offset is None else out + offset[..., None]
+        return out if factor is None else out * factor[:, None, None]
+
+    def _attend(self, q, k, v, *, causal, key_padding_mask, **call):
+        return self._finish(F.scaled_dot_product_attention(q, k, v, is_causal=causal), **call)
+
+    def _step(self, q, k, v, state, **call):
+        keys, values = (k, v) if state is None else (torch.cat([state[0], k], 2),
+                                                     torch.cat([state[1], v], 2))
+        out = F.scaled_dot_product_attention(q, keys, values)
+        return self._finish(out, **call), (keys, values)
+
+
+def test_call_inputs_are_checked_from_the_spec():
+    q, k, v = qkv(b=2, h=3, n=8, d=4)
+    offset, factor = torch.rand(2, 3, 8, dtype=q.dtype), torch.rand(3, dtype=q.dtype)
+    plain, gained = _Toy(4, 3), _Toy(4, 3, gain=True)
+    assert plain.call_inputs == _Toy.spec.call_inputs[:1]
+    assert gained.call_inputs == _Toy.spec.call_inputs
+    with pytest.raises(TypeError, match="unexpected call argument.* bias; its call inputs are: "
+                                        "offset, factor"):
+        plain(q, k, v, bias=offset)
+    with pytest.raises(ValueError, match="factor is only taken with gain=True"):
+        plain(q, k, v, causal=True, factor=factor)
+    with pytest.raises(ValueError, match=r"toy with gain=True needs factor \(H\) in the call"):
+        gained(q, k, v, causal=True)
+    with pytest.raises(ValueError, match="needs causal=True: factor"):
+        gained(q, k, v, factor=factor)
+    with pytest.raises(ValueError, match=r"offset must be \(B, H, N\) = \(2, 3, 8\)"):
+        plain(q, k, v, offset=offset[..., :5])
+    with pytest.raises(ValueError, match="floating-point"):
+        plain(q, k, v, offset=offset.long())
+    with pytest.raises(ValueError, match=r"factor values must lie in \[0, 2\]"):
+        gained(q, k, v, causal=True, factor=factor + 2)
+    with pytest.raises(ValueError, match="offset contains NaN"):
+        plain(q, k, v, offset=offset / 0 * 0)
+    with pytest.raises(ValueError, match=r"needs factor \(H\)"):
+        gained.step(q[:, :, :1], k[:, :, :1], v[:, :, :1])
+    full = gained(q, k, v, causal=True, offset=offset, factor=factor)
+    # The base class's prefill steps token by token, cutting each input along its N only.
+    out, state = gained.prefill(q[:, :, :5], k[:, :, :5], v[:, :, :5], offset=offset[..., :5],
+                                factor=factor)
+    last, _ = gained.step(q[:, :, 5:6], k[:, :, 5:6], v[:, :, 5:6], state,
+                          offset=offset[..., 5:6], factor=factor)
+    torch.testing.assert_close(torch.cat([out, last], 2), full[:, :, :6])
+
+
+def test_layers_compute_the_required_call_inputs_or_refuse(monkeypatch):
+    from effattn import registry
+    from effattn.nn import MultiheadAttention
+
+    monkeypatch.setitem(registry._REGISTRY, "toy", (_Toy.spec, _Toy))
+    assert MultiheadAttention(8, 2, method="toy").call_inputs == ()
+    with pytest.raises(ValueError, match="needs the call input.* factor, which "
+                                         "MultiheadAttention cannot compute"):
+        MultiheadAttention(8, 2, method="toy", gain=True)
+
+
+def test_every_call_input_switch_is_the_module_attribute():
+    for name in effattn.methods():
+        spec = effattn.spec(name)
+        for c in spec.call_inputs:
+            if c.enabled_by is None:
+                continue
+            for on in (False, True):
+                module = effattn.build(name, head_dim=8, heads=2, max_len=16,
+                                       **{c.enabled_by: on})
+                assert getattr(module, c.enabled_by) is on
+                assert (c in module.call_inputs) is on
+                assert (c in spec.enabled_inputs({c.enabled_by: on})) is on
+            assert c.enabled_by not in spec.non_causal_options({c.enabled_by: True}) or (
+                not c.causal_only)
+
+
+@pytest.mark.parametrize("inputs, match", [
+    ((CallInput("x", "", ("B",), enabled_by="nope"),), r"unknown option\(s\) \['nope'\]"),
+    ((CallInput("causal", "", ("B",)),), r"call input name\(s\) \['causal'\]"),
+    ((CallInput("x", "", ("B",)), CallInput("x", "", ("H",))), r"call input name\(s\) \['x'\]"),
+    ((CallInput("x", "", ("B", "T")),), "spell it in"),
+])
+def test_spec_checks_its_call_inputs(inputs, match):
+    promises = dict(name="x", summary="", paper="", complexity="", causal=True,
+                    padding_mask=True, cross=True, decoding=True,
+                    refusals={"sequence_parallel": "-"})
+    with pytest.raises(ValueError, match=match):
+        effattn.MethodSpec(**promises, call_inputs=inputs)
+
+
+def test_build_says_a_call_input_goes_to_the_call():
+    with pytest.raises(TypeError, match="gate go\\(es\\) to the call, not to build"):
+        effattn.build("rfa", gated=True, gate=torch.ones(1))

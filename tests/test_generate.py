@@ -6,8 +6,8 @@ from conftest import padding, qkv
 
 import effattn
 from effattn.base import KeyValueMemory
+from effattn.kernelized.base import KernelizedAttention
 from effattn.kernelized.core import RecurrentState
-from effattn.kernelized.layer import KernelizedAttention
 from effattn.nn import DecoderLM, EncoderDecoder, generate, sample_next
 
 pytestmark = pytest.mark.usefixtures("one_thread")

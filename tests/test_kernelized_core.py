@@ -1,14 +1,36 @@
-"""The shared linear-attention core against its dense reference (float64)."""
+"""The shared linear-attention core against its dense reference (float64).
+
+The core is driven through its entry point, :func:`kernelized_attention`, on precomputed
+features: the feature map of :func:`on_features` hands them through (the keys carry their
+log-scale as a last column), so that the stabiliser, the gate and the chunking meet inputs no
+real feature map makes (log-scales that jump by 45, gates that reset the state).
+"""
 
 import pytest
 import torch
 
-from effattn import reference as R
+from effattn import naive as R
 from effattn.kernelized.core import (
     RecurrentState,
-    linear_attention,
+    kernelized_attention,
     linear_attention_step,
+    slice_tokens,
 )
+
+
+def on_features(phi_q, phi_k, v, *, key_log_scale=None, key_padding_mask=None, causal=False,
+                gate=None, chunk_size=64, eps=1e-6):
+    """:func:`kernelized_attention` of precomputed φ(Q) (B, H, N, F), φ(K) (B, H, M, F) and
+    key log-scales (B, H, M, 1): the keys travel as [φ(K), log-scale]."""
+    scaled = key_log_scale is not None
+    k = torch.cat([phi_k, key_log_scale], -1) if scaled else phi_k
+
+    def features(x, *, is_query):
+        return (x[..., :-1], x[..., -1:]) if scaled and not is_query else (x, None)
+
+    return kernelized_attention(phi_q, k, v, features, feature_dim=phi_q.shape[-1],
+                                causal=causal, key_padding_mask=key_padding_mask, gate=gate,
+                                chunk_size=chunk_size, eps=eps)
 
 
 def features(b=2, h=3, n=63, m=None, f=10, dv=5, seed=0, signed=False):
@@ -60,8 +82,9 @@ def test_core_matches_reference_outputs_and_gradients(case, n, chunk, padded):
         gate=gate if case["gated"] else None,
         chunk_size=chunk,
     )
-    out = linear_attention(phi_q, phi_k, v, **kwargs)
-    ref = R.kernel_attention(phi_q, phi_k, v, **kwargs)
+    out = on_features(phi_q, phi_k, v, **kwargs)
+    ref = R.kernel_attention(phi_q, phi_k, v, **{k: x for k, x in kwargs.items()
+                                                 if k != "chunk_size"})
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     probe = torch.randn_like(out)
     used = [t for t, on in zip(inputs, [1, 1, 1, case["scaled"], case["gated"]], strict=True) if on]
@@ -76,14 +99,14 @@ def test_cross_attention_with_padding(n, m):
     phi_q, _, _, _, _ = features(n=n)
     _, phi_k, v, ls, _ = features(n=m, seed=1)
     mask = pad_mask(2, m)
-    out = linear_attention(phi_q, phi_k, v, key_log_scale=ls, key_padding_mask=mask)
+    out = on_features(phi_q, phi_k, v, key_log_scale=ls, key_padding_mask=mask)
     ref = R.kernel_attention(phi_q, phi_k, v, key_log_scale=ls, key_padding_mask=mask)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
 
 def test_signed_features_keep_the_sign_of_the_denominator():
     phi_q, phi_k, v, _, _ = features(n=40, signed=True)
-    out = linear_attention(phi_q, phi_k, v, causal=True, chunk_size=8)
+    out = on_features(phi_q, phi_k, v, causal=True, chunk_size=8)
     ref = R.kernel_attention(phi_q, phi_k, v, causal=True)
     torch.testing.assert_close(out, ref, rtol=1e-8, atol=1e-8)
 
@@ -91,7 +114,7 @@ def test_signed_features_keep_the_sign_of_the_denominator():
 @pytest.mark.parametrize("gated", [False, True])
 def test_step_equals_causal_forward_and_state_is_fixed_size(gated):
     phi_q, phi_k, v, ls, gate = features(n=50)
-    full = linear_attention(
+    full = on_features(
         phi_q, phi_k, v, key_log_scale=ls, causal=True, gate=gate if gated else None, chunk_size=8
     )
     state, outs, sizes = None, [], set()
@@ -132,7 +155,7 @@ def test_step_rescales_lazily_but_exactly(gated):
         gate = gate.clone()
         gate[:, :, 5:35] = 0.02  # log g ~ -3.9 per step: the scale falls ~120 below the keys'
         gate[0, 0, 50] = 0.0  # a full reset
-    full = linear_attention(
+    full = on_features(
         phi_q, phi_k, v, key_log_scale=ls, causal=True, gate=gate if gated else None, chunk_size=8
     )
     stepped, _ = _steps(phi_q, phi_k, v, ls, gate if gated else None)
@@ -149,9 +172,9 @@ def test_fp32_causal_forward_and_step_do_not_depend_on_the_size_of_the_log_scale
     error: 5e-6 at 56, 1e-4 at 1024 (this test failed at both)."""
     phi_q, phi_k, v, ls, _ = features(n=100, f=16)
     ls = (ls * 256).round() / 256
-    ref = linear_attention(phi_q, phi_k, v, key_log_scale=ls, causal=True, chunk_size=16)
+    ref = on_features(phi_q, phi_k, v, key_log_scale=ls, causal=True, chunk_size=16)
     f32 = [t.float() for t in (phi_q, phi_k, v, ls + shift)]
-    out = linear_attention(*f32[:3], key_log_scale=f32[3], causal=True, chunk_size=16)
+    out = on_features(*f32[:3], key_log_scale=f32[3], causal=True, chunk_size=16)
     stepped, _ = _steps(*f32, None)
     torch.testing.assert_close(out.double(), ref, rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(stepped.double(), ref, rtol=2e-6, atol=2e-6)
@@ -171,7 +194,7 @@ def test_step_updates_in_place_without_autograd_and_not_with_it():
     inputs = [t.clone().requires_grad_(True) for t in (phi_q, phi_k, v, ls, gate)]
     stepped, _ = _steps(*inputs)
     g_step = torch.autograd.grad(stepped.square().sum(), inputs)
-    full = linear_attention(*inputs[:3], key_log_scale=inputs[3], causal=True, gate=inputs[4],
+    full = on_features(*inputs[:3], key_log_scale=inputs[3], causal=True, gate=inputs[4],
                             chunk_size=4)
     g_full = torch.autograd.grad(full.square().sum(), inputs)
     for a, b in zip(g_step, g_full, strict=True):
@@ -181,13 +204,13 @@ def test_step_updates_in_place_without_autograd_and_not_with_it():
 @pytest.mark.parametrize("jump", [48, 44], ids=["chunk-boundary", "mid-chunk"])
 def test_causal_has_no_future_leakage_even_through_the_stabiliser(jump):
     phi_q, phi_k, v, ls, gate = features(n=64)
-    out = linear_attention(phi_q, phi_k, v, key_log_scale=ls, causal=True, gate=gate, chunk_size=16)
+    out = on_features(phi_q, phi_k, v, key_log_scale=ls, causal=True, gate=gate, chunk_size=16)
     phi_k2, v2, ls2 = phi_k.clone(), v.clone(), ls.clone()
     phi_k2[:, :, 40:] = 5.0
     v2[:, :, 40:] = -7.0
     # A huge future key scale must not swamp earlier keys, in its chunk or before it.
     ls2[:, :, jump:] += 60.0
-    out2 = linear_attention(
+    out2 = on_features(
         phi_q, phi_k2, v2, key_log_scale=ls2, causal=True, gate=gate, chunk_size=16
     )
     torch.testing.assert_close(out2[:, :, :40], out[:, :, :40], rtol=1e-12, atol=1e-12)
@@ -198,12 +221,12 @@ def test_causal_has_no_future_leakage_even_through_the_stabiliser(jump):
 def test_padded_keys_never_change_the_output(causal):
     phi_q, phi_k, v, ls, _ = features(n=45)
     mask = pad_mask(2, 45)
-    out = linear_attention(phi_q, phi_k, v, key_log_scale=ls, key_padding_mask=mask, causal=causal)
+    out = on_features(phi_q, phi_k, v, key_log_scale=ls, key_padding_mask=mask, causal=causal)
     keep = ~mask[:, None, :, None]
     phi_k2 = torch.where(keep, phi_k, 100.0)
     v2 = torch.where(keep, v, 1e3)
     ls2 = torch.where(keep, ls, 50.0)
-    out2 = linear_attention(
+    out2 = on_features(
         phi_q, phi_k2, v2, key_log_scale=ls2, key_padding_mask=mask, causal=causal
     )
     torch.testing.assert_close(out, out2, rtol=1e-12, atol=1e-12)
@@ -213,22 +236,23 @@ def test_fully_padded_query_rows_are_zero():
     phi_q, phi_k, v, ls, _ = features(n=12)
     mask = torch.zeros(2, 12, dtype=torch.bool)
     mask[0] = True
-    out = linear_attention(phi_q, phi_k, v, key_log_scale=ls, key_padding_mask=mask)
+    out = on_features(phi_q, phi_k, v, key_log_scale=ls, key_padding_mask=mask)
     assert torch.isfinite(out).all() and out[0].abs().max() == 0
 
 
 def test_core_error_paths():
     phi_q, phi_k, v, ls, gate = features(n=8)
     with pytest.raises(ValueError, match="gate needs causal"):
-        linear_attention(phi_q, phi_k, v, gate=gate)
+        on_features(phi_q, phi_k, v, gate=gate)
     with pytest.raises(ValueError, match="feature dim"):
-        linear_attention(phi_q[..., :3], phi_k, v)
+        on_features(phi_q[..., :3], phi_k, v, causal=True)
     with pytest.raises(ValueError, match="key_log_scale"):
-        linear_attention(phi_q, phi_k, v, key_log_scale=ls[..., 0])
+        kernelized_attention(phi_q, phi_k, v, lambda x, is_query: (x, x[..., :2]),
+                             feature_dim=10)
     with pytest.raises(ValueError, match="chunk_size"):
-        linear_attention(phi_q, phi_k, v, causal=True, chunk_size=0)
+        on_features(phi_q, phi_k, v, causal=True, chunk_size=0)
     with pytest.raises(ValueError, match="gate must be"):
-        linear_attention(phi_q, phi_k, v, causal=True, gate=gate[..., :3])
+        on_features(phi_q, phi_k, v, causal=True, gate=gate[..., :3])
     with pytest.raises(ValueError, match="RecurrentState"):
         linear_attention_step(phi_q[:, :, :1], phi_k[:, :, :1], v[:, :, :1], state=(1, 2))
 
@@ -236,8 +260,6 @@ def test_core_error_paths():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("scaled", [False, True])
 def test_sliced_driver_equals_one_slice(causal, scaled):
-    from effattn.kernelized.core import kernelized_attention, slice_tokens
-
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 3, 70, 6, generator=g, dtype=torch.float64)
     k = torch.randn(2, 3, 70 if causal else 33, 6, generator=g, dtype=torch.float64)
@@ -255,7 +277,7 @@ def test_sliced_driver_equals_one_slice(causal, scaled):
     mask = pad_mask(2, k.shape[2])
     phi_q, _ = feats(q, is_query=True)
     phi_k, ls = feats(k, is_query=False)
-    whole = linear_attention(phi_q, phi_k, v, key_log_scale=ls, key_padding_mask=mask,
+    whole = on_features(phi_q, phi_k, v, key_log_scale=ls, key_padding_mask=mask,
                              causal=causal, gate=gate, chunk_size=8)
     assert slice_tokens(6, 9, 8, 200) == 8
     sliced = kernelized_attention(q, k, v, feats, feature_dim=9, key_padding_mask=mask,

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from conftest import padding, qkv
 
 import effattn
-from effattn import reference as R
+from effattn import naive as R
 
 # (method, options, reference call taking (module, q, k, v, **kw))
 VARIANTS = [
@@ -27,21 +27,6 @@ VARIANTS = [
 def _id(variant):
     name, opts = variant
     return name + "".join(f"-{k}={v}" for k, v in opts.items())
-
-
-def reference_for(module, q, k, v, **kw):
-    name = module.spec.name
-    if name == "performer":
-        return R.performer_attention(
-            q, k, v, module.projection, feature_map=module.feature_map, scale=module.scale, **kw
-        )
-    if name == "favor":
-        return R.favor_attention(q, k, v, module.projection, module.phase, scale=module.scale, **kw)
-    if name == "rfa":
-        return R.rfa_attention(
-            q, k, v, module.projection, module.sigma, feature_map=module.feature_map, **kw
-        )
-    return R.linear_transformer_attention(q, k, v, **kw)
 
 
 def make(name, opts, d=21, h=3, chunk=16):
@@ -64,7 +49,7 @@ def test_module_matches_reference_outputs_and_gradients(variant, causal, n):
     for t in (q, k, v):
         t.requires_grad_(True)
     out = module(q, k, v, causal=causal, key_padding_mask=mask)
-    ref = reference_for(module, q, k, v, causal=causal, key_padding_mask=mask)
+    ref = module.spec.reference(module, q, k, v, causal=causal, key_padding_mask=mask)
     tol = 1e-7 if opts.get("feature_map") == "trig" or name == "favor" else 1e-9
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     params = [q, k, v] + [p for p in module.parameters()]
@@ -83,7 +68,7 @@ def test_cross_attention_matches_reference(variant):
     _, k, v = qkv(n=40, dv=5, scale=0.5, seed=1)
     mask = padding(2, 40)
     out = module(q, k, v, key_padding_mask=mask)
-    ref = reference_for(module, q, k, v, key_padding_mask=mask)
+    ref = module.spec.reference(module, q, k, v, key_padding_mask=mask)
     torch.testing.assert_close(out, ref, rtol=1e-7, atol=1e-7)
 
 
@@ -95,7 +80,7 @@ def test_gated_rfa_matches_recurrence_and_step():
     for t in (q, k, v, gate):
         t.requires_grad_(True)
     out = module(q, k, v, causal=True, key_padding_mask=mask, gate=gate)
-    ref = reference_for(module, q, k, v, causal=True, key_padding_mask=mask, gate=gate)
+    ref = module.spec.reference(module, q, k, v, causal=True, key_padding_mask=mask, gate=gate)
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
     g_out = torch.autograd.grad(out.sum(), (q, k, v, gate))
     g_ref = torch.autograd.grad(ref.sum(), (q, k, v, gate))
@@ -206,16 +191,6 @@ def test_no_nan_or_inf_for_large_norms_in_fp32(name, opts, causal):
     assert torch.isfinite(q.grad).all()
 
 
-@pytest.mark.parametrize("name", ["performer", "favor", "rfa", "linear"])
-def test_bf16_inputs_computed_in_fp32(name):
-    q, k, v = qkv(b=1, h=2, n=70, d=32, dtype=torch.float32, scale=0.5)
-    module = effattn.build(name, head_dim=32, heads=2, seed=0).eval()
-    out16 = module(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True)
-    out32 = module(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), causal=True)
-    assert out16.dtype == torch.bfloat16
-    torch.testing.assert_close(out16.float(), out32, rtol=2e-2, atol=2e-2)
-
-
 def test_seed_fixes_features_and_redraw_follows_the_policy():
     a = effattn.build("performer", head_dim=16, heads=2, seed=3, redraw_interval=2)
     b = effattn.build("performer", head_dim=16, heads=2, seed=3, redraw_interval=2)
@@ -283,37 +258,14 @@ def test_gate_errors():
         gated(q, k, v, causal=True, gate=gate[..., :4])
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         gated(q, k, v, causal=True, gate=gate + 1)
-    with pytest.raises(ValueError, match="only taken by rfa with gated=True"):
+    with pytest.raises(ValueError, match="gate is only taken with gated=True"):
+        effattn.build("rfa", head_dim=8, heads=2)(q, k, v, causal=True, gate=gate)
+    with pytest.raises(TypeError, match="unexpected call argument.* gate; .* are: none"):
         effattn.build("performer", head_dim=8, heads=2)(q, k, v, causal=True, gate=gate)
     with pytest.raises(ValueError, match="needs gate"):
         gated.step(q[:, :, :1], k[:, :, :1], v[:, :, :1])
     out = effattn.attention(q, k, v, method="rfa", gated=True, causal=True, gate=gate, seed=0)
     assert out.shape == (1, 2, 6, 8)
-
-
-def test_pure_functions_equal_the_modules():
-    from effattn.mechanisms.favor import favor_attention
-    from effattn.mechanisms.linear import linear_transformer_attention
-    from effattn.mechanisms.performer import performer_attention
-    from effattn.mechanisms.rfa import rfa_attention
-
-    q, k, v = qkv(n=40, dv=5, scale=0.5)
-    mask = padding(2, 40)
-    for causal in (False, True):
-        kw = dict(causal=causal, key_padding_mask=mask, chunk_size=16)
-        p = make("performer", {"feature_map": "hyperbolic"})
-        torch.testing.assert_close(
-            performer_attention(q, k, v, p.projection, feature_map="hyperbolic", **kw),
-            p(q, k, v, causal=causal, key_padding_mask=mask))
-        f = make("favor", {})
-        torch.testing.assert_close(favor_attention(q, k, v, f.projection, f.phase, **kw),
-                                   f(q, k, v, causal=causal, key_padding_mask=mask))
-        r = make("rfa", {"sigma": 0.8})
-        torch.testing.assert_close(rfa_attention(q, k, v, r.projection, r.sigma, **kw),
-                                   r(q, k, v, causal=causal, key_padding_mask=mask))
-        lin = make("linear", {})
-        torch.testing.assert_close(linear_transformer_attention(q, k, v, **kw),
-                                   lin(q, k, v, causal=causal, key_padding_mask=mask))
 
 
 @pytest.mark.parametrize("variant", [("softmax", {})] + VARIANTS + [("rfa", {"gated": True})],

@@ -16,7 +16,7 @@ import torch
 from conftest import padding, qkv
 
 import effattn
-from effattn import reference as R
+from effattn import naive as R
 from effattn.kernelized import core
 from effattn.kernelized.core import causal_slice_tokens, kernelized_attention
 

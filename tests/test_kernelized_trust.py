@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from conftest import qkv
 
 import effattn
-from effattn import reference as R
+from effattn import naive as R
 from effattn.mechanisms.rfa import unit
 
 KERNELIZED = [

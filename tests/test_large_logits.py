@@ -69,7 +69,8 @@ def _inputs(n, seed):
 @pytest.mark.parametrize("name, options", list(_cases()))
 def test_large_logits_give_no_zero_row_and_no_nan(name, options, one_thread):
     spec = effattn.spec(name)
-    gated = spec.layer.gated({**spec.options, **options})
+    inputs = spec.required_inputs(options)
+    causal_only = any(c.causal_only for c in inputs)
     shared = options.get("shared_qk", False)
     # One seed: the same random draws in both precisions.
     modules = {
@@ -80,9 +81,13 @@ def test_large_logits_give_no_zero_row_and_no_nan(name, options, one_thread):
     for n in LENGTHS:
         q, k, v = _inputs(n, seed=n)
         k = q if shared else k
-        call = {"gate": torch.full((B, H, n), 0.7, dtype=torch.float64)} if gated else {}
+        dims = {"B": B, "H": H, "N": n, "M": n, "D": D, "Dv": DV}
+        # 70% of the way through its bounds (a gate of 0.7), or 0.7 when it has none.
+        call = {c.name: torch.full(c.expected_shape(dims), 0.7 if c.bounds is None
+                                   else c.bounds[0] + 0.7 * (c.bounds[1] - c.bounds[0]),
+                                   dtype=torch.float64) for c in inputs}
         for causal in (False, True):
-            if (causal and not spec.causal) or (gated and not causal):
+            if (causal and not spec.causal) or (causal_only and not causal):
                 continue
             for pad_name, make_mask in PADDING.items():
                 mask = make_mask(n)
@@ -96,10 +101,10 @@ def test_large_logits_give_no_zero_row_and_no_nan(name, options, one_thread):
                     big_q = (q * magnitude).to(dtype).requires_grad_()
                     big_k = big_q if shared else (k * magnitude).to(dtype).requires_grad_()
                     small_v = v.to(dtype).requires_grad_()
-                    gate = {key: t.to(dtype) for key, t in call.items()}
+                    given = {key: t.to(dtype) for key, t in call.items()}
                     try:
                         out = module(big_q, big_k, small_v, causal=causal, key_padding_mask=mask,
-                                     **gate)
+                                     **given)
                     except ValueError:
                         continue  # a loud refusal, which the contract allows
                     zero = (out == 0).all(-1)

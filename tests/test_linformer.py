@@ -7,7 +7,7 @@ import torch
 from conftest import padding, qkv
 
 import effattn
-from effattn import reference as R
+from effattn import naive as R
 from effattn.mechanisms.linformer import linformer_attention
 
 SHARES = ("none", "kv", "headwise")
@@ -131,12 +131,3 @@ def test_functional_attention_builds_with_max_len_from_shapes():
     again = effattn.attention(q, k, v, method="linformer", seed=3, proj_len=16)
     assert out.shape == (2, 3, 33, 21)
     torch.testing.assert_close(out, again)
-
-
-def test_bf16_inputs_keep_dtype():
-    q, k, v = qkv(n=50, dtype=torch.bfloat16)
-    attn = _module(proj_len=16)
-    out = attn(q, k, v)
-    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    torch.testing.assert_close(out.float(), attn(q.float(), k.float(), v.float()),
-                               atol=2e-2, rtol=2e-2)

@@ -304,6 +304,6 @@ def test_encoder_decoder_step_equals_forward_and_masks_source_padding():
 def test_gated_models_gate_only_causal_self_attention():
     model = EncoderDecoder(10, 10, 16, 2, 1, "rfa", cross_method="softmax", gated=True,
                            max_len=16)
-    assert not model.encoder[0].self_attn.gated
-    assert model.decoder[0].self_attn.gated
-    assert not model.decoder[0].cross_attn.gated
+    assert model.encoder[0].self_attn.call_inputs == ()
+    assert model.decoder[0].self_attn.call_inputs == ("gate",)
+    assert model.decoder[0].cross_attn.call_inputs == ()

@@ -5,7 +5,7 @@ import torch
 from conftest import padding, qkv
 
 import effattn
-from effattn import reference as R
+from effattn import naive as R
 from effattn.mechanisms.nystrom import iterative_pinv, nystrom_attention, segment_averaging
 
 
@@ -199,14 +199,6 @@ def test_seed_fixes_conv_weights():
                                                                          c.conv_weight)
     assert a.conv_weight.abs().max() <= 1 / 33**0.5
 
-
-def test_bf16_inputs_keep_dtype():
-    q, k, v = qkv(n=70, dtype=torch.bfloat16)
-    attn = effattn.build("nystrom", head_dim=21, heads=3, num_landmarks=16)
-    out = attn(q, k, v)
-    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    torch.testing.assert_close(out.float(), attn(q.float(), k.float(), v.float()),
-                               atol=3e-2, rtol=3e-2)
 
 
 def _peaked(n, dtype):

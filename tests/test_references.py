@@ -1,11 +1,11 @@
 """Every registered method equals the dense reference its spec declares.
 
 ``spec.reference(module, q, k, v, ...)`` binds the module's parameters, buffers and eval-mode
-random draws to the naive formulas of ``effattn.reference``. Here, for every method and every
-variant its spec lists, the module's output and its gradients (q, k, v, the gate, the module's
-parameters) must match it in float64 on awkward shapes: N = 63, D = 21, Dv = 10, cross-attention
-with M = 50, left and right padding, and options small enough that chunks, windows, buckets,
-blocks, segments and strides all end in a partial one.
+random draws to the naive formulas of ``effattn.naive``. Here, for every method and every
+variant its spec lists, the module's output and its gradients (q, k, v, the call inputs it
+takes, the module's parameters) must match it in float64 on awkward shapes: N = 63, D = 21,
+Dv = 10, cross-attention with M = 50, left and right padding, and options small enough that
+chunks, windows, buckets, blocks, segments and strides all end in a partial one.
 """
 
 import pytest
@@ -64,12 +64,22 @@ def _cases():
         ] + [(_label({key: value}), {**small, key: value}, False)
              for key, value in EXTRA.items() if key in spec.options]
         for label, options, cross_ok in settings:
-            gated = spec.layer.gated({**spec.options, **options})
+            causal_only = any(c.causal_only for c in spec.required_inputs(options))
             for mode, (causal, padded, cross) in MODES.items():
                 if ((causal and not spec.causal) or (padded and not spec.padding_mask)
-                        or (cross and not cross_ok) or (gated and not causal)):
+                        or (cross and not cross_ok) or (causal_only and not causal)):
                     continue
                 yield pytest.param(name, options, mode, id=f"{name}-{label}-{mode}")
+
+
+def call_input(c, dims, seed=1):
+    """Values for the call input ``c``: inside the middle 60% of its bounds, else N(0, 1)."""
+    shape = c.expected_shape(dims)
+    g = torch.Generator().manual_seed(seed)
+    if c.bounds is None:
+        return torch.randn(shape, dtype=torch.float64, generator=g)
+    low, high = c.bounds
+    return low + (high - low) * (0.2 + 0.6 * torch.rand(shape, dtype=torch.float64, generator=g))
 
 
 def _build(name, options):
@@ -91,11 +101,8 @@ def test_module_equals_its_reference(name, options, mode, device):
     module = _build(name, options).to(device)
     q, k, v = (t.to(device) for t in qkv(b=B, h=H, n=N, m=M_CROSS if cross else N, d=D, dv=DV))
     mask = padding(B, k.shape[2]).to(device) if padded else None
-    call = {}
-    if spec.layer.gated({**spec.options, **options}):
-        call["gate"] = (torch.rand(B, H, N, dtype=torch.float64,
-                                   generator=torch.Generator().manual_seed(1)) * 0.6 + 0.2
-                        ).to(device)
+    dims = {"B": B, "H": H, "N": N, "M": k.shape[2], "D": D, "Dv": DV}
+    call = {c.name: call_input(c, dims).to(device) for c in spec.required_inputs(options)}
     inputs = [t.requires_grad_() for t in (q, k, v, *call.values())]
     params = [p for p in module.parameters() if p.requires_grad]
 

@@ -1,8 +1,9 @@
 """The module every mechanism derives from: input validation and capability checks in one place.
 
-Subclasses implement ``_attend`` (and ``_step`` when ``spec.decoding``); :meth:`forward` and
-:meth:`step` validate the inputs against the contract of ``shared/design.md`` first, so a method's
-own code only ever sees well-formed tensors.
+Subclasses implement ``_attend`` (and ``_step`` when ``spec.decoding``); :meth:`forward`,
+:meth:`step` and :meth:`prefill` validate the inputs against the contract first (shapes, dtypes,
+the capabilities of the spec, the call inputs it declares), so a method's own code only ever sees
+well-formed tensors.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from effattn.registry import MethodSpec
+from effattn.registry import CallInput, MethodSpec
 
 
 def check_qkv(
@@ -113,14 +114,6 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     return value
 
 
-def resolve_seed(seed: int | None) -> int:
-    """``seed``, or a seed drawn from the global RNG when None.
-
-    Drawing from the global RNG keeps ``torch.manual_seed`` in control of unseeded modules.
-    """
-    return seed if seed is not None else int(torch.randint(0, 2**62, ()).item())
-
-
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp16/bf16 inputs are computed in fp32 (features overflow in half precision)."""
     return torch.promote_types(dtype, torch.float32)
@@ -178,9 +171,31 @@ class AttentionMethod(nn.Module):
         reason = self.spec.refusals.get(capability, "not supported")
         raise ValueError(f"{self.spec.name} cannot do {what}: {reason}")
 
-    def _check(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Tensor | None
+    @property
+    def call_inputs(self) -> tuple[CallInput, ...]:
+        """The call inputs this module takes: those of its spec whose ``enabled_by`` option is on
+        (a module keeps each such option as the attribute of that name), and the optional ones."""
+        return tuple(c for c in self.spec.call_inputs
+                     if c.enabled_by is None or getattr(self, c.enabled_by))
+
+    def validate(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool = False,
+        key_padding_mask: Tensor | None = None,
+        **call: Tensor | None,
     ) -> None:
+        """Check a forward call against the contract, as :meth:`forward` does before computing.
+
+        ``ValueError`` naming the argument for bad q (B, H, N, D), k (B, H, M, D), v (B, H, M, Dv)
+        or mask, for a capability the spec refuses (with its reason), for a length over
+        ``max_len`` and for a call input that is missing, not enabled, of the wrong shape or out
+        of bounds; ``TypeError`` for a keyword the spec does not declare in ``call_inputs``.
+        Wrappers that compute the attention themselves (``effattn.distributed``) call it first.
+        """
         check_qkv(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
         if q.shape[1] != self.heads:
             raise ValueError(
@@ -200,6 +215,68 @@ class AttentionMethod(nn.Module):
             raise ValueError(
                 f"sequence length {max(q.shape[2], k.shape[2])} exceeds max_len={self.max_len}"
             )
+        self._check_call(call, q, k, v, causal)
+
+    def _check_call(
+        self, call: dict[str, Tensor | None], q: Tensor, k: Tensor, v: Tensor, causal: bool
+    ) -> None:
+        """The call inputs of ``call`` against the spec's ``call_inputs`` (see :meth:`validate`)."""
+        if not call and not self.spec.call_inputs:
+            return  # the common case, kept cheap: step runs this once per decoded token
+        declared = {c.name: c for c in self.spec.call_inputs}
+        unknown = sorted(set(call) - set(declared))
+        if unknown:
+            raise TypeError(
+                f"{self.spec.name} got unexpected call argument(s) {', '.join(unknown)}; its call "
+                f"inputs are: {', '.join(declared) or 'none'}"
+            )
+        taken = self.call_inputs
+        dims = {"B": q.shape[0], "H": q.shape[1], "N": q.shape[2], "M": k.shape[2],
+                "D": q.shape[3], "Dv": v.shape[3]}
+        for c in self.spec.call_inputs:
+            value = call.get(c.name)
+            shape = f"({', '.join(c.shape)})"
+            if c not in taken:
+                if value is not None:
+                    raise ValueError(f"{self.spec.name}: {c.name} is only taken with "
+                                     f"{c.enabled_by}=True")
+                continue
+            if value is None:
+                if c.required:
+                    raise ValueError(f"{self.spec.name} with {c.enabled_by}=True needs "
+                                     f"{c.name} {shape} in the call")
+                continue
+            if c.causal_only and not causal:
+                raise ValueError(f"{self.spec.name} with {c.enabled_by}=True needs causal=True: "
+                                 f"{c.name} is defined for causal attention only")
+            if not isinstance(value, Tensor) or not value.is_floating_point():
+                raise ValueError(f"{c.name} must be a floating-point tensor, got "
+                                 f"{getattr(value, 'dtype', type(value).__name__)}")
+            expected = c.expected_shape(dims)
+            if tuple(value.shape) != expected:
+                raise ValueError(f"{c.name} must be {shape} = {expected}, "
+                                 f"got {tuple(value.shape)}")
+            if value.device != q.device:
+                raise ValueError(f"{c.name} is on {value.device}, q on {q.device}")
+            # Reading values is a host sync: eager only (a graph break under torch.compile).
+            if torch.compiler.is_compiling():
+                continue
+            if c.bounds is not None:
+                low, high = c.bounds
+                if not torch.isfinite(value).all() or value.min() < low or value.max() > high:
+                    raise ValueError(f"{c.name} values must lie in [{low:g}, {high:g}]")
+            elif not torch.isfinite(value).all():
+                raise ValueError(f"{c.name} contains NaN or inf (shape {tuple(value.shape)})")
+
+    def prepare_call(self) -> None:
+        """Advance the module's per-call state, once per forward call, before computing.
+
+        Nothing here; :class:`effattn.random.RandomizedAttention` counts training-mode calls
+        and kernelized methods redraw their random features when the schedule says so. A wrapper
+        that computes the attention itself instead of calling :meth:`forward`
+        (``effattn.distributed``) calls it after :meth:`validate`, so that the module's random
+        state moves exactly as a forward call would move it.
+        """
 
     def forward(
         self,
@@ -208,11 +285,16 @@ class AttentionMethod(nn.Module):
         v: Tensor,
         causal: bool = False,
         key_padding_mask: Tensor | None = None,
-        **kwargs: Any,
+        **call: Tensor | None,
     ) -> Tensor:
-        """Attention of q (B, H, N, D) over k (B, H, M, D), v (B, H, M, Dv) -> (B, H, N, Dv)."""
-        self._check(q, k, v, causal, key_padding_mask)
-        out = self._attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask, **kwargs)
+        """Attention of q (B, H, N, D) over k (B, H, M, D), v (B, H, M, Dv) -> (B, H, N, Dv).
+
+        ``call``: the call inputs the spec declares (``spec.call_inputs``), by name.
+        """
+        self.validate(q, k, v, causal=causal, key_padding_mask=key_padding_mask, **call)
+        self.prepare_call()
+        out = self._attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
+                           **_given(call))
         return out.to(q.dtype)
 
     def _check_decoding(self, q: Tensor, k: Tensor, v: Tensor, what: str) -> None:
@@ -226,11 +308,12 @@ class AttentionMethod(nn.Module):
             )
 
     def step(
-        self, q: Tensor, k: Tensor, v: Tensor, state: Any = None, **kwargs: Any
+        self, q: Tensor, k: Tensor, v: Tensor, state: Any = None, **call: Tensor | None
     ) -> tuple[Tensor, Any]:
         """One decoding step: q, k, v of shape (B, H, 1, D); returns (out (B, H, 1, Dv), state).
 
-        Feeding a sequence one token at a time from ``state=None`` gives the causal forward.
+        Feeding a sequence one token at a time from ``state=None`` gives the causal forward;
+        ``call`` holds the call inputs at this token (N = 1 in their shapes).
         """
         if q.shape[2:3] != (1,) or k.shape[2:3] != (1,):
             raise ValueError(
@@ -238,11 +321,12 @@ class AttentionMethod(nn.Module):
                 f"k {tuple(k.shape)}"
             )
         self._check_decoding(q, k, v, "step")
-        out, state = self._step(q, k, v, state, **kwargs)
+        self._check_call(call, q, k, v, causal=True)
+        out, state = self._step(q, k, v, state, **_given(call))
         return out.to(q.dtype), state
 
     def prefill(
-        self, q: Tensor, k: Tensor, v: Tensor, state: Any = None, **kwargs: Any
+        self, q: Tensor, k: Tensor, v: Tensor, state: Any = None, **call: Tensor | None
     ) -> tuple[Tensor, Any]:
         """Causal attention over a block of L tokens that continues ``state`` (None: the start).
 
@@ -250,7 +334,8 @@ class AttentionMethod(nn.Module):
         form of L calls to :meth:`step`: a prompt is prefilled in one call, then decoded.
         """
         self._check_decoding(q, k, v, "prefill")
-        out, state = self._prefill(q, k, v, state, **kwargs)
+        self._check_call(call, q, k, v, causal=True)
+        out, state = self._prefill(q, k, v, state, **_given(call))
         return out.to(q.dtype), state
 
     def memory(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None) -> Any:
@@ -302,173 +387,31 @@ class AttentionMethod(nn.Module):
         *,
         causal: bool,
         key_padding_mask: Tensor | None,
+        **call: Tensor,
     ) -> Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement _attend")
 
-    def _step(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
+    def _step(
+        self, q: Tensor, k: Tensor, v: Tensor, state: Any, **call: Tensor
+    ) -> tuple[Tensor, Any]:
         raise NotImplementedError(f"{type(self).__name__} must implement _step")
 
-    def _prefill(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
-        """One :meth:`_step` per token; methods with a parallel causal form override this."""
+    def _prefill(
+        self, q: Tensor, k: Tensor, v: Tensor, state: Any, **call: Tensor
+    ) -> tuple[Tensor, Any]:
+        """One :meth:`_step` per token, each call input cut at the token along its N;
+        methods with a parallel causal form override this."""
+        along = {c.name: c.shape.index("N") for c in self.spec.call_inputs if "N" in c.shape}
         outs = []
         for t in range(q.shape[2]):
             one = slice(t, t + 1)
-            out, state = self._step(q[:, :, one], k[:, :, one], v[:, :, one], state)
+            at = {name: x.narrow(along[name], t, 1) if name in along else x
+                  for name, x in call.items()}
+            out, state = self._step(q[:, :, one], k[:, :, one], v[:, :, one], state, **at)
             outs.append(out)
         return torch.cat(outs, 2), state
 
 
-@torch.library.custom_op("effattn::draw", mutates_args=("state",))
-def _draw(
-    state: Tensor, shape: list[int], normal: bool, dtype: torch.dtype, when: Tensor | None
-) -> Tensor:
-    """Standard normal (``normal``) or uniform [0, 1) values of ``shape`` from the CPU generator
-    whose state is ``state``, advanced in place; zeros, and the state left alone, where ``when``
-    (0-d bool) is False.
-
-    An operator rather than a ``torch.Generator`` call because torch.compile cannot trace a
-    generator: it traces this as one opaque node, so modules that draw compile fullgraph.
-    """
-    if when is not None and not bool(when):
-        return torch.zeros(shape, dtype=dtype)
-    g = torch.Generator()
-    g.set_state(state)
-    out = (torch.randn if normal else torch.rand)(shape, generator=g, dtype=dtype)
-    state.copy_(g.get_state())
-    return out
-
-
-@_draw.register_fake
-def _(state: Tensor, shape: list[int], normal: bool, dtype: torch.dtype,
-      when: Tensor | None) -> Tensor:
-    return torch.empty(shape, dtype=dtype)
-
-
-class TensorGenerator:
-    """A CPU random generator held as its state tensor (uint8, as ``torch.Generator.get_state``).
-
-    Draws the same numbers as a ``torch.Generator`` with that state, through the ``effattn::draw``
-    operator, which torch.compile traces (it cannot trace a ``torch.Generator``). ``when`` (0-d
-    bool tensor, optional) makes every draw conditional: False gives zeros and leaves the state
-    alone, a branch that needs no host sync under compile.
-    """
-
-    def __init__(self, state: Tensor, when: Tensor | None = None) -> None:
-        self.state = state
-        self.when = when
-
-    @staticmethod
-    def seeded(seed: int) -> Tensor:
-        """The state of a CPU generator seeded with ``seed``."""
-        return torch.Generator().manual_seed(seed).get_state()
-
-    def normal(self, *shape: int, dtype: torch.dtype = torch.float64) -> Tensor:
-        """N(0, 1) draws of ``shape``, as ``torch.randn(*shape, generator=g, dtype=dtype)``."""
-        return _draw(self.state, list(shape), True, dtype, self.when)
-
-    def uniform(self, *shape: int, dtype: torch.dtype = torch.float64) -> Tensor:
-        """U[0, 1) draws of ``shape``, as ``torch.rand(*shape, generator=g, dtype=dtype)``."""
-        return _draw(self.state, list(shape), False, dtype, self.when)
-
-
-# Where random draws come from: a torch.Generator, the global RNG (None), or a TensorGenerator
-# (what modules use, so that they compile).
-RandomSource = torch.Generator | TensorGenerator | None
-
-
-def normal(generator: RandomSource, *shape: int, dtype: torch.dtype = torch.float64) -> Tensor:
-    """N(0, 1) draws of ``shape`` from ``generator`` (see :data:`RandomSource`)."""
-    if isinstance(generator, TensorGenerator):
-        return generator.normal(*shape, dtype=dtype)
-    return torch.randn(shape, generator=generator, dtype=dtype)
-
-
-def uniform(generator: RandomSource, *shape: int, dtype: torch.dtype = torch.float64) -> Tensor:
-    """U[0, 1) draws of ``shape`` from ``generator`` (see :data:`RandomSource`)."""
-    if isinstance(generator, TensorGenerator):
-        return generator.uniform(*shape, dtype=dtype)
-    return torch.rand(shape, generator=generator, dtype=dtype)
-
-
-class RandomizedAttention(AttentionMethod):
-    """Base of the methods that keep drawing random numbers after construction.
-
-    It owns the module's random state and saves it with the ``state_dict`` (as extra state), so
-    that a checkpoint loaded into a fresh build, whatever that build's ``seed``, continues
-    exactly as the saved module would have:
-
-    - ``_rng``: the state of a CPU generator seeded with the seed; training-mode draws (fresh
-      random blocks, rotations or subsets on every call, redrawn random features) advance it;
-    - ``_seed``: eval-mode draws restart from its generator state on every call, so eval calls
-      repeat them;
-    - ``_calls``: training-mode forward calls so far (redraw schedules count them).
-
-    The generator state and the counter are CPU tensors, updated in place, not a
-    ``torch.Generator`` and a Python int: torch.compile traces draws from a state tensor
-    (:class:`TensorGenerator`) and in-place updates of a tensor, where a generator would break
-    the graph and an int would be baked into it (one recompilation per call). They are plain
-    attributes, not buffers: ``.to(device)`` leaves them on the CPU, where the draws are made.
-    ``seed=None`` draws the seed from the global RNG (see :func:`resolve_seed`).
-    """
-
-    def __init__(
-        self,
-        head_dim: int,
-        heads: int,
-        max_len: int | None = None,
-        seed: int | None = None,
-        scale: float | None = None,
-    ) -> None:
-        super().__init__(head_dim, heads, max_len, seed, scale)
-        self._seed = resolve_seed(seed)
-        self._seed_state = TensorGenerator.seeded(self._seed)
-        self._rng = self._seed_state.clone()
-        self._calls = torch.zeros((), dtype=torch.int64)
-
-    def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Tensor | None = None,
-        **kwargs: Any,
-    ) -> Tensor:
-        """:meth:`AttentionMethod.forward`, counting training-mode calls in ``_calls``."""
-        out = super().forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, **kwargs)
-        if self.training:
-            self._calls.add_(1)
-        return out
-
-    def _train_generator(self, when: Tensor | None = None) -> TensorGenerator:
-        """The module's generator: its draws advance the module's random state."""
-        return TensorGenerator(self._rng, when)
-
-    def _eval_generator(self) -> TensorGenerator:
-        """A generator restarted at the module's seed: the same draws on every call."""
-        return TensorGenerator(self._seed_state.clone())
-
-    def _call_generator(self) -> TensorGenerator:
-        """The generator for this call's draws: fresh ones in training mode, fixed in eval."""
-        return self._train_generator() if self.training else self._eval_generator()
-
-    def get_extra_state(self) -> dict[str, Any]:
-        """Generator state (uint8 tensor), seed and call count: plain data, so a state_dict
-        holding it loads with ``torch.load(weights_only=True)``."""
-        return {"generator": self._rng.clone(), "seed": self._seed, "calls": int(self._calls)}
-
-    def set_extra_state(self, state: Any) -> None:
-        """Restore what :meth:`get_extra_state` saved."""
-        keys = {"generator", "seed", "calls"}
-        if (not isinstance(state, dict) or set(state) != keys
-                or not isinstance(state["generator"], Tensor)):
-            got = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(
-                f"{self.spec.name}: extra state must be the dict of get_extra_state() with keys "
-                f"{sorted(keys)} (generator a uint8 tensor), got {got}"
-            )
-        # Through a generator: it validates the state as torch.Generator.set_state does.
-        self._rng.copy_(torch.Generator().set_state(state["generator"].cpu()).get_state())
-        self._seed = int(state["seed"])
-        self._seed_state = TensorGenerator.seeded(self._seed)
-        self._calls.fill_(int(state["calls"]))
+def _given(call: dict[str, Tensor | None]) -> dict[str, Tensor]:
+    """The call inputs actually given: a mechanism's code sees no None for an absent one."""
+    return {name: value for name, value in call.items() if value is not None}

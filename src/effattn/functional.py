@@ -7,7 +7,7 @@ from typing import Any
 from torch import Tensor
 
 from effattn.base import check_qkv
-from effattn.registry import DEFAULT_METHOD, build
+from effattn.registry import DEFAULT_METHOD, build, spec
 
 
 def attention(
@@ -25,11 +25,12 @@ def attention(
 
     A convenience for one-off calls: methods with parameters or random features are built afresh
     each call (fix ``seed`` for repeatable random features). Keep a module from :func:`build` to
-    reuse them. Call-time keywords that are not build options (``gate`` of gated RFA) go to the
-    forward call.
+    reuse them. Keywords that the method's spec declares in ``call_inputs`` go to the forward
+    call, the others to :func:`build`.
     """
     check_qkv(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
-    call_kwargs = {name: options.pop(name) for name in ("gate",) if name in options}
+    declared = {c.name for c in spec(method).call_inputs}
+    call = {name: options.pop(name) for name in list(options) if name in declared}
     module = build(
         method,
         head_dim=q.shape[-1],
@@ -39,4 +40,4 @@ def attention(
         **options,
     )
     module = module.to(q.device).eval()
-    return module(q, k, v, causal=causal, key_padding_mask=key_padding_mask, **call_kwargs)
+    return module(q, k, v, causal=causal, key_padding_mask=key_padding_mask, **call)

@@ -3,9 +3,9 @@
 Every mechanism lives in ``effattn/mechanisms/<name>.py`` (the subpackage is not named
 ``methods``: that is the function listing the names) and calls :func:`register` at the bottom of
 its file with everything the rest of the package asks about it: capabilities and options, the FLOP
-model, the budget the approximation study sweeps, variants worth comparing, the hints a layer
-needs (a parameter-free mixer, a call-time gate), its dense reference and how it is split along
-the sequence across ranks. The layers, tools and command line consult only this registry; no
+model, the budget the approximation study sweeps, variants worth comparing, the tensors it takes at
+call time besides q, k and v, the hints a layer needs, its dense reference and how it is split
+along the sequence across ranks. The layers, tools and command line consult only this registry; no
 other module names a method. ``effattn.mechanisms`` imports every module of that package, so
 adding a file is all it takes to add a method.
 """
@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from effattn.parallel import SequenceStrategy
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
 
 # Constructor arguments every method takes, besides its own options.
 COMMON_OPTIONS = ("scale",)
-# The exact method: the contract's default (shared/design.md) and the baseline every tool
+# The exact method: the contract's default (README, "The contract") and the baseline every tool
 # compares against. The one place outside its own module that names a method.
 DEFAULT_METHOD = "softmax"
 
@@ -53,12 +55,8 @@ FlopModel = Callable[[Mapping[str, Any], Problem], float]
 # The output a method approximates in the error study: (q, k, v, scale, options) -> (B, H, N, Dv).
 TargetFn = Callable[["Tensor", "Tensor", "Tensor", float, Mapping[str, Any]], "Tensor"]
 # A module's dense reference: reference(module, q, k, v, *, causal=False, key_padding_mask=None,
-# **call) -> (B, H, N, Dv), ``call`` being the module's call-time arguments (``gate=``).
+# **call) -> (B, H, N, Dv), ``call`` holding the call inputs the module was given (CallInput).
 ReferenceFn = Callable[..., "Tensor"]
-# How effattn.distributed splits a method along the sequence (see distributed/sequence.py):
-# "state": kernelized, ranks exchange fixed-size key states; "gather": every rank all-gathers K
-# and V; "halo": a window, ranks exchange the tokens at their slice borders.
-SEQUENCE_PARALLEL = ("state", "gather", "halo")
 
 
 @dataclass(frozen=True)
@@ -75,27 +73,58 @@ class Budget:
     note: str = ""
 
 
+# The letters a CallInput's shape is written in, resolved against the call's q (B, H, N, D),
+# k (B, H, M, D) and v (B, H, M, Dv); N is 1 in ``step`` and L in ``prefill``.
+SHAPE_LETTERS = ("B", "H", "N", "M", "D", "Dv")
+# Names a call input cannot take: the arguments of forward, step, build and effattn.attention.
+RESERVED_NAMES = frozenset({"q", "k", "v", "causal", "key_padding_mask", "state", "method",
+                            "seed", "head_dim", "heads", "max_len", *COMMON_OPTIONS})
+
+
+@dataclass(frozen=True)
+class CallInput:
+    """A tensor a module takes at call time besides q, k and v: a keyword of ``forward``,
+    ``step`` and ``prefill`` (and of ``effattn.attention``), checked by ``AttentionMethod``.
+
+    ``shape`` spells its dimensions in :data:`SHAPE_LETTERS` (``("B", "H", "N")``: one value
+    per batch, head and query). ``enabled_by`` names the bool option that makes the module take
+    it: the input is then required, and refused while the option is off; None: the module always
+    accepts it, and it is optional. ``causal_only``: defined for causal attention only (with
+    ``causal=True``; ``step`` and ``prefill`` are causal). ``bounds``: the closed interval its
+    values must lie in, or None; values are checked (finite, within bounds) in eager mode only.
+    A layer around the mechanism computes each required input (``effattn.nn``, by ``name``).
+    """
+
+    name: str
+    doc: str
+    shape: tuple[str, ...]
+    enabled_by: str | None = None
+    causal_only: bool = False
+    bounds: tuple[float, float] | None = None
+
+    @property
+    def required(self) -> bool:
+        """Whether a module that takes it must be given it (it has an ``enabled_by`` option)."""
+        return self.enabled_by is not None
+
+    def enabled(self, options: Mapping[str, Any]) -> bool:
+        """Whether a module built with ``options`` (defaults merged in) takes it."""
+        return self.enabled_by is None or bool(options.get(self.enabled_by, False))
+
+    def expected_shape(self, dims: Mapping[str, int]) -> tuple[int, ...]:
+        """``shape`` with each letter replaced by its size in ``dims``."""
+        return tuple(dims[letter] for letter in self.shape)
+
+
 @dataclass(frozen=True)
 class LayerHints:
     """What a layer around the mechanism must do differently.
 
     ``parameter_free``: the mechanism mixes the sequence itself (no queries, keys or values), so
     the layer has no projections and hands it the whole embedding as one head.
-    ``gate_option``: the option that, when true, makes the mechanism take a per-head gate
-    ``gate=`` (B, H, N) in (0, 1) at call time; such a gate exists for causal self-attention only,
-    so encoders and cross-attention build the mechanism without it.
     """
 
     parameter_free: bool = False
-    gate_option: str | None = None
-
-    def gated(self, options: Mapping[str, Any]) -> bool:
-        """Whether ``options`` (defaults merged in) ask for the call-time gate."""
-        return self.gate_option is not None and bool(options.get(self.gate_option, False))
-
-    def ungated(self, options: Mapping[str, Any]) -> dict[str, Any]:
-        """``options`` without the gate: the mechanism for encoders and cross-attention."""
-        return {k: v for k, v in options.items() if k != self.gate_option}
 
 
 @dataclass(frozen=True)
@@ -120,11 +149,14 @@ class MethodSpec:
     False raises ``ValueError`` (with ``refusals[capability]`` as the reason) instead of computing
     something wrong. ``options`` maps each option the method accepts to its default.
 
-    ``reference`` computes densely, from ``effattn.reference``'s naive formulas (O(N M) memory,
+    ``reference`` computes densely, from the naive formulas of ``effattn.naive`` (O(N M) memory,
     float64-friendly), exactly what a module computes in eval mode on inputs it accepts, with that
     module's own parameters, buffers and eval-mode random draws: the tests hold every module to it.
-    ``sequence_parallel`` is one of :data:`SEQUENCE_PARALLEL`, or None: the method cannot be split
-    along the sequence, for the reason in ``refusals["sequence_parallel"]``.
+    ``sequence_parallel`` is the :class:`~effattn.parallel.SequenceStrategy` that computes the
+    method over a sequence split across ranks, provided by its engine (the kernelized core's
+    state exchange, the banded engine's halos), or None: the method cannot be split along the
+    sequence, for the reason in ``refusals["sequence_parallel"]``.
+    ``call_inputs`` declares the tensors a module takes at call time besides q, k and v.
     """
 
     name: str
@@ -141,10 +173,11 @@ class MethodSpec:
     budget: Budget | None = None
     variants: tuple[Variant, ...] = ()
     layer: LayerHints = LayerHints()
+    call_inputs: tuple[CallInput, ...] = ()
     bench_default: bool = False
     published: Mapping[str, float] = field(default_factory=dict)
     reference: ReferenceFn | None = None
-    sequence_parallel: str | None = None
+    sequence_parallel: SequenceStrategy | None = None
 
     def __post_init__(self) -> None:
         for name in ("options", "refusals", "published"):
@@ -158,19 +191,48 @@ class MethodSpec:
             raise ValueError(
                 f"MethodSpec {self.name!r}: sequence_parallel=None needs a reason in refusals"
             )
-        if self.sequence_parallel is not None and self.sequence_parallel not in SEQUENCE_PARALLEL:
+        if self.sequence_parallel is not None and not isinstance(
+                self.sequence_parallel, SequenceStrategy):
             raise ValueError(
-                f"MethodSpec {self.name!r}: sequence_parallel must be one of {SEQUENCE_PARALLEL} "
-                f"or None, got {self.sequence_parallel!r}"
+                f"MethodSpec {self.name!r}: sequence_parallel must be a SequenceStrategy or "
+                f"None, got {self.sequence_parallel!r}"
             )
         named = [o for v in self.variants for o in v.options]
         if self.budget is not None:
             named.append(self.budget.option)
-        if self.layer.gate_option is not None:
-            named.append(self.layer.gate_option)
+        named += [c.enabled_by for c in self.call_inputs if c.enabled_by is not None]
         unknown = sorted(set(named) - set(self.options) - set(COMMON_OPTIONS))
         if unknown:
             raise ValueError(f"MethodSpec {self.name!r} names unknown option(s) {unknown}")
+        names = [c.name for c in self.call_inputs]
+        clash = sorted({n for n in names if names.count(n) > 1 or n in self.options}
+                       | (set(names) & RESERVED_NAMES))
+        if clash:
+            raise ValueError(
+                f"MethodSpec {self.name!r}: call input name(s) {clash} repeat, or are an option "
+                "or an argument of forward, step, build or effattn.attention"
+            )
+        for c in self.call_inputs:
+            if not c.shape or not set(c.shape) <= set(SHAPE_LETTERS):
+                raise ValueError(
+                    f"MethodSpec {self.name!r}: call input {c.name!r} has shape {c.shape}; "
+                    f"spell it in {SHAPE_LETTERS}"
+                )
+
+    def enabled_inputs(self, options: Mapping[str, Any]) -> tuple[CallInput, ...]:
+        """The call inputs a module built with ``options`` takes (the defaults fill the rest)."""
+        merged = {**self.options, **options}
+        return tuple(c for c in self.call_inputs if c.enabled(merged))
+
+    def required_inputs(self, options: Mapping[str, Any]) -> tuple[CallInput, ...]:
+        """Those of :meth:`enabled_inputs` that each call must give: what a layer computes."""
+        return tuple(c for c in self.enabled_inputs(options) if c.required)
+
+    def non_causal_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """``options`` without those that turn on a causal-only call input: the mechanism as
+        encoders and cross-attention use it, where such an input does not exist."""
+        switches = {c.enabled_by for c in self.call_inputs if c.causal_only}
+        return {k: v for k, v in options.items() if k not in switches}
 
 
 _REGISTRY: dict[str, tuple[MethodSpec, type[AttentionMethod]]] = {}
@@ -224,9 +286,11 @@ def build(
     unknown = sorted(set(options) - set(method_spec.options) - set(COMMON_OPTIONS))
     if unknown:
         known = ", ".join(sorted(method_spec.options)) or "none"
+        inputs = [c.name for c in method_spec.call_inputs if c.name in unknown]
+        at_call = f"; {', '.join(inputs)} go(es) to the call, not to build" if inputs else ""
         raise TypeError(
             f"method {name!r} got unknown option(s) {', '.join(unknown)}; it accepts: {known}"
-            f" (and {', '.join(COMMON_OPTIONS)})"
+            f" (and {', '.join(COMMON_OPTIONS)}){at_call}"
         )
     for arg, value in (("head_dim", head_dim), ("heads", heads)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -1,26 +1,15 @@
 """Sequence-parallel attention: rank r of P holds the contiguous slice r of one sequence.
 
-q, k, v (B, H, n_r, D) and the key padding mask (B, n_r) of every rank are slices of the whole
-(B, H, N, D) and (B, N); slice r starts at offset o_r = n_0 + ... + n_{r-1}. Each rank gets its
-slice of the output, equal (up to rounding) to the module on the whole sequence, and gradients
-flow back through the collectives to every rank's inputs. The method's spec says how
-(``MethodSpec.sequence_parallel``):
-
-- "state", kernelized (performer, favor, rfa, linear), non-causal: the key state
-  [S, z] = φ(K)^T [V, 1] is a sum over keys, so each rank forms its slice's (F, Dv + 1) state and
-  one all-reduce sums them. The stabiliser scale is made common first: every rank rescales its
-  state to m = max_r s_r (an all-reduce MAX of (B, H) scalars, without gradient: it cancels).
-- "state", causal (and gated): rank r needs the state of everything before o_r. Each rank forms
-  its slice's state S_r at scale s_r and its slice's total log gate G_r (0 ungated); one all-gather
-  of the P states (LASP-2, Sun et al. 2025) gives every rank
-  S_in,r = Σ_{r' < r} exp(s_r' + Σ_{r' < l < r} G_l) S_r', and the chunkwise causal core continues
-  from it over the rank's slice. Communication is P states, independent of N.
-- "gather", softmax (the exact baseline): all-gather K and V, O(N) per rank.
-- "halo", local (sliding window): query i needs keys i - left .. i + right (left = window - 1,
-  right = 0 causal; window // 2 each way otherwise). Every rank all-gathers the first ``right``
-  and last ``left`` tokens of every slice (a halo, O(P window) per rank, independent of N) and
-  attends over [halo before, own slice, halo after]; slices shorter than the window take their
-  context from several earlier ranks.
+q, k, v (B, H, n_r, D), the key padding mask (B, n_r) and the call inputs of every rank are
+slices of the whole (B, H, N, D), (B, N) and so on; slice r starts at offset
+o_r = n_0 + ... + n_{r-1}. Each rank gets its slice of the output, equal (up to rounding) to the
+module on the whole sequence, and gradients flow back through the collectives to every rank's
+inputs. How a method computes its slice is its spec's ``sequence_parallel``, a
+:class:`~effattn.parallel.SequenceStrategy` its engine provides: the kernelized core exchanges
+fixed-size key states (:mod:`effattn.kernelized.parallel`), the banded engine the tokens at the
+slice borders (:mod:`effattn.sparse.parallel`), exact softmax all-gathers K and V. This module
+runs it on a :class:`~effattn.parallel.SequenceGroup` over a torch.distributed process group,
+and names no method or engine.
 
 Methods whose spec says None (landmarks, projections along the sequence, hashing, global tokens,
 random blocks, an FFT) are refused when wrapped, with the reason in their spec's
@@ -37,15 +26,12 @@ every rank instead of a collective that never completes.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from effattn.base import AttentionMethod, RandomizedAttention, check_bool, compute_dtype
+from effattn.base import AttentionMethod, check_bool
 from effattn.distributed.collectives import (
     Group,
     all_gather,
@@ -53,45 +39,34 @@ from effattn.distributed.collectives import (
     all_reduce_sum,
     gather_values,
 )
-from effattn.kernelized.core import (
-    LOG_FLOOR,
-    LOG_GATE_FLOOR,
-    RecurrentState,
-    accumulate_keys,
-    kernelized_causal,
-    key_state,
-    read_queries,
-)
-from effattn.kernelized.layer import KernelizedAttention
-from effattn.mechanisms.local import LocalAttention, local_attention
-from effattn.mechanisms.softmax import SoftmaxAttention
+from effattn.parallel import SequenceGroup, SequenceStrategy
+from effattn.random import RandomizedAttention
 from effattn.registry import methods, spec
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Header fields that every rank must report identically.
 _AGREE = ("batch", "heads", "head_dim", "value_dim", "dtype", "causal", "key_padding_mask",
-          "gate", "total_length", "training", "requires_grad", "module")
+          "call_inputs", "total_length", "training", "requires_grad", "module")
 _FIELDS = ("rejected", "length", *_AGREE, "fingerprint", "fingerprint_ramp")
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Where the slices lie: this rank's index and every rank's slice length."""
+class _Ranks(SequenceGroup):
+    """The ranks of a torch.distributed process group, as a strategy sees them."""
 
-    rank: int
-    lengths: tuple[int, ...]
+    def __init__(self, group: Group, rank: int, lengths: tuple[int, ...]) -> None:
+        super().__init__(rank, lengths)
+        self.group = group
 
-    @property
-    def offset(self) -> int:
-        """Position of this rank's first token in the whole sequence."""
-        return sum(self.lengths[: self.rank])
+    def all_gather(self, x: Tensor) -> Tensor:
+        if x.is_floating_point():
+            return all_gather(x, self.group)
+        return gather_values(x, self.group)
 
-    @property
-    def total(self) -> int:
-        return sum(self.lengths)
+    def all_reduce_sum(self, x: Tensor) -> Tensor:
+        return all_reduce_sum(x, self.group)
 
-
-Strategy = Callable[..., Tensor]
+    def all_reduce_max(self, x: Tensor) -> Tensor:
+        return all_reduce_max(x, self.group)
 
 
 class SequenceParallel(nn.Module):
@@ -100,9 +75,10 @@ class SequenceParallel(nn.Module):
     ``attn`` is the module of ``effattn.build(...)``, built identically (same seed) on every rank;
     ``group`` a torch.distributed process group (None: the default group), initialised before the
     first call. forward takes this rank's slices q (B, H, n_r, D), k (B, H, n_r, D),
-    v (B, H, n_r, Dv), key_padding_mask (B, n_r) and, for gated rfa, gate (B, H, n_r), and returns
-    this rank's slice of the output (B, H, n_r, Dv). Every rank of the group must make the same
-    calls (forward and, when training, backward): the collectives pair them up.
+    v (B, H, n_r, Dv), key_padding_mask (B, n_r) and the module's call inputs (a gate
+    (B, H, n_r), say), and returns this rank's slice of the output (B, H, n_r, Dv). Every rank
+    of the group must make the same calls (forward and, when training, backward): the
+    collectives pair them up.
 
     Raises ValueError when wrapping a method that cannot be split along the sequence.
     """
@@ -124,25 +100,27 @@ class SequenceParallel(nn.Module):
         v: Tensor,
         causal: bool = False,
         key_padding_mask: Tensor | None = None,
-        gate: Tensor | None = None,
+        *,
         total_length: int | None = None,
+        **call: Tensor | None,
     ) -> Tensor:
         """This rank's slice of attention over the whole sequence; see the class docstring.
 
         ``total_length``: N, needed when the slices are uneven (N not a multiple of P).
+        ``call``: this rank's slices of the module's call inputs (``spec.call_inputs``).
         """
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "effattn.distributed needs an initialised process group: call "
                 "torch.distributed.init_process_group(...) on every rank first"
             )
-        layout = self._agree(q, k, v, causal, key_padding_mask, gate, total_length)
+        ranks = self._agree(q, k, v, causal, key_padding_mask, call, total_length)
         attn = self.attn
-        if isinstance(attn, KernelizedAttention):
-            attn._maybe_redraw()  # the same draw on every rank: the generators agree
-        out = self._strategy(attn, self.group, layout, q, k, v, causal, key_padding_mask, gate)
-        if isinstance(attn, RandomizedAttention) and attn.training:
-            attn._calls += 1
+        # The same redraw on every rank: the generators agree (the header checked them).
+        attn.prepare_call()
+        call = {name: value for name, value in call.items() if value is not None}
+        out = self._strategy.attend(attn, ranks, q, k, v, causal=causal,
+                                    key_padding_mask=key_padding_mask, **call)
         return out.to(q.dtype)
 
     def _check_local(
@@ -152,20 +130,16 @@ class SequenceParallel(nn.Module):
         v: Tensor,
         causal: bool,
         key_padding_mask: Tensor | None,
-        gate: Tensor | None,
+        call: dict[str, Tensor | None],
         total_length: int | None,
     ) -> None:
         check_bool("causal", causal)
-        self.attn._check(q, k, v, causal, key_padding_mask)
+        self.attn.validate(q, k, v, causal=causal, key_padding_mask=key_padding_mask, **call)
         if not (q.shape[2] == k.shape[2] == v.shape[2]):
             raise ValueError(
                 "sequence parallel attention is self-attention over one sequence: q, k, v must "
                 f"hold the same slice, got q {tuple(q.shape)}, k {tuple(k.shape)}"
             )
-        if isinstance(self.attn, KernelizedAttention):
-            self.attn._check_gate(gate, causal, q.shape[:3])
-        elif gate is not None:
-            raise ValueError(f"{self.attn.spec.name}: gate is only taken by rfa with gated=True")
         world = dist.get_world_size(self.group)
         if total_length is not None and (
             isinstance(total_length, bool) or not isinstance(total_length, int)
@@ -182,22 +156,22 @@ class SequenceParallel(nn.Module):
         v: Tensor,
         causal: bool,
         key_padding_mask: Tensor | None,
-        gate: Tensor | None,
+        call: dict[str, Tensor | None],
         total_length: int | None,
-    ) -> Layout:
-        """Exchange the header; the same ValueError on every rank if anything is off."""
+    ) -> _Ranks:
+        """Exchange the header; the same error on every rank if anything is off."""
         try:
-            self._check_local(q, k, v, causal, key_padding_mask, gate, total_length)
+            self._check_local(q, k, v, causal, key_padding_mask, call, total_length)
             rejected = None
-        except ValueError as err:
+        except (ValueError, TypeError) as err:
             rejected = err
         device = q.device if isinstance(q, Tensor) else torch.device("cpu")
         if rejected is None:
             values = [0, q.shape[2], q.shape[0], q.shape[1], q.shape[3], v.shape[3],
                       _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1, int(causal),
-                      int(key_padding_mask is not None), int(gate is not None),
+                      int(key_padding_mask is not None), _given(call),
                       -1 if total_length is None else total_length, int(self.attn.training),
-                      int(_records_grad(self.attn, q, k, v, gate)),
+                      int(_records_grad(self.attn, q, k, v, *call.values())),
                       zlib.crc32(repr(self.attn).encode())]
         else:
             values = [1] + [-1] * (1 + len(_AGREE))
@@ -244,12 +218,12 @@ class SequenceParallel(nn.Module):
                     f"slices of lengths {list(expected)} (torch.tensor_split), the ranks hold "
                     f"{list(lengths)}"
                 )
-        layout = Layout(rank, lengths)
-        if self.attn.max_len is not None and layout.total > self.attn.max_len:
+        ranks = _Ranks(self.group, rank, lengths)
+        if self.attn.max_len is not None and ranks.total > self.attn.max_len:
             raise ValueError(
-                f"sequence length {layout.total} exceeds max_len={self.attn.max_len}"
+                f"sequence length {ranks.total} exceeds max_len={self.attn.max_len}"
             )
-        return layout
+        return ranks
 
 
 def _records_grad(attn: AttentionMethod, *tensors: Tensor | None) -> bool:
@@ -257,6 +231,11 @@ def _records_grad(attn: AttentionMethod, *tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (*tensors, *attn.parameters())
     )
+
+
+def _given(call: dict[str, Tensor | None]) -> int:
+    """A number for the set of call inputs given, equal on ranks given the same names."""
+    return zlib.crc32(",".join(sorted(n for n, t in call.items() if t is not None)).encode())
 
 
 def _describe(name: str, value: float) -> str | int:
@@ -281,7 +260,7 @@ def _fingerprint(attn: AttentionMethod, device: torch.device) -> Tensor:
     return total
 
 
-def _strategy(attn: AttentionMethod) -> Strategy:
+def _strategy(attn: AttentionMethod) -> SequenceStrategy:
     """How ``attn`` is split, as its spec's ``sequence_parallel`` says; ValueError naming the
     method, with the spec's reason, when it cannot be."""
     method = attn.spec
@@ -292,194 +271,4 @@ def _strategy(attn: AttentionMethod) -> Strategy:
             f"{method.refusals['sequence_parallel']}; sequence parallel supports "
             f"{', '.join(supported)}"
         )
-    return _STRATEGIES[method.sequence_parallel]
-
-
-def _kernelized(
-    attn: KernelizedAttention,
-    group: Group,
-    layout: Layout,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    causal: bool,
-    key_padding_mask: Tensor | None,
-    gate: Tensor | None,
-) -> Tensor:
-    dt = compute_dtype(q.dtype)
-    q, k, v = q.to(dt), k.to(dt), v.to(dt)
-    gate = None if gate is None else gate.to(dt)
-    common = {"feature_dim": attn.feature_dim, "slice_elements": attn.slice_elements}
-    if not causal:
-        local = key_state(k, v, attn.features, key_padding_mask=key_padding_mask, **common)
-        scale = all_reduce_max(local.log_scale, group)
-        kv = all_reduce_sum(local.kv * torch.exp(local.log_scale - scale), group)
-        state = RecurrentState(kv, scale, layout.total)
-        return read_queries(q, state, attn.features, eps=attn.eps, **common)
-    local, decay = _slice_state(attn, k, v, key_padding_mask, gate)
-    b, h, f, dv1 = local.kv.shape
-    packed = torch.cat([local.kv.reshape(b, h, f * dv1), local.log_scale.reshape(b, h, 1),
-                        decay.reshape(b, h, 1)], -1)
-    incoming = _incoming(all_gather(packed, group), f, dv1, layout)
-    return kernelized_causal(
-        q, k, v, attn.features, incoming, key_padding_mask=key_padding_mask, gate=gate,
-        chunk_size=attn.chunk_size, eps=attn.eps, **common,
-    )[0]
-
-
-def _slice_state(
-    attn: KernelizedAttention,
-    k: Tensor,
-    v: Tensor,
-    key_padding_mask: Tensor | None,
-    gate: Tensor | None,
-) -> tuple[RecurrentState, Tensor]:
-    """The causal state after this slice alone and its total log gate G (B, H) (0 ungated).
-
-    Ungated, that state is the non-causal key state of the slice. Gated, key j enters it with
-    weight (1 - g_j) Π_{j < l} g_l over the slice's later tokens l: the product goes into the
-    key's log-scale (the core's stabiliser then keeps it finite), 1 - g_j multiplies φ(k_j),
-    so that it reaches both [v_j, 1] columns. Padded tokens neither enter nor decay the state.
-    """
-    if gate is None:
-        state = key_state(k, v, attn.features, feature_dim=attn.feature_dim,
-                          key_padding_mask=key_padding_mask, slice_elements=attn.slice_elements)
-        return state, k.new_zeros(k.shape[:2])
-    log_gate = torch.log(gate).clamp_min(LOG_GATE_FLOOR)  # as the core clamps it
-    if key_padding_mask is not None:
-        log_gate = log_gate.masked_fill(key_padding_mask[:, None, :], 0.0)
-    # Σ_{l > j} log g_l as a reversed cumsum shifted by one: no subtraction of long sums.
-    later = F.pad(log_gate[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))
-    phi_k, log_scale = attn.features(k, is_query=False)
-    log_scale = later[..., None] if log_scale is None else log_scale + later[..., None]
-    state = accumulate_keys(None, phi_k * (1.0 - gate)[..., None], v, key_log_scale=log_scale,
-                            key_padding_mask=key_padding_mask)
-    return state, log_gate.sum(-1)
-
-
-def _incoming(states: Tensor, f: int, dv1: int, layout: Layout) -> RecurrentState:
-    """The state entering this rank r from the gathered states of all P ranks.
-
-    S_in = Σ_{r' < r} exp(s_r' + Σ_{r' < l < r} G_l) S_r', held at the largest of those
-    exponents (every weight <= 1). Ranks r' >= r get weight 0 rather than being left out, so
-    that every rank's output depends on the gather and every rank runs its backward (rank 0
-    gets an empty state).
-    """
-    kv = states[..., :-2].unflatten(-1, (f, dv1))  # (P, B, H, F, Dv + 1)
-    scale, decay = states[..., -2].detach(), states[..., -1]  # (P, B, H)
-    earlier = (torch.arange(len(layout.lengths), device=states.device) < layout.rank)[:, None, None]
-    decay = decay.masked_fill(~earlier, 0.0)
-    # Σ_{l > r'} G_l as a reversed cumsum shifted by one: no subtraction of long sums.
-    later = torch.cat([decay[1:].flip(0).cumsum(0).flip(0), torch.zeros_like(decay[:1])])
-    exponent = (scale + later).masked_fill(~earlier, float("-inf"))
-    top = exponent.detach().amax(0).clamp_min(LOG_FLOOR)
-    weight = torch.exp(exponent - top)[..., None, None]
-    return RecurrentState((weight * kv).sum(0), top[..., None, None], layout.offset)
-
-
-def _softmax(
-    attn: SoftmaxAttention,
-    group: Group,
-    layout: Layout,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    causal: bool,
-    key_padding_mask: Tensor | None,
-    gate: Tensor | None,
-) -> Tensor:
-    """Exact attention of this rank's queries over the all-gathered keys and values."""
-    d = k.shape[-1]
-    longest = max(layout.lengths)
-    kv = _gather_slices(torch.cat([k, v], -1), group, layout, longest)
-    keys, values = kv[..., :d], kv[..., d:]
-    keep = None
-    if key_padding_mask is not None:
-        mask = _gather_slices(key_padding_mask[:, None, :, None], group, layout, longest)
-        keep = ~mask[:, :, None, :, 0]  # (B, 1, 1, N)
-    if causal:
-        i = torch.arange(layout.offset, layout.offset + q.shape[2], device=q.device)[:, None]
-        seen = torch.arange(layout.total, device=q.device)[None, :] <= i
-        keep = seen if keep is None else keep & seen
-    if keep is None:
-        return F.scaled_dot_product_attention(q, keys, values, scale=attn.scale)
-    # A query without a visible key outputs 0: its mask row is opened so that the softmax stays
-    # finite (no NaN in the gradients), then its output is cleared.
-    visible = keep.any(-1, keepdim=True)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=keep | ~visible,
-                                         scale=attn.scale)
-    return out.masked_fill(~visible, 0.0)
-
-
-def _gather_slices(x: Tensor, group: Group, layout: Layout, longest: int) -> Tensor:
-    """Every rank's x (B, H, n_r, X), padded to ``longest`` for the all-gather, joined along
-    the sequence: (B, H, N, X). Differentiable when x is floating point."""
-    padded = F.pad(x, (0, 0, 0, longest - x.shape[2]))
-    gathered = all_gather(padded, group) if x.is_floating_point() else gather_values(padded, group)
-    return torch.cat([g[:, :, :n] for g, n in zip(gathered, layout.lengths, strict=True)], 2)
-
-
-def _local(
-    attn: LocalAttention,
-    group: Group,
-    layout: Layout,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    causal: bool,
-    key_padding_mask: Tensor | None,
-    gate: Tensor | None,
-) -> Tensor:
-    """Sliding window over [halo before, own slice, halo after].
-
-    The halo queries are zeros whose outputs are dropped: the banded kernel needs aligned
-    queries and keys, and they cost (left + right) / n_r of the work.
-    """
-    dt = compute_dtype(q.dtype)
-    q, k, v = q.to(dt), k.to(dt), v.to(dt)
-    left, right = (attn.window - 1, 0) if causal else (attn.window // 2, attn.window // 2)
-    n, d = q.shape[2], k.shape[-1]
-    kv = torch.cat([k, v], -1)
-    mask = key_padding_mask
-    before = after = kv[:, :, :0]
-    mask_before = mask_after = None if mask is None else mask[:, :0]
-    if left + right:
-        before, after = _halos(kv, group, layout, left, right)
-        if mask is not None:
-            mask_before, mask_after = _halos(mask[:, None, :, None], group, layout, left, right)
-            mask_before, mask_after = mask_before[:, 0, :, 0], mask_after[:, 0, :, 0]
-    k_ext = torch.cat([before, kv, after], 2)
-    q_ext = F.pad(q, (0, 0, before.shape[2], after.shape[2]))
-    mask_ext = None if mask is None else torch.cat([mask_before, mask, mask_after], 1)
-    out = local_attention(
-        q_ext, k_ext[..., :d], k_ext[..., d:], window=attn.window, dilation=attn.dilation,
-        causal=causal, key_padding_mask=mask_ext, scale=attn.scale,
-    )
-    return out[:, :, before.shape[2] : before.shape[2] + n]
-
-
-def _halos(
-    x: Tensor, group: Group, layout: Layout, left: int, right: int
-) -> tuple[Tensor, Tensor]:
-    """The ``left`` tokens before this rank's slice and the ``right`` after it (fewer at the
-    ends of the sequence), from one all-gather of every slice's last ``left`` and first
-    ``right`` tokens. x: (B, H, n_r, X); returns (B, H, <= left, X), (B, H, <= right, X)."""
-    n = x.shape[2]
-    tail = F.pad(x[:, :, n - min(left, n):], (0, 0, left - min(left, n), 0))
-    head = F.pad(x[:, :, : min(right, n)], (0, 0, 0, right - min(right, n)))
-    send = torch.cat([tail, head], 2)
-    gathered = all_gather(send, group) if x.is_floating_point() else gather_values(send, group)
-    r, lengths = layout.rank, layout.lengths
-    # Slices shorter than the halo contribute all their tokens; the context is the end of the
-    # concatenated tails before r and the start of the heads after r.
-    tails = [g[:, :, left - min(left, m) : left]
-             for g, m in zip(gathered[:r], lengths[:r], strict=True)]
-    heads = [g[:, :, left : left + min(right, m)]
-             for g, m in zip(gathered[r + 1 :], lengths[r + 1 :], strict=True)]
-    before = torch.cat([x[:, :, :0], *tails], 2)
-    after = torch.cat([x[:, :, :0], *heads], 2)
-    return before[:, :, before.shape[2] - min(left, before.shape[2]):], after[:, :, :right]
-
-
-# The strategy of each value of MethodSpec.sequence_parallel (registry.SEQUENCE_PARALLEL).
-_STRATEGIES: dict[str, Strategy] = {"state": _kernelized, "gather": _softmax, "halo": _local}
+    return method.sequence_parallel

@@ -1,2 +1,4 @@
-"""Shared machinery of the kernelized (random-feature and linear) methods: random projections,
-feature maps and the linear-attention core (non-causal, causal chunkwise, gated, recurrent)."""
+"""The engine of the kernelized (random-feature and linear) methods: random projections, feature
+maps, the linear-attention core (non-causal, causal chunkwise, gated, recurrent), the base class
+that binds them to the contract (base.py), their FLOP model (flops.py) and their sequence-parallel
+strategy, an exchange of fixed-size key states (parallel.py)."""

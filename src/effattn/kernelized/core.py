@@ -67,7 +67,6 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from effattn.kernelized.features import LOG2E
-from effattn.registry import Problem
 
 # Smallest log-scale the core works with: keeps exp(a - b) finite when every key is padding. It
 # must lie below every real key's log-scale, about -|x̃|²/2 for positive features (below -1e4
@@ -80,8 +79,6 @@ LOG_GATE_FLOOR = -30.0
 # would exceed that. A memory-bound step costs its passes over the state, so this saves one per
 # step (two with a gate); e^20 of headroom leaves fp32 ~1e29 of range.
 RESCALE_MARGIN = 20.0
-# The chunk scan of a causal block runs over at most this many chunks at a time.
-SCAN_CHUNKS = 16
 # A slice holds about this many feature values (B * H * S * F): 4 MiB in fp32, cache-sized.
 SLICE_ELEMENTS = 1 << 20
 
@@ -199,13 +196,17 @@ def _raise_if_lost(lost: list[Tensor | None], dtype: torch.dtype) -> None:
         )
 
 
-def _check_shapes(phi_q: Tensor, phi_k: Tensor, v: Tensor, key_log_scale: Tensor | None) -> None:
+def _check_shapes(
+    phi_q: Tensor, phi_k: Tensor, v: Tensor | None, key_log_scale: Tensor | None
+) -> None:
+    """φ(Q), φ(K) of the same width, φ(K) and v (None: not checked) on the same keys and the
+    keys' log-scales one per key; any leading shape (the causal form's is chunk-major)."""
     if phi_q.shape[-1] != phi_k.shape[-1]:
         raise ValueError(
             f"phi_q and phi_k must have the same feature dim F: {tuple(phi_q.shape)} vs "
             f"{tuple(phi_k.shape)}"
         )
-    if phi_k.shape[:-1] != v.shape[:-1]:
+    if v is not None and phi_k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"phi_k {tuple(phi_k.shape)} and v {tuple(v.shape)} disagree on (B, H, M)")
     if key_log_scale is not None and key_log_scale.shape != (*phi_k.shape[:-1], 1):
         raise ValueError(
@@ -316,89 +317,9 @@ def _weighted_values(
     return v1 * torch.exp(key_log_scale - scale)
 
 
-def read_out(state: RecurrentState, phi_q: Tensor, eps: float = 1e-6) -> Tensor:
-    """Queries against a finished non-causal state: φ(Q) [S, z] -> (B, H, N, Dv).
-
-    Raises :class:`DenominatorUnderflowError` (a ValueError) where a query's denominator
-    underflows to 0 (non-negative features, ``eps = 0``; see :func:`_lost_rows`).
-    """
-    out, lost = _read_out(state, phi_q, eps)
-    _raise_if_lost([lost], phi_q.dtype)
-    return out
-
-
 def _read_out(state: RecurrentState, phi_q: Tensor, eps: float) -> tuple[Tensor, Tensor | None]:
     out = phi_q @ state.kv
     return _ratio(out, eps, state.log_scale), _lost_rows(out, eps, state.log_scale)
-
-
-def causal_block(
-    phi_q: Tensor,
-    phi_k: Tensor,
-    v: Tensor,
-    state: RecurrentState | None = None,
-    *,
-    key_log_scale: Tensor | None = None,
-    key_padding_mask: Tensor | None = None,
-    gate: Tensor | None = None,
-    chunk_size: int = 32,
-    eps: float = 1e-6,
-) -> tuple[Tensor, RecurrentState]:
-    """Causal attention over a block of L tokens that follows ``state``, chunkwise.
-
-    Inside each chunk of C tokens a masked C x C product, weighted by exp(a_i - a_j) (gate decay
-    and stabiliser prefix max, see :func:`_causal_group`); across chunks the running state, found
-    for up to ``SCAN_CHUNKS`` chunks at a time by a recurrence (:func:`_chunk_scan`). Per-key
-    scalars (stabiliser scale, 1 - g, padding, decay to the chunk end) multiply the rows of
-    [V, 1] (width Dv + 1), per-query ones multiply output rows: the only work on L x F data is
-    GEMMs. Returns the output (B, H, L, Dv) and the state after the block.
-
-    Ungated, raises :class:`DenominatorUnderflowError` (a ValueError) where the denominator of
-    a query that sees a key underflows to 0 (non-negative features, ``eps = 0``).
-    """
-    out, state, lost = _causal_block(
-        phi_q, phi_k, v, state, key_log_scale, key_padding_mask, gate, chunk_size, eps
-    )
-    _raise_if_lost(lost, phi_q.dtype)
-    return out, state
-
-
-def _causal_block(
-    phi_q: Tensor,
-    phi_k: Tensor,
-    v: Tensor,
-    state: RecurrentState | None,
-    key_log_scale: Tensor | None,
-    key_padding_mask: Tensor | None,
-    gate: Tensor | None,
-    chunk_size: int,
-    eps: float,
-) -> tuple[Tensor, RecurrentState, list[Tensor | None]]:
-    """:func:`causal_block`, with the underflow flags of its groups instead of the check."""
-    _check_shapes(phi_q, phi_k, v, key_log_scale)
-    n = phi_q.shape[2]
-    if phi_k.shape[2] != n:
-        raise ValueError(f"causal needs N == M, got {n} and {phi_k.shape[2]}")
-    _check_chunk(chunk_size)
-    if gate is not None and gate.shape != phi_q.shape[:3]:
-        raise ValueError(
-            f"gate must be (B, H, N) = {tuple(phi_q.shape[:3])}, got {tuple(gate.shape)}"
-        )
-    state = _state_for(state, phi_k, v)
-    outs, lost = [], []
-    pieces = _slices(SCAN_CHUNKS * chunk_size, (phi_q, 2), (phi_k, 2), (v, 2),
-                     (key_log_scale, 2), (key_padding_mask, 1), (gate, 2))
-    for q_g, k_g, v_g, ls_g, pad_g, gate_g in zip(*pieces, strict=True):
-        ls_c = None if ls_g is None else _chunk_major(ls_g, chunk_size)
-        raw, out_scale, state = _causal_group(
-            _chunk_major(q_g, chunk_size), _chunk_major(k_g, chunk_size), ls_c, v_g, state,
-            pad_g, gate_g, chunk_size,
-        )
-        raw, out_scale = _from_chunks(raw, q_g.shape[2]), _from_chunks(out_scale, q_g.shape[2])
-        outs.append(_ratio(raw, eps, out_scale))
-        # A gate can decay what a query sees to a legitimate 0: only ungated rows are checked.
-        lost.append(None if gate is not None else _lost_rows(raw, eps, out_scale))
-    return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), state, lost
 
 
 def _chunk_major(x: Tensor, chunk: int, fill: float | None = 0.0) -> Tensor:
@@ -569,7 +490,7 @@ def _causal_group(
     gate: Tensor | None,
     chunk: int,
 ) -> tuple[Tensor, Tensor, RecurrentState]:
-    """Causal attention of n tokens after ``state``, chunkwise (see :func:`causal_block`), from
+    """Causal attention of n tokens after ``state``, chunkwise (see :func:`kernelized_causal`), from
     chunk-major φ(Q), φ(K) (nc, B, H, C, F) and key log-scales (nc, B, H, C, 1) (see
     :func:`_chunk_major`), v (B, H, n, Dv), the padding mask (B, n) and the gate (B, H, n).
 
@@ -611,9 +532,9 @@ def _chunk_scan(
     keep (nc, B, H, 1, 1), None: 1.
 
     A loop over the chunks: the same states as one (nc + 1) x nc GEMM over the chunk axis, whose
-    shape (M = nc + 1, K = nc, N = F·E) ran at about 11 GFLOP/s, a tenth of this CPU's GEMM
-    rate, and no subtraction of large partial sums can cancel (unlike an exclusive cumsum formed
-    as cumsum - ΔS). Each chunk reads the running state, then scales it and adds its delta GEMM
+    inner dimension (nc) is too short for a GEMM to run anywhere near its rate, and no
+    subtraction of large partial sums can cancel (unlike an exclusive cumsum formed as
+    cumsum - ΔS). Each chunk reads the running state, then scales it and adds its delta GEMM
     onto it: the (nc, F, E) states (as large as φ(K)) are never formed, and the state stays in
     cache between its GEMMs. Without autograd in place; recorded (autograd, torch.compile) as
     the same operations on fresh tensors, so that both agree to the last bit.
@@ -752,71 +673,6 @@ def _causal_group_backward(
     return d_k, d_v, d_weight, d_to_end, d_keep, d_inter, d
 
 
-def linear_attention(
-    phi_q: Tensor,
-    phi_k: Tensor,
-    v: Tensor,
-    *,
-    key_log_scale: Tensor | None = None,
-    key_padding_mask: Tensor | None = None,
-    causal: bool = False,
-    gate: Tensor | None = None,
-    chunk_size: int = 32,
-    eps: float = 1e-6,
-) -> Tensor:
-    """Kernelized attention from precomputed features, in one slice.
-
-    φ(Q) (B, H, N, F), φ(K) (B, H, M, F), V (B, H, M, Dv) -> (B, H, N, Dv).
-
-    Args:
-        key_log_scale: optional (B, H, M, 1); true key features are phi_k * exp(key_log_scale).
-        key_padding_mask: optional bool (B, M), True marks padded keys; they leave numerator
-            and denominator (and, gated, do not decay the state).
-        causal: query i sees keys j <= i (N == M); computed chunkwise (:func:`causal_block`).
-        gate: optional (B, H, N) in [0, 1], causal only (gated RFA).
-        chunk_size: C of the chunkwise causal form; any N works (the tail chunk is padded).
-        eps: floor of |denominator| at the true scale, for features that can cancel; 0 for
-            non-negative ones (:func:`kernelized.features.denominator_eps`).
-
-    Non-causal cost: 2·(N + M)·F·(Dv + 1) flops per (B, H), memory O((N + M)·F + F·Dv).
-    Causal adds the C x C intra-chunk products: 2·N·C·(F + Dv + 1), and (N/C)·F·(Dv + 1) states.
-    """
-    if gate is not None and not causal:
-        raise ValueError("gate needs causal=True: gated attention is a causal recurrence")
-    if causal:
-        return causal_block(
-            phi_q, phi_k, v, None, key_log_scale=key_log_scale,
-            key_padding_mask=key_padding_mask, gate=gate, chunk_size=chunk_size, eps=eps,
-        )[0]
-    _check_shapes(phi_q, phi_k, v, key_log_scale)
-    state = accumulate_keys(
-        None, phi_k, v, key_log_scale=key_log_scale, key_padding_mask=key_padding_mask
-    )
-    return read_out(state, phi_q, eps)
-
-
-def flops(problem: Problem, *, projections: int, feature_dim: int, chunk_size: int) -> float:
-    """Matmul FLOPs of kernelized attention on ``problem``: the GEMMs this core runs.
-
-    Per (B, H): the feature projections 2·(N + M)·P·D (P random projections; 0 for elementwise
-    maps), then, non-causal, φ(K)^T [V, 1] and φ(Q) times that, 2·(N + M)·F·(Dv + 1). Causal, per
-    chunk of C tokens (the last one padded): the masked C x C scores 2·C²·F and their product with
-    [V, 1] 2·C²·(Dv + 1), the chunk's state delta and the queries against the state entering it,
-    2·2·C·F·(Dv + 1) (the scan over chunks is elementwise).
-    """
-    b, h, n, m, d, dv = (problem.batch, problem.heads, problem.n, problem.m, problem.head_dim,
-                         problem.value_dim)
-    f = problem.feature_dim or feature_dim
-    features = (n + m) * projections * d
-    if not problem.causal:
-        return 2.0 * b * h * (features + (n + m) * f * (dv + 1))
-    nc = -(-n // chunk_size)
-    padded = nc * chunk_size
-    intra = padded * chunk_size * (f + dv + 1)
-    state = 2 * padded * f * (dv + 1)
-    return 2.0 * b * h * (features + intra + state)
-
-
 def slice_tokens(batch_heads: int, feature_dim: int, chunk_size: int, slice_elements: int) -> int:
     """Tokens per slice: about ``slice_elements`` feature values, a multiple of the chunk."""
     tokens = max(1, slice_elements // max(1, batch_heads * feature_dim))
@@ -830,9 +686,8 @@ def causal_slice_tokens(
     values of φ and of [V, 1] together (B·H·S·(F + Dv + 1)). A causal slice's backward holds
     its φ(Q), φ(K), their gradients, the recomputed state, and (S, Dv + 1)-sized factors and
     gradients; the state entering each slice is kept from forward to backward, so shorter
-    slices cost checkpoints. Measured (N = 4096, H = 8, paired): performer (F = 256, S = 192)
-    and linear (F = 64, S = 496) ran their causal forward 5-13% faster than with S = 16 chunks
-    (512 and 256 tokens), and performer's forward+backward peak fell from 86 to 64 MiB."""
+    slices cost checkpoints. Sized by φ alone, a slice's backward held most of a causal
+    forward+backward's peak."""
     return slice_tokens(batch_heads, feature_dim + value_dim + 1, chunk_size, slice_elements // 2)
 
 
@@ -856,9 +711,20 @@ def kernelized_attention(
     q (B, H, N, D), k (B, H, M, D), v (B, H, M, Dv) -> (B, H, N, Dv). ``features(x, is_query=)``
     returns (φ, key_log_scale); ``feature_dim`` is its width F, used to size the slices;
     ``feature_tensors`` are the tensors ``features`` reads (see :func:`_feature_inputs`).
-    Same result as :func:`linear_attention` on the full feature tensors (up to rounding), with
-    peak memory O(S·F + F·Dv) instead of O(N·F), in training too: the backward recomputes the
-    features slice by slice (:class:`_KeyState`, :class:`_ReadQueries`).
+
+    Args:
+        key_padding_mask: optional bool (B, M), True marks padded keys; they leave numerator
+            and denominator (and, gated, do not decay the state).
+        causal: query i sees keys j <= i (N == M); computed chunkwise (:func:`kernelized_causal`).
+        gate: optional (B, H, N) in [0, 1], causal only (gated RFA).
+        chunk_size: C of the chunkwise causal form; any N works (the tail chunk is padded).
+        eps: floor of |denominator| at the true scale, for features that can cancel; 0 for
+            non-negative ones (:func:`effattn.kernelized.features.denominator_eps`).
+
+    Non-causal cost: 2·(N + M)·F·(Dv + 1) flops per (B, H) besides the features. Causal adds the
+    C x C intra-chunk products, 2·N·C·(F + Dv + 1), and (N/C)·F·(Dv + 1) states. Peak memory
+    O(S·F + F·Dv), not O(N·F), in training too: the backward recomputes the features slice by
+    slice (:class:`_KeyState`, :class:`_ReadQueries`, :class:`_Causal`).
     Raises :class:`DenominatorUnderflowError` (a ValueError), after the last slice (one host
     sync), where a query that sees a key gets a denominator of 0 (see :func:`_lost_rows`).
     """
@@ -1187,6 +1053,8 @@ def kernelized_causal(
     b, h, n = q.shape[:3]
     if k.shape[2] != n:
         raise ValueError(f"causal needs N == M, got {n} and {k.shape[2]}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     if gate is not None and gate.shape != (b, h, n):
         raise ValueError(f"gate must be (B, H, N) = {(b, h, n)}, got {tuple(gate.shape)}")
     _check_chunk(chunk_size)
@@ -1232,6 +1100,7 @@ def _causal_forward(
     for a, e in _spans(n, step):
         phi_q, _ = _chunk_features(features, q[:, :, a:e], chunk, True)
         phi_k, key_log_scale = _chunk_features(features, k[:, :, a:e], chunk, False)
+        _check_shapes(phi_q, phi_k, None, key_log_scale)
         state = _state_of(state, b, h, phi_k.shape[-1], v.shape[-1], phi_k)
         if entering is not None:
             entering += [state.kv, state.log_scale]
@@ -1381,7 +1250,7 @@ def linear_attention_step(
     """One recurrent step: φ(q_t), φ(k_t) (B, H, 1, F), v_t (B, H, 1, Dv) -> (B, H, 1, Dv), state.
 
     S_t = g_t S_{t-1} + (1 - g_t) φ(k_t) v_t^T (g_t = 1, no (1 - g) factor, when ungated),
-    o_t = φ(q_t) S_t / φ(q_t) z_t. Matches :func:`causal_block` token by token, without its
+    o_t = φ(q_t) S_t / φ(q_t) z_t. Matches :func:`kernelized_causal` token by token, without its
     chunk machinery (this is the decoding hot loop).
 
     The step consumes ``state``, as the softmax KV cache is appended in place: unless autograd

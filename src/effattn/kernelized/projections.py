@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from effattn.base import RandomSource, normal, resolve_seed
+from effattn.random import RandomSource, normal, resolve_seed
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -32,7 +32,7 @@ def gaussian_projection(
     D x D Gaussian matrix (sign-corrected so it is Haar distributed), and scales each row by the
     norm of an independent Gaussian D-vector (chi(D) lengths), so each row keeps the N(0, I)
     marginal while rows within a block are orthogonal. Drawn in float64 on the CPU, then cast.
-    ``generator``: see :data:`effattn.base.RandomSource`.
+    ``generator``: see :data:`effattn.random.RandomSource`.
     """
     if num_features < 1 or dim < 1:
         raise ValueError(f"num_features and dim must be positive, got {num_features}, {dim}")

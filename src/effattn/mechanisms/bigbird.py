@@ -8,7 +8,7 @@ the output trimmed). Query block a attends to key block b when
 - b is one of the ``num_random_blocks`` random blocks of a, drawn per head and per query block,
   without replacement, among the blocks not already covered (fewer when fewer remain).
 
-Random blocks come from the module's random state (:class:`effattn.base.RandomizedAttention`,
+Random blocks come from the module's random state (:class:`effattn.random.RandomizedAttention`,
 saved with the state_dict): in eval mode they are a fixed function of (seed, number of blocks);
 in training mode the module generator draws new ones on every call (the sequence of draws is
 fixed by the seed). ``seed=None`` draws the seed from the global RNG at construction, so an
@@ -26,14 +26,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from effattn import reference
-from effattn.base import (
-    RandomizedAttention,
-    RandomSource,
-    check_positive_int,
-    compute_dtype,
-    uniform,
-)
+from effattn.base import check_positive_int, compute_dtype
+from effattn.random import RandomizedAttention, RandomSource, uniform
 from effattn.registry import Budget, MethodSpec, register
 from effattn.sparse import block_gather_attention
 
@@ -168,8 +162,10 @@ def _reference(
 ) -> Tensor:
     """Masked softmax over the explicit N x N block pattern, with the module's eval-mode random
     blocks."""
+    from effattn import naive  # imported here: the references stay off the runtime path
+
     nb = -(-q.shape[2] // module.block_size)
-    return reference.bigbird_attention(
+    return naive.bigbird_attention(
         q, k, v, block_size=module.block_size, random_blocks=module.random_blocks(nb),
         num_global_blocks=module.num_global_blocks, key_padding_mask=key_padding_mask,
         scale=module.scale,

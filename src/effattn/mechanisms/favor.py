@@ -24,39 +24,14 @@ from typing import Any
 
 from torch import Tensor
 
-from effattn import reference
-from effattn.base import TensorGenerator, check_bool, check_positive_int, uniform
-from effattn.kernelized import core
+from effattn.base import check_bool, check_positive_int
 from effattn.kernelized import features as fm
-from effattn.kernelized.core import kernelized_attention
-from effattn.kernelized.layer import KernelizedAttention
+from effattn.kernelized.base import KernelizedAttention
+from effattn.kernelized.flops import kernelized_flops
+from effattn.kernelized.parallel import StateExchange
 from effattn.kernelized.projections import gaussian_projection
+from effattn.random import TensorGenerator, uniform
 from effattn.registry import Budget, MethodSpec, Problem, register
-
-
-def favor_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    projection: Tensor,
-    phase: Tensor,
-    *,
-    causal: bool = False,
-    key_padding_mask: Tensor | None = None,
-    scale: float | None = None,
-    chunk_size: int = 32,
-) -> Tensor:
-    """FAVOR with projection (F, D) and phase (F,); see the module docstring."""
-    root = math.sqrt(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
-    w, b = projection.to(q.dtype), phase.to(q.dtype)
-
-    def features(x: Tensor, *, is_query: bool) -> fm.Features:
-        return fm.random_phase_cos(x * root, w, b, is_query=is_query)
-
-    return kernelized_attention(
-        q, k, v, features, feature_dim=w.shape[0], causal=causal,
-        key_padding_mask=key_padding_mask, chunk_size=chunk_size,
-    )
 
 
 class FavorAttention(KernelizedAttention):
@@ -113,14 +88,16 @@ def _reference(
     key_padding_mask: Tensor | None = None,
 ) -> Tensor:
     """The explicit kernel matrix of the module's random-phase cosine features."""
-    return reference.favor_attention(
+    from effattn import naive  # imported here: the references stay off the runtime path
+
+    return naive.favor_attention(
         q, k, v, module.projection, module.phase, causal=causal,
         key_padding_mask=key_padding_mask, scale=module.scale,
     )
 
 
 def _flops(options: Mapping[str, Any], problem: Problem) -> float:
-    return core.flops(problem, projections=options["num_features"],
+    return kernelized_flops(problem, projections=options["num_features"],
                       feature_dim=options["num_features"], chunk_size=options["chunk_size"])
 
 
@@ -144,7 +121,7 @@ register(
         flops=_flops,
         budget=Budget("num_features", (16, 32, 64, 128, 256, 512, 1024)),
         reference=_reference,
-        sequence_parallel="state",
+        sequence_parallel=StateExchange(),
     ),
     FavorAttention,
 )

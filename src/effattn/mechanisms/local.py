@@ -22,30 +22,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from effattn import reference
 from effattn.base import AttentionMethod, check_positive_int, compute_dtype
 from effattn.registry import Budget, MethodSpec, register
-from effattn.sparse import banded_attention
-
-
-def local_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    window: int,
-    dilation: int = 1,
-    causal: bool = False,
-    key_padding_mask: Tensor | None = None,
-    scale: float | None = None,
-) -> Tensor:
-    """Sliding-window attention (see the module docstring for the pattern); no N x N matrix."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    left, right = (window - 1, 0) if causal else (window // 2, window // 2)
-    out, _ = banded_attention(
-        q, k, v, left=left, right=right, dilation=dilation, key_mask=key_padding_mask, scale=scale
-    )
-    return out
+from effattn.sparse import Band, banded_attention
+from effattn.sparse.parallel import Halo
 
 
 @dataclass
@@ -81,12 +61,20 @@ class LocalAttention(AttentionMethod):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, window={self.window}, dilation={self.dilation}"
 
+    def band(self, causal: bool) -> Band:
+        """The window as a band: the last ``window`` positions causal, ``window // 2`` each way
+        otherwise (the engine's and the sequence-parallel halo's pattern)."""
+        left, right = (self.window - 1, 0) if causal else (self.window // 2, self.window // 2)
+        return Band(left, right, self.dilation)
+
     def _attend(self, q, k, v, *, causal, key_padding_mask):
         dtype = compute_dtype(q.dtype)
-        return local_attention(
-            q.to(dtype), k.to(dtype), v.to(dtype), window=self.window, dilation=self.dilation,
-            causal=causal, key_padding_mask=key_padding_mask, scale=self.scale,
+        band = self.band(causal)
+        out, _ = banded_attention(
+            q.to(dtype), k.to(dtype), v.to(dtype), left=band.left, right=band.right,
+            dilation=band.dilation, key_mask=key_padding_mask, scale=self.scale,
         )
+        return out
 
     def _step(self, q, k, v, state):
         dtype = compute_dtype(q.dtype)
@@ -125,7 +113,9 @@ def _reference(
     key_padding_mask: Tensor | None = None,
 ) -> Tensor:
     """Masked softmax over the explicit N x N window pattern of the module."""
-    return reference.local_attention(
+    from effattn import naive  # imported here: the references stay off the runtime path
+
+    return naive.local_attention(
         q, k, v, window=module.window, dilation=module.dilation, causal=causal,
         key_padding_mask=key_padding_mask, scale=module.scale,
     )
@@ -149,7 +139,7 @@ register(
             "cross": "a window over positions needs aligned query and key positions (N == M)",
         },
         reference=_reference,
-        sequence_parallel="halo",
+        sequence_parallel=Halo(),
     ),
     LocalAttention,
 )

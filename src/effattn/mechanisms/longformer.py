@@ -18,7 +18,6 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from effattn import reference
 from effattn.base import AttentionMethod, check_positive_int, compute_dtype
 from effattn.registry import Budget, MethodSpec, register
 from effattn.sparse import banded_attention
@@ -94,7 +93,9 @@ def _reference(
     key_padding_mask: Tensor | None = None,
 ) -> Tensor:
     """Masked softmax over the explicit N x N window-plus-global pattern of the module."""
-    return reference.longformer_attention(
+    from effattn import naive  # imported here: the references stay off the runtime path
+
+    return naive.longformer_attention(
         q, k, v, window=module.window, global_tokens=module.global_tokens,
         key_padding_mask=key_padding_mask, scale=module.scale,
     )

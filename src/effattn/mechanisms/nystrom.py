@@ -49,12 +49,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from effattn import reference
-from effattn.base import AttentionMethod, check_positive_int, compute_dtype, resolve_seed
+from effattn.base import AttentionMethod, check_positive_int, compute_dtype
+from effattn.random import resolve_seed
 from effattn.registry import Budget, MethodSpec, Problem, register
 
 # Largest |row sum - 1| of the approximate attention matrix accepted for an unpadded query. On
-# q, k ~ N(0, s^2) and on the planted-peak data of bench/approx.py the sums stay within 0.8-1.35
+# q, k ~ N(0, s^2) and on the planted-peak data of tools/approx.py the sums stay within 0.8-1.35
 # while the estimate is still an approximation; past this, the query has lost (or doubled) at
 # least half of its attention and the estimate is dominated by the singular landmark kernel.
 MASS_TOLERANCE = 0.5
@@ -261,8 +261,10 @@ def _reference(
 ) -> Tensor:
     """Nyström attention one sequence at a time from explicit kernels and pinv steps, with the
     module's landmarks, iterations and convolution."""
+    from effattn import naive  # imported here: the references stay off the runtime path
+
     conv = None if module.conv_weight is None else module.conv_weight.to(q.dtype)
-    return reference.nystrom_attention(
+    return naive.nystrom_attention(
         q, k, v, key_padding_mask=key_padding_mask, scale=module.scale,
         num_landmarks=module.num_landmarks, pinv_iterations=module.pinv_iterations,
         conv_weight=conv,

@@ -28,13 +28,13 @@ from typing import Any
 
 from torch import Tensor
 
-from effattn import reference
-from effattn.base import TensorGenerator, check_bool, check_choice, check_positive_int
-from effattn.kernelized import core
+from effattn.base import check_bool, check_choice, check_positive_int
 from effattn.kernelized import features as fm
-from effattn.kernelized.core import kernelized_attention
-from effattn.kernelized.layer import KernelizedAttention
+from effattn.kernelized.base import KernelizedAttention
+from effattn.kernelized.flops import kernelized_flops
+from effattn.kernelized.parallel import StateExchange
 from effattn.kernelized.projections import gaussian_projection
+from effattn.random import TensorGenerator
 from effattn.registry import Budget, MethodSpec, Problem, register
 
 FEATURE_MAPS = {
@@ -43,33 +43,6 @@ FEATURE_MAPS = {
     "trig": fm.trig,
     "relu": fm.relu,
 }
-
-
-def performer_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    projection: Tensor,
-    *,
-    feature_map: str = "positive",
-    causal: bool = False,
-    key_padding_mask: Tensor | None = None,
-    scale: float | None = None,
-    chunk_size: int = 32,
-) -> Tensor:
-    """FAVOR+ attention with the given (F, D) projection; see the module docstring."""
-    root = math.sqrt(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
-    phi = FEATURE_MAPS[feature_map]
-    w = projection.to(q.dtype)
-
-    def features(x: Tensor, *, is_query: bool) -> fm.Features:
-        return phi(x * root, w, is_query=is_query)
-
-    paired = feature_map in ("hyperbolic", "trig")
-    return kernelized_attention(
-        q, k, v, features, feature_dim=w.shape[0] * (2 if paired else 1), causal=causal,
-        key_padding_mask=key_padding_mask, chunk_size=chunk_size, eps=fm.denominator_eps(phi),
-    )
 
 
 class PerformerAttention(KernelizedAttention):
@@ -128,7 +101,9 @@ def _reference(
     key_padding_mask: Tensor | None = None,
 ) -> Tensor:
     """The explicit kernel matrix of the module's true features φ(q̃)·φ(k̃)."""
-    return reference.performer_attention(
+    from effattn import naive  # imported here: the references stay off the runtime path
+
+    return naive.performer_attention(
         q, k, v, module.projection, feature_map=module.feature_map, causal=causal,
         key_padding_mask=key_padding_mask, scale=module.scale,
     )
@@ -136,7 +111,7 @@ def _reference(
 
 def _flops(options: Mapping[str, Any], problem: Problem) -> float:
     paired = options["feature_map"] in ("hyperbolic", "trig")
-    return core.flops(problem, projections=options["num_features"],
+    return kernelized_flops(problem, projections=options["num_features"],
                       feature_dim=options["num_features"] * (2 if paired else 1),
                       chunk_size=options["chunk_size"])
 
@@ -163,7 +138,7 @@ register(
         bench_default=True,
         published={"lra_listops": 18.01},
         reference=_reference,
-        sequence_parallel="state",
+        sequence_parallel=StateExchange(),
     ),
     PerformerAttention,
 )

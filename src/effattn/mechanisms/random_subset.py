@@ -31,8 +31,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from effattn import reference
-from effattn.base import RandomizedAttention, RandomSource, compute_dtype, uniform
+from effattn.base import compute_dtype
+from effattn.random import RandomizedAttention, RandomSource, uniform
 from effattn.registry import Budget, MethodSpec, register
 
 # Elements of one block's gathered keys (B, H, C, S, D): about 16 MB in float32.
@@ -210,7 +210,7 @@ class RandomSubsetAttention(RandomizedAttention):
 
     The pattern depends on (N, M, causal), so it is drawn at call time: in training mode from the
     module's generator (fresh every call), in eval mode from a generator restarted at the
-    module's seed, so eval calls repeat it (see :class:`effattn.base.RandomizedAttention`, which
+    module's seed, so eval calls repeat it (see :class:`effattn.random.RandomizedAttention`, which
     also saves that state with the state_dict).
     """
 
@@ -271,6 +271,8 @@ def _reference(
     key_padding_mask: Tensor | None = None,
 ) -> Tensor:
     """Masked softmax over the explicit (H, N, M) mask of the module's eval-mode subsets."""
+    from effattn import naive  # imported here: the references stay off the runtime path
+
     n, m = q.shape[2], k.shape[2]
     # The eval-mode draw, whatever the module's mode: subsets() would advance a training
     # module's generator.
@@ -278,7 +280,7 @@ def _reference(
         module.heads, n, m, subset_size(m, module.ratio), causal=causal,
         generator=module._eval_generator(),
     )
-    return reference.random_subset_attention(
+    return naive.random_subset_attention(
         q, k, v, indices, causal=causal, key_padding_mask=key_padding_mask, scale=module.scale
     )
 

@@ -66,15 +66,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from effattn import reference
-from effattn.base import (
-    RandomizedAttention,
-    RandomSource,
-    check_bool,
-    check_positive_int,
-    compute_dtype,
-    normal,
-)
+from effattn.base import check_bool, check_positive_int, compute_dtype
+from effattn.random import RandomizedAttention, RandomSource, normal
 from effattn.registry import Budget, MethodSpec, register
 
 # Scores per group of chunks (1 MiB in fp32).
@@ -479,7 +472,7 @@ class ReformerAttention(RandomizedAttention):
     Rotations depend on the length (through n_buckets), so they are drawn at call time: in
     training mode from the module's generator (fresh every call), in eval mode from a generator
     restarted at the module's seed, so eval calls of one module always hash alike (see
-    :class:`effattn.base.RandomizedAttention`, which also saves that state with the state_dict).
+    :class:`effattn.random.RandomizedAttention`, which also saves that state with the state_dict).
     """
 
     def __init__(
@@ -559,6 +552,8 @@ def _reference(
 ) -> Tensor:
     """Softmax over the explicit (B, H, N, M) union of the LSH candidates of every round, hashed
     with the module's eval-mode rotations."""
+    from effattn import naive  # imported here: the references stay off the runtime path
+
     n, m = q.shape[2], k.shape[2]
     # The eval-mode draw, whatever the module's mode: rotations() would advance a training
     # module's generator.
@@ -566,7 +561,7 @@ def _reference(
         module.heads, module.n_hashes, module.head_dim, num_buckets(n, m, module.bucket_size),
         generator=module._eval_generator(),
     )
-    return reference.reformer_attention(
+    return naive.reformer_attention(
         q, k, v, rotations, bucket_size=module.bucket_size, causal=causal,
         key_padding_mask=key_padding_mask, scale=module.scale, shared_qk=module.shared_qk,
     )

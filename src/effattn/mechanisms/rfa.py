@@ -30,14 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from effattn import reference
-from effattn.base import TensorGenerator, check_bool, check_choice, check_positive_int
-from effattn.kernelized import core
+from effattn.base import check_bool, check_choice, check_positive_int
 from effattn.kernelized import features as fm
-from effattn.kernelized.core import kernelized_attention
-from effattn.kernelized.layer import KernelizedAttention
+from effattn.kernelized.base import KernelizedAttention
+from effattn.kernelized.flops import kernelized_flops
+from effattn.kernelized.parallel import StateExchange
 from effattn.kernelized.projections import gaussian_projection
-from effattn.registry import Budget, LayerHints, MethodSpec, Problem, Variant, register
+from effattn.random import TensorGenerator
+from effattn.registry import Budget, CallInput, MethodSpec, Problem, Variant, register
 
 FEATURE_MAPS = {"sincos": fm.sincos, "arccos": fm.arccos}
 
@@ -45,37 +45,6 @@ FEATURE_MAPS = {"sincos": fm.sincos, "arccos": fm.arccos}
 def unit(x: Tensor) -> Tensor:
     """x / |x| along the head dim (zero vectors stay zero)."""
     return F.normalize(x, dim=-1, eps=1e-6)
-
-
-def rfa_features(x: Tensor, projection: Tensor, sigma: Tensor, feature_map: str) -> fm.Features:
-    """φ of unit(x) with w = projection / σ_h; sigma (H,) broadcasts over (B, H, L, F)."""
-    w = projection.to(x.dtype)
-    xs = unit(x) / sigma.to(x.dtype)[:, None, None]
-    return FEATURE_MAPS[feature_map](xs, w)
-
-
-def rfa_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    projection: Tensor,
-    sigma: Tensor,
-    *,
-    feature_map: str = "sincos",
-    causal: bool = False,
-    key_padding_mask: Tensor | None = None,
-    gate: Tensor | None = None,
-    chunk_size: int = 32,
-) -> Tensor:
-    """RFA with projection (F, D) (rows N(0, I)) and per-head sigma (H,)."""
-    def features(x: Tensor, *, is_query: bool) -> fm.Features:
-        return rfa_features(x, projection, sigma, feature_map)
-
-    width = projection.shape[0] * (2 if feature_map == "sincos" else 1)
-    return kernelized_attention(
-        q, k, v, features, feature_dim=width, causal=causal, key_padding_mask=key_padding_mask,
-        gate=gate, chunk_size=chunk_size, eps=fm.denominator_eps(FEATURE_MAPS[feature_map]),
-    )
 
 
 class RandomFeatureAttention(KernelizedAttention):
@@ -128,7 +97,9 @@ class RandomFeatureAttention(KernelizedAttention):
         return self.num_features * (2 if self.feature_map == "sincos" else 1)
 
     def features(self, x: Tensor, *, is_query: bool) -> fm.Features:
-        return rfa_features(x, self.projection, self.sigma, self.feature_map)
+        """φ of unit(x) with w = projection / σ_h (σ per head, broadcast over (B, H, L, F))."""
+        xs = unit(x) / self.sigma.to(x.dtype)[:, None, None]
+        return FEATURE_MAPS[self.feature_map](xs, self.projection.to(x.dtype))
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, num_features={self.num_features}, "
@@ -137,15 +108,17 @@ class RandomFeatureAttention(KernelizedAttention):
 
 def _flops(options: Mapping[str, Any], problem: Problem) -> float:
     paired = options["feature_map"] == "sincos"
-    return core.flops(problem, projections=options["num_features"],
+    return kernelized_flops(problem, projections=options["num_features"],
                       feature_dim=options["num_features"] * (2 if paired else 1),
                       chunk_size=options["chunk_size"])
 
 
 def _target(q: Tensor, k: Tensor, v: Tensor, scale: float, options: Mapping[str, Any]) -> Tensor:
     """RFA's own kernel: softmax(q̂ k̂^T / σ²) v on unit-length q, k (``scale`` does not enter)."""
+    from effattn import naive  # imported here: the references stay off the runtime path
+
     sigma = float(options["sigma"])
-    return reference.softmax_attention(unit(q), unit(k), v, scale=1.0 / sigma**2)
+    return naive.softmax_attention(unit(q), unit(k), v, scale=1.0 / sigma**2)
 
 
 def _reference(
@@ -160,7 +133,9 @@ def _reference(
 ) -> Tensor:
     """The explicit kernel matrix of the module's features, gated through the explicit
     recurrence weights (1 - g_j) Π_{j<l<=i} g_l."""
-    return reference.rfa_attention(
+    from effattn import naive  # imported here: the references stay off the runtime path
+
+    return naive.rfa_attention(
         q, k, v, module.projection, module.sigma, feature_map=module.feature_map, causal=causal,
         key_padding_mask=key_padding_mask, gate=gate,
     )
@@ -190,9 +165,11 @@ register(
         # The authors learn σ; the gate changes every decoding step (a learned σ does not).
         variants=(Variant({"learn_sigma": True}), Variant({"gated": True}, decoding=True),
                   Variant({"gated": True, "learn_sigma": True})),
-        layer=LayerHints(gate_option="gated"),
+        call_inputs=(CallInput(
+            "gate", "per-head forget gate g_t of S_t = g_t S_{t-1} + (1 - g_t) φ(k_t) v_t^T",
+            ("B", "H", "N"), enabled_by="gated", causal_only=True, bounds=(0.0, 1.0)),),
         reference=_reference,
-        sequence_parallel="state",
+        sequence_parallel=StateExchange(),
     ),
     RandomFeatureAttention,
 )

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from effattn import reference
 from effattn.base import AttentionMethod
+from effattn.parallel import SequenceGroup, SequenceStrategy
 from effattn.registry import MethodSpec, Problem, register
 
 
@@ -127,6 +127,51 @@ class SoftmaxAttention(AttentionMethod):
         return out, state
 
 
+class AllGather(SequenceStrategy):
+    """Sequence parallelism of exact attention: every rank all-gathers K and V, O(N) per rank,
+    and attends with its own queries over the whole sequence."""
+
+
+    def attend(
+        self,
+        attn: AttentionMethod,
+        group: SequenceGroup,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+    ) -> Tensor:
+        d = k.shape[-1]
+        kv = _gather_slices(torch.cat([k, v], -1), group)
+        keys, values = kv[..., :d], kv[..., d:]
+        keep = None
+        if key_padding_mask is not None:
+            mask = _gather_slices(key_padding_mask[:, None, :, None], group)
+            keep = ~mask[:, :, None, :, 0]  # (B, 1, 1, N)
+        if causal:
+            i = torch.arange(group.offset, group.offset + q.shape[2], device=q.device)[:, None]
+            seen = torch.arange(group.total, device=q.device)[None, :] <= i
+            keep = seen if keep is None else keep & seen
+        if keep is None:
+            return F.scaled_dot_product_attention(q, keys, values, scale=attn.scale)
+        # A query without a visible key outputs 0: its mask row is opened so that the softmax
+        # stays finite (no NaN in the gradients), then its output is cleared.
+        visible = keep.any(-1, keepdim=True)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=keep | ~visible,
+                                             scale=attn.scale)
+        return out.masked_fill(~visible, 0.0)
+
+
+def _gather_slices(x: Tensor, group: SequenceGroup) -> Tensor:
+    """Every rank's x (B, H, n_r, X), padded to the longest slice for the all-gather, joined
+    along the sequence: (B, H, N, X). Differentiable when x is floating point."""
+    padded = F.pad(x, (0, 0, 0, max(group.lengths) - x.shape[2]))
+    gathered = group.all_gather(padded)
+    return torch.cat([g[:, :, :n] for g, n in zip(gathered, group.lengths, strict=True)], 2)
+
+
 def _reference(
     module: SoftmaxAttention,
     q: Tensor,
@@ -137,7 +182,9 @@ def _reference(
     key_padding_mask: Tensor | None = None,
 ) -> Tensor:
     """softmax(scale q k^T) v with the explicit N x M score matrix."""
-    return reference.softmax_attention(
+    from effattn import naive  # imported here: the references stay off the runtime path
+
+    return naive.softmax_attention(
         q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=module.scale
     )
 
@@ -162,7 +209,7 @@ register(
         bench_default=True,
         published={"lra_listops": 36.37},
         reference=_reference,
-        sequence_parallel="gather",
+        sequence_parallel=AllGather(),
     ),
     SoftmaxAttention,
 )

@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from effattn import reference
 from effattn.base import AttentionMethod, check_positive_int, compute_dtype
 from effattn.registry import MethodSpec, register
 from effattn.sparse import banded_attention, block_gather_attention, dense_partial, merge_partials
@@ -186,7 +185,9 @@ def _strided_reference(
     key_padding_mask: Tensor | None = None,
 ) -> Tensor:
     """Masked softmax over the explicit N x N strided pattern."""
-    return reference.sparse_strided_attention(
+    from effattn import naive  # imported here: the references stay off the runtime path
+
+    return naive.sparse_strided_attention(
         q, k, v, stride=module.stride, causal=causal, key_padding_mask=key_padding_mask,
         scale=module.scale,
     )
@@ -202,7 +203,9 @@ def _fixed_reference(
     key_padding_mask: Tensor | None = None,
 ) -> Tensor:
     """Masked softmax over the explicit N x N fixed pattern."""
-    return reference.sparse_fixed_attention(
+    from effattn import naive  # imported here: the references stay off the runtime path
+
+    return naive.sparse_fixed_attention(
         q, k, v, stride=module.stride, c=module.c, causal=causal,
         key_padding_mask=key_padding_mask, scale=module.scale,
     )

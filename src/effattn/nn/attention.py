@@ -21,14 +21,17 @@ Where it differs from torch's module (the exact method is ``DEFAULT_METHOD``, so
 - torch's Transformer layers never replace its forward by their fused softmax kernel in inference
   (see ``_qkv_same_embed_dim`` below), and nested-tensor inputs are refused.
 
-Two kinds of mechanism change the layer itself, as their spec's ``layer`` hints say:
+Two kinds of mechanism change the layer itself, as their spec says:
 
-- a gated one (gated RFA, ``gated=True``): a per-head gate g = sigmoid(x W_g + b_g), (B, H, N),
-  computed from the query input and handed to the mechanism as ``gate=`` (Peng et al. 2021, eq. 7).
-  The gate is an extra parameter (``gate_proj``) that torch's module has not.
-- a parameter-free mixer (FNet's 2-D Fourier transform), which has no queries, keys or values. The
-  layer has no projections at all and mixes the full embedding (one "head" of size E), as in
-  Lee-Thorp et al. 2021; ``num_heads`` is only checked.
+- one with required call inputs (``spec.required_inputs``): the layer computes each from the
+  query input, with a module of its own registered as ``<name>_proj`` (a parameter that torch's
+  module has not), and hands it to the mechanism by name. The one such input is ``gate`` (gated
+  RFA): a per-head gate g = sigmoid(x W_g + b_g), (B, H, N) (Peng et al. 2021, eq. 7); a
+  mechanism that needs an input no layer computes is refused at construction. Such inputs are
+  computed for self-attention only.
+- a parameter-free mixer (``layer.parameter_free``: FNet's 2-D Fourier transform), which has no
+  queries, keys or values. The layer has no projections at all and mixes the full embedding (one
+  "head" of size E), as in Lee-Thorp et al. 2021; ``num_heads`` is only checked.
 """
 
 from __future__ import annotations
@@ -73,6 +76,28 @@ def gate_bias_init(num_heads: int) -> Tensor:
     tau = torch.logspace(1.0, 6.0, num_heads, base=2.0) if num_heads > 1 else torch.tensor([8.0])
     g = 1.0 - 1.0 / tau
     return torch.log(g / (1.0 - g))
+
+
+class GateProjection(nn.Linear):
+    """The call input ``gate``: g = sigmoid(x W_g + b_g) per head, x (B, N, E) -> (B, H, N).
+
+    Small input weights, so that the initial gates sit at their biases' timescales
+    (:func:`gate_bias_init`).
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, **factory: Any) -> None:
+        super().__init__(embed_dim, num_heads, **factory)
+        with torch.no_grad():
+            self.weight.mul_(0.1)
+            self.bias.copy_(gate_bias_init(num_heads))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.sigmoid(super().forward(x)).transpose(1, 2)
+
+
+# The call inputs a layer computes from its query input, by CallInput.name: a module class taking
+# (embed_dim, num_heads, device=, dtype=), registered on the layer as ``<name>_proj``.
+PRODUCERS: dict[str, type[nn.Module]] = {"gate": GateProjection}
 
 
 def _blocked(mask: Tensor, arg: str) -> Tensor:
@@ -174,7 +199,14 @@ class MultiheadAttention(nn.Module):
         self.vdim = embed_dim if vdim is None else vdim
         self.packed = self.kdim == embed_dim and self.vdim == embed_dim
         self.method = method
-        self.gated = method_spec.layer.gated({**method_spec.options, **options})
+        # The call inputs this layer computes and hands to the mechanism, by name.
+        self.call_inputs = tuple(c.name for c in method_spec.required_inputs(options))
+        cannot = [name for name in self.call_inputs if name not in PRODUCERS]
+        if cannot:
+            raise ValueError(
+                f"{method} needs the call input(s) {', '.join(cannot)}, which "
+                f"MultiheadAttention cannot compute (it computes {', '.join(PRODUCERS)})"
+            )
         self.add_zero_attn = add_zero_attn
         self.parameter_free = method_spec.layer.parameter_free
         factory = {"device": device, "dtype": dtype}
@@ -212,13 +244,8 @@ class MultiheadAttention(nn.Module):
         # process's q, k, v are its slice of the sequence (effattn.distributed.training). A plain
         # callable, not a submodule, so that parameters and state_dict stay the mechanism's.
         self.sequence_parallel: Callable[..., Tensor] | None = None
-        self.gate_proj = None
-        if self.gated:
-            self.gate_proj = nn.Linear(embed_dim, num_heads, **factory)
-            with torch.no_grad():
-                # Small input weights so the initial gates sit at their biases' timescales.
-                self.gate_proj.weight.mul_(0.1)
-                self.gate_proj.bias.copy_(gate_bias_init(num_heads))
+        for name in self.call_inputs:
+            setattr(self, f"{name}_proj", PRODUCERS[name](embed_dim, num_heads, **factory))
 
     def _reset_parameters(self) -> None:
         """torch's: Xavier-uniform input weights, zero biases, Xavier-normal bias_k/bias_v."""
@@ -257,16 +284,18 @@ class MultiheadAttention(nn.Module):
         if new.parameter_free:
             raise ValueError(f"{method} has no projections to copy weights into")
         # The layouts are the same: every key of torch's state_dict is one of ours; ours adds the
-        # mechanism's own state (random features, generators) and a gate.
+        # mechanism's own state (random features, generators) and its call inputs' projections.
         missing, unexpected = new.load_state_dict(module.state_dict(), strict=False)
-        ours = [k for k in missing if not k.startswith(("attn.", "gate_proj."))]
+        own = ("attn.", *(f"{name}_proj." for name in new.call_inputs))
+        ours = [k for k in missing if not k.startswith(own)]
         if unexpected or ours:
             raise ValueError(f"cannot copy {module}: missing {ours}, unexpected {unexpected}")
         return new
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, method={self.method!r}, "
-                f"dropout={self.dropout}, batch_first={self.batch_first}, gated={self.gated}")
+                f"dropout={self.dropout}, batch_first={self.batch_first}, "
+                f"call_inputs={self.call_inputs}")
 
     def _check_input(self, arg: str, x: Tensor, dim: int, batched: bool = True) -> None:
         if isinstance(x, Tensor) and x.is_nested:
@@ -313,8 +342,9 @@ class MultiheadAttention(nn.Module):
         b, _, n, _ = o.shape
         return self.out_proj(o.transpose(1, 2).reshape(b, n, self.embed_dim))
 
-    def _gate(self, x: Tensor) -> Tensor:
-        return torch.sigmoid(self.gate_proj(x)).transpose(1, 2)
+    def _call(self, x: Tensor) -> dict[str, Tensor]:
+        """The call inputs of the mechanism, computed from the query input x (B, N, E)."""
+        return {name: getattr(self, f"{name}_proj")(x) for name in self.call_inputs}
 
     def _padding(self, key_padding_mask: Tensor | None, shape: tuple[int, int]) -> Tensor | None:
         """``key_padding_mask`` as bool (B, M), True marking padding."""
@@ -390,11 +420,12 @@ class MultiheadAttention(nn.Module):
         (b, n, _), m = query.shape, key.shape[1]
         padding = self._padding(key_padding_mask, (b, m))
         causal = self._causal(attn_mask, is_causal, n, m)
-        kwargs = {}
-        if self.gated:
-            if not same:
-                raise ValueError("a gated method is defined for causal self-attention only")
-            kwargs["gate"] = self._gate(query)
+        if self.call_inputs and not same:
+            raise ValueError(
+                f"{self.method} takes {', '.join(self.call_inputs)} at call time, which the layer "
+                "computes for self-attention only"
+            )
+        call = self._call(query)
         weights = None
         if self.parameter_free:
             if not same:
@@ -412,7 +443,7 @@ class MultiheadAttention(nn.Module):
                     weights = weights if batched else weights[0]
             else:
                 attend = self.attn if self.sequence_parallel is None else self.sequence_parallel
-                o = attend(q, k, v, causal=causal, key_padding_mask=padding, **kwargs)
+                o = attend(q, k, v, causal=causal, key_padding_mask=padding, **call)
             out = self._merge(o)
         if not batched:
             out = out[0]
@@ -484,8 +515,7 @@ class MultiheadAttention(nn.Module):
         if how == "step" and x.shape[1] != 1:
             raise ValueError(f"step takes one token per sequence, got x of shape {tuple(x.shape)}")
         self._check_decodable(how)
-        kwargs = {"gate": self._gate(x)} if self.gated else {}
-        o, state = getattr(self.attn, how)(*self._project(x, x, x), state, **kwargs)
+        o, state = getattr(self.attn, how)(*self._project(x, x, x), state, **self._call(x))
         out = self._merge(o)
         return (out if self.batch_first else out.transpose(0, 1)), state
 

@@ -40,7 +40,8 @@ class TransformerBlock(nn.Module):
         causal: causal self-attention (decoder).
         cross: add a cross-attention sub-layer over a memory (encoder-decoder).
         cross_method: mechanism of the cross-attention (default ``method``); it gets ``options``
-            without ``gated`` when it is ``method``, none otherwise.
+            without those that turn on causal-only call inputs when it is ``method``, none
+            otherwise.
         ff_mult, dropout: FFN width multiple, dropout on every residual branch.
         max_len, seed: passed to the mechanisms.
         **options: the self-attention mechanism's options.
@@ -71,8 +72,9 @@ class TransformerBlock(nn.Module):
         self.cross_attn = None
         if cross:
             cross_method = method if cross_method is None else cross_method
-            # A gate exists only on causal self-attention: cross-attention goes without it.
-            cross_options = spec(method).layer.ungated(options) if cross_method == method else {}
+            # Causal-only call inputs (a gate) do not exist in cross-attention: it goes without.
+            cross_options = (spec(method).non_causal_options(options) if cross_method == method
+                             else {})
             self.norm_cross = nn.LayerNorm(d_model)
             self.cross_attn = MultiheadAttention(d_model, num_heads, batch_first=True,
                                                  method=cross_method, max_len=max_len,

@@ -58,11 +58,14 @@ class _Embed(nn.Module):
         return self.drop(self.pos(self.tokens(tokens) * self.scale, offset))
 
 
-def _no_gate(method: str, options: dict[str, Any], what: str) -> None:
-    hints = spec(method).layer
-    if hints.gated(options):
-        raise ValueError(f"{hints.gate_option}=True is defined for causal self-attention only; "
-                         f"{what} is not causal (use DecoderLM or EncoderDecoder)")
+def _no_causal_inputs(method: str, options: dict[str, Any], what: str) -> None:
+    """Refuse options that give ``method`` a call input defined for causal attention only."""
+    for c in spec(method).required_inputs(options):
+        if c.causal_only:
+            raise ValueError(
+                f"{c.enabled_by}=True gives {method} the call input {c.name}, defined for causal "
+                f"self-attention only; {what} is not causal (use DecoderLM or EncoderDecoder)"
+            )
 
 
 class EncoderClassifier(nn.Module):
@@ -95,7 +98,7 @@ class EncoderClassifier(nn.Module):
         super().__init__()
         if pool not in ("mean", "cls"):
             raise ValueError(f"pool must be 'mean' or 'cls', got {pool!r}")
-        _no_gate(method, options, "EncoderClassifier")
+        _no_causal_inputs(method, options, "EncoderClassifier")
         self.pool = pool
         self.pad_id = pad_id
         self.masks_padding = spec(method).padding_mask
@@ -216,7 +219,8 @@ def _decode(embed: _Embed, blocks: nn.ModuleList, tokens: Tensor, state: Decoder
 class EncoderDecoder(nn.Module):
     """Encoder (bidirectional) + decoder (causal self-attention and cross-attention).
 
-    The encoder and the cross-attention use ``method`` without ``gated`` (a gate belongs to causal
+    The encoder and the cross-attention use ``method`` without the options that turn on causal-only
+    call inputs (``MethodSpec.non_causal_options``: gated RFA's gate belongs to causal
     self-attention); ``cross_method`` picks another mechanism for cross-attention, e.g. when
     ``method`` cannot attend across sequences of different lengths.
     """
@@ -253,7 +257,7 @@ class EncoderDecoder(nn.Module):
         self.tgt_embed = _Embed(tgt_vocab, d_model, dropout)
         self.encoder = nn.ModuleList(
             TransformerBlock(d_model, num_heads, method, seed=layer_seed(seed, i), **common,
-                             **spec(method).layer.ungated(options))
+                             **spec(method).non_causal_options(options))
             for i in range(num_layers)
         )
         self.decoder = nn.ModuleList(

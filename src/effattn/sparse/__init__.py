@@ -1,9 +1,11 @@
 """The shared blockwise engine of the structured sparse patterns.
 
-See :mod:`effattn.sparse.blockwise`.
+See :mod:`effattn.sparse.blockwise`; :mod:`effattn.sparse.parallel` is the sequence-parallel
+strategy of banded methods (halos).
 """
 
 from effattn.sparse.blockwise import (
+    Band,
     band_block_size,
     banded_attention,
     block_gather_attention,
@@ -14,6 +16,7 @@ from effattn.sparse.blockwise import (
 )
 
 __all__ = [
+    "Band",
     "band_block_size",
     "banded_attention",
     "block_gather_attention",

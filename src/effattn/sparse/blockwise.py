@@ -495,6 +495,17 @@ def block_gather_attention(
     )
 
 
+@dataclass(frozen=True)
+class Band:
+    """The band of :func:`banded_attention`: query i sees key j when ``-right <= i - j <= left``
+    and ``(i - j) % dilation == 0``. A banded method describes its pattern by one (see
+    :class:`effattn.sparse.parallel.Halo`)."""
+
+    left: int
+    right: int
+    dilation: int = 1
+
+
 def band_block_size(reach: int) -> int:
     """Query block size for a band reaching ``reach`` keys to one side.
 

@@ -6,8 +6,8 @@ hashes, ...), the relative Frobenius error ``‖out − exact‖_F / ‖exact‖
 over seeds. The seed fixes both the data and the method's random draws. The exact target is
 ``softmax(scale q k^T) v`` (the naive dense reference), unless the method's
 :class:`~effattn.registry.Budget` names its own target (rfa: ``softmax(q̂ k̂^T / sigma^2) v`` with
-q̂, k̂ the unit-length q, k; see shared/design.md). The budget option and its default grid come
-from each method's spec. Data sets:
+q̂, k̂ the unit-length q, k; see ``effattn.mechanisms.rfa``). The budget option and its default
+grid come from each method's spec. Data sets:
 
 - ``gaussian qk_std=s``: q, k ~ N(0, s^2), v ~ N(0, 1); the logits have std about s^2.
 - ``peaked logit=L``: q, k ~ N(0, 1) plus a few planted pairs: P = 4 keys get a large component
@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 import effattn
-from effattn import reference
+from effattn import naive
 from effattn.kernelized.projections import gaussian_projection, make_generator
 from effattn.registry import Budget
 
@@ -94,7 +94,7 @@ def exact_output(method: str, options: Mapping[str, Any], q: Tensor, k: Tensor, 
     """
     budget = budgets().get(method)
     if budget is None or budget.target is None:
-        return reference.softmax_attention(q, k, v, scale=scale)
+        return naive.softmax_attention(q, k, v, scale=scale)
     return budget.target(q, k, v, scale, {**effattn.spec(method).options, **options})
 
 

@@ -43,6 +43,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -240,8 +241,8 @@ def measure_rank(cfg: DistConfig, settings: DistSettings) -> dict[str, Any]:
 
 
 def _rank_main(rank: int, cfg: DistConfig, settings: DistSettings, folder: str) -> None:
-    """One spawned rank: join the group, measure, write ``rank<r>.json`` (also on failure, after
-    which the parent ends the ranks left waiting in a collective)."""
+    """One spawned rank: join the group, measure, write ``rank<r>.json``, end the group. After a
+    failure it writes its status and waits for the parent, which ends every rank."""
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
@@ -253,6 +254,12 @@ def _rank_main(rank: int, cfg: DistConfig, settings: DistSettings, folder: str) 
     write_json(Path(folder) / f"rank{rank}.json", result)
     if result["status"] == "ok":
         dist.destroy_process_group()
+        return
+    # The other ranks may wait in a collective that this rank will not join. Ending the group
+    # would fail theirs with errors of their own, which the parent could report instead of this
+    # one; exiting would leave the group and gloo's threads to interpreter shutdown, where their
+    # teardown can abort the process (exit code -6), which the parent would report instead.
+    threading.Event().wait()
 
 
 def _read_ranks(folder: Path, nproc: int) -> list[dict[str, Any] | None]:

@@ -64,7 +64,8 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "copy": {"seq_len": 64, "steps": 600, "lr": 2e-3},
     "reverse": {"seq_len": 32, "steps": 600, "lr": 2e-3},
 }
-# What a method must be able to do for a task; listops needs nothing but refuses gates (below).
+# What a method must be able to do for a task; listops needs nothing but refuses causal-only
+# call inputs, a gate (below).
 # Reverse is scored by greedy decoding, which runs through the decoder's recurrent `step`.
 TASK_NEEDS: dict[str, tuple[str, ...]] = {
     "listops": (), "charlm": ("causal",), "recall": ("causal",), "copy": ("causal",),
@@ -130,8 +131,10 @@ class TrainConfig:
 def applicability(task: str, method: str, options: dict[str, Any] | None = None) -> str | None:
     """Why ``method`` cannot run ``task`` (the spec's reason), or None when it can."""
     method_spec = spec(method)
-    if "causal" not in TASK_NEEDS[task] and method_spec.layer.gated(options or {}):
-        return f"a gate is defined for causal self-attention only; {task} has no causal model"
+    causal_inputs = [c.name for c in method_spec.required_inputs(options or {}) if c.causal_only]
+    if "causal" not in TASK_NEEDS[task] and causal_inputs:
+        return (f"the call input {', '.join(causal_inputs)} is defined for causal self-attention "
+                f"only; {task} has no causal model")
     for need in TASK_NEEDS[task]:
         if not getattr(method_spec, need):
             return f"{_NEED_WORDS[need]}: {method_spec.refusals[need]}"

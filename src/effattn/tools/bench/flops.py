@@ -22,10 +22,6 @@ from effattn.tools.bench.timing import Clock, time_fn, time_once
 FWD_BWD_FACTOR = 3
 
 
-def has_model(method: str) -> bool:
-    return spec(method).flops is not None
-
-
 def forward_flops(
     method: str,
     options: Mapping[str, Any],

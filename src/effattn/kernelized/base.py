@@ -1,11 +1,11 @@
-"""The module shared by kernelized methods: features -> core, redraw policy, recurrent step."""
+"""The base class of the kernelized methods: features -> core, redraw policy, recurrent step."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from effattn.base import RandomizedAttention, TensorGenerator, check_positive_int, compute_dtype
+from effattn.base import check_positive_int, compute_dtype
 from effattn.kernelized.core import (
     SLICE_ELEMENTS,
     DenominatorUnderflowError,
@@ -17,6 +17,7 @@ from effattn.kernelized.core import (
     read_queries,
 )
 from effattn.kernelized.features import Features
+from effattn.random import RandomizedAttention, TensorGenerator
 
 
 class KernelizedAttention(RandomizedAttention):
@@ -30,9 +31,11 @@ class KernelizedAttention(RandomizedAttention):
     fp32; the output comes back in the input dtype. Forward, prefill and memory reads raise a
     ValueError where non-negative features underflow to a zero denominator for a query that
     sees keys (eager only; ``step`` does not check: it would cost a host sync per token).
+    The core takes a gate (B, H, N) in [0, 1] (gated attention, a causal recurrence): a method
+    that declares the call input ``gate`` in its spec gets it in ``_attend``, ``_step`` and
+    ``_prefill``.
     """
 
-    gated: bool = False
     # Buffers of random features that redraw() replaces with _draw()'s values.
     random_buffers: tuple[str, ...] = ()
     # Feature values per slice of the sequence (see kernelized.core); tests shrink it.
@@ -89,6 +92,11 @@ class KernelizedAttention(RandomizedAttention):
                 value = torch.where(when.to(buf.device), value.to(buf), buf)
             buf.copy_(value)
 
+    def prepare_call(self) -> None:
+        """Redraw the random features when the schedule says so, then count the call."""
+        self._maybe_redraw()
+        super().prepare_call()
+
     def _maybe_redraw(self) -> None:
         interval = self.redraw_interval
         if not self.training or interval is None or not self.random_buffers:
@@ -103,28 +111,6 @@ class KernelizedAttention(RandomizedAttention):
             self._redraw(due)
         elif bool(due):  # a CPU tensor: no device sync
             self._redraw(None)
-
-    def _check_gate(self, gate: Tensor | None, causal: bool, shape: torch.Size) -> None:
-        if not self.gated:
-            if gate is not None:
-                raise ValueError(f"{self.spec.name}: gate is only taken by rfa with gated=True")
-            return
-        if gate is None:
-            raise ValueError(f"{self.spec.name} with gated=True needs gate (B, H, N) in the call")
-        if not causal:
-            raise ValueError(
-                f"{self.spec.name} with gated=True needs causal=True: "
-                "the gate is a causal recurrence"
-            )
-        if not isinstance(gate, Tensor) or not gate.is_floating_point():
-            raise ValueError(f"gate must be a floating-point tensor, got {type(gate).__name__}")
-        if gate.shape != shape:
-            raise ValueError(f"gate must be (B, H, N) = {tuple(shape)}, got {tuple(gate.shape)}")
-        # Reading values is a host sync: eager only (a graph break under torch.compile).
-        if torch.compiler.is_compiling():
-            return
-        if not torch.isfinite(gate).all() or gate.min() < 0 or gate.max() > 1:
-            raise ValueError("gate values must lie in [0, 1]")
 
     def _underflow(self, err: DenominatorUnderflowError, q: Tensor, k: Tensor | None) -> ValueError:
         """The core's underflow error, with the method and, given k, a bound on the logits."""
@@ -147,8 +133,6 @@ class KernelizedAttention(RandomizedAttention):
         key_padding_mask: Tensor | None,
         gate: Tensor | None = None,
     ) -> Tensor:
-        self._check_gate(gate, causal, q.shape[:3])
-        self._maybe_redraw()
         dt = compute_dtype(q.dtype)
         try:
             return kernelized_attention(
@@ -201,7 +185,6 @@ class KernelizedAttention(RandomizedAttention):
         state: RecurrentState | None,
         gate: Tensor | None = None,
     ) -> tuple[Tensor, RecurrentState]:
-        self._check_gate(gate, True, q.shape[:3])
         dt = compute_dtype(q.dtype)
         phi_q, _ = self.features(q.to(dt), is_query=True)
         phi_k, log_scale = self.features(k.to(dt), is_query=False)
@@ -223,7 +206,6 @@ class KernelizedAttention(RandomizedAttention):
         state: RecurrentState | None,
         gate: Tensor | None = None,
     ) -> tuple[Tensor, RecurrentState]:
-        self._check_gate(gate, True, q.shape[:3])
         dt = compute_dtype(q.dtype)
         try:
             return kernelized_causal(

@@ -1,0 +1,124 @@
+"""Sequence parallelism of kernelized attention: the ranks exchange fixed-size key states.
+
+Rank r of P holds the contiguous slice r of the sequence, starting at offset o_r (see
+:mod:`effattn.parallel`).
+
+- Non-causal: the key state [S, z] = φ(K)^T [V, 1] is a sum over keys, so each rank forms its
+  slice's (F, Dv + 1) state and one all-reduce sums them. The stabiliser scale is made common
+  first: every rank rescales its state to m = max_r s_r (an all-reduce MAX of (B, H) scalars,
+  without gradient: it cancels).
+- Causal (and gated): rank r needs the state of everything before o_r. Each rank forms its
+  slice's state S_r at scale s_r and its slice's total log gate G_r (0 ungated); one all-gather
+  of the P states (LASP-2, Sun et al. 2025) gives every rank
+  S_in,r = Σ_{r' < r} exp(s_r' + Σ_{r' < l < r} G_l) S_r', and the chunkwise causal core
+  continues from it over the rank's slice.
+
+Communication is one or P states per call, independent of N.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from effattn.base import compute_dtype
+from effattn.kernelized.base import KernelizedAttention
+from effattn.kernelized.core import (
+    LOG_FLOOR,
+    LOG_GATE_FLOOR,
+    RecurrentState,
+    accumulate_keys,
+    kernelized_causal,
+    key_state,
+    read_queries,
+)
+from effattn.parallel import SequenceGroup, SequenceStrategy
+
+
+class StateExchange(SequenceStrategy):
+    """The strategy of every :class:`KernelizedAttention` (see the module docstring); takes the
+    call input ``gate`` (B, H, n_r) of gated methods."""
+
+
+    def attend(
+        self,
+        attn: KernelizedAttention,
+        group: SequenceGroup,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        gate: Tensor | None = None,
+    ) -> Tensor:
+        dt = compute_dtype(q.dtype)
+        q, k, v = q.to(dt), k.to(dt), v.to(dt)
+        gate = None if gate is None else gate.to(dt)
+        common = {"feature_dim": attn.feature_dim, "slice_elements": attn.slice_elements}
+        if not causal:
+            local = key_state(k, v, attn.features, key_padding_mask=key_padding_mask, **common)
+            scale = group.all_reduce_max(local.log_scale)
+            kv = group.all_reduce_sum(local.kv * torch.exp(local.log_scale - scale))
+            state = RecurrentState(kv, scale, group.total)
+            return read_queries(q, state, attn.features, eps=attn.eps, **common)
+        local, decay = _slice_state(attn, k, v, key_padding_mask, gate)
+        b, h, f, dv1 = local.kv.shape
+        packed = torch.cat([local.kv.reshape(b, h, f * dv1), local.log_scale.reshape(b, h, 1),
+                            decay.reshape(b, h, 1)], -1)
+        incoming = _incoming(group.all_gather(packed), f, dv1, group)
+        return kernelized_causal(
+            q, k, v, attn.features, incoming, key_padding_mask=key_padding_mask, gate=gate,
+            chunk_size=attn.chunk_size, eps=attn.eps, **common,
+        )[0]
+
+
+def _slice_state(
+    attn: KernelizedAttention,
+    k: Tensor,
+    v: Tensor,
+    key_padding_mask: Tensor | None,
+    gate: Tensor | None,
+) -> tuple[RecurrentState, Tensor]:
+    """The causal state after this slice alone and its total log gate G (B, H) (0 ungated).
+
+    Ungated, that state is the non-causal key state of the slice. Gated, key j enters it with
+    weight (1 - g_j) Π_{j < l} g_l over the slice's later tokens l: the product goes into the
+    key's log-scale (the core's stabiliser then keeps it finite), 1 - g_j multiplies φ(k_j),
+    so that it reaches both [v_j, 1] columns. Padded tokens neither enter nor decay the state.
+    """
+    if gate is None:
+        state = key_state(k, v, attn.features, feature_dim=attn.feature_dim,
+                          key_padding_mask=key_padding_mask, slice_elements=attn.slice_elements)
+        return state, k.new_zeros(k.shape[:2])
+    log_gate = torch.log(gate).clamp_min(LOG_GATE_FLOOR)  # as the core clamps it
+    if key_padding_mask is not None:
+        log_gate = log_gate.masked_fill(key_padding_mask[:, None, :], 0.0)
+    # Σ_{l > j} log g_l as a reversed cumsum shifted by one: no subtraction of long sums.
+    later = F.pad(log_gate[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))
+    phi_k, log_scale = attn.features(k, is_query=False)
+    log_scale = later[..., None] if log_scale is None else log_scale + later[..., None]
+    state = accumulate_keys(None, phi_k * (1.0 - gate)[..., None], v, key_log_scale=log_scale,
+                            key_padding_mask=key_padding_mask)
+    return state, log_gate.sum(-1)
+
+
+def _incoming(states: Tensor, f: int, dv1: int, group: SequenceGroup) -> RecurrentState:
+    """The state entering this rank r from the gathered states of all P ranks.
+
+    S_in = Σ_{r' < r} exp(s_r' + Σ_{r' < l < r} G_l) S_r', held at the largest of those
+    exponents (every weight <= 1). Ranks r' >= r get weight 0 rather than being left out, so
+    that every rank's output depends on the gather and every rank runs its backward (rank 0
+    gets an empty state).
+    """
+    kv = states[..., :-2].unflatten(-1, (f, dv1))  # (P, B, H, F, Dv + 1)
+    scale, decay = states[..., -2].detach(), states[..., -1]  # (P, B, H)
+    earlier = (torch.arange(group.size, device=states.device) < group.rank)[:, None, None]
+    decay = decay.masked_fill(~earlier, 0.0)
+    # Σ_{l > r'} G_l as a reversed cumsum shifted by one: no subtraction of long sums.
+    later = torch.cat([decay[1:].flip(0).cumsum(0).flip(0), torch.zeros_like(decay[:1])])
+    exponent = (scale + later).masked_fill(~earlier, float("-inf"))
+    top = exponent.detach().amax(0).clamp_min(LOG_FLOOR)
+    weight = torch.exp(exponent - top)[..., None, None]
+    return RecurrentState((weight * kv).sum(0), top[..., None, None], group.offset)

@@ -1,0 +1,186 @@
+"""Kernelized attention written out: the true (unstabilised) features of each map and the
+explicit N x M kernel matrix, with gates through their unrolled recurrence weights."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from effattn.naive.softmax import dense_mask
+
+
+def kernel_weights(
+    n: int,
+    m: int,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    gate: Tensor | None = None,
+    dtype: torch.dtype = torch.float64,
+    device: torch.device | None = None,
+) -> Tensor:
+    """(B or 1, H or 1, N, M) weights w_ij of the kernelized sum, from their definition.
+
+    Gated: the recurrence S_t = g_t S_{t-1} + (1 - g_t) φ(k_t) v_t^T unrolled one step at a time,
+    so w_ij = (1 - g_j) Π_{j<l<=i} g_l. Padded keys get weight 0 and (gated) do not decay.
+    """
+    w = dense_mask(n, m, causal=causal, key_padding_mask=key_padding_mask, device=device).to(dtype)
+    if gate is None:
+        return w
+    g = gate.to(dtype)
+    if key_padding_mask is not None:
+        g = torch.where(key_padding_mask[:, None, :], torch.ones_like(g), g)
+    b, h = g.shape[:2]
+    rows = []
+    carry = torch.zeros(b, h, m, dtype=dtype, device=g.device)  # weight of key j in S_{t}
+    for t in range(n):
+        inject = torch.zeros(b, h, m, dtype=dtype, device=g.device)
+        inject[:, :, t] = 1.0 - g[:, :, t]
+        carry = g[:, :, t, None] * carry + inject
+        rows.append(carry)
+    return torch.stack(rows, 2) * w
+
+
+def kernel_attention(
+    phi_q: Tensor,
+    phi_k: Tensor,
+    v: Tensor,
+    *,
+    key_log_scale: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    causal: bool = False,
+    gate: Tensor | None = None,
+    eps: float = 1e-6,
+) -> Tensor:
+    """The kernelized core on precomputed features: the explicit N x M kernel matrix
+    φ(Q) (φ(K) exp(key_log_scale))^T weighted by :func:`kernel_weights`, and its denominator
+    pushed away from 0 by ``eps`` (keeping its sign), as the core does."""
+    true_k = phi_k if key_log_scale is None else phi_k * torch.exp(key_log_scale)
+    a = phi_q @ true_k.transpose(-2, -1)
+    a = a * kernel_weights(
+        phi_q.shape[2], phi_k.shape[2], causal=causal, key_padding_mask=key_padding_mask,
+        gate=gate, dtype=a.dtype, device=a.device,
+    )
+    den = a.sum(-1, keepdim=True)
+    den = torch.where(den >= 0, den.clamp_min(eps), den.clamp_max(-eps))
+    return (a @ v) / den
+
+
+def _explicit(phi_q: Tensor, phi_k: Tensor, v: Tensor, causal: bool, key_padding_mask, gate=None):
+    """Normalised kernel attention with true (unstabilised) features and no eps tricks."""
+    a = phi_q @ phi_k.transpose(-2, -1)
+    a = a * kernel_weights(
+        phi_q.shape[2], phi_k.shape[2], causal=causal, key_padding_mask=key_padding_mask,
+        gate=gate, dtype=a.dtype, device=a.device,
+    )
+    den = a.sum(-1, keepdim=True)
+    sees_a_key = kernel_weights(
+        phi_q.shape[2], phi_k.shape[2], causal=causal, key_padding_mask=key_padding_mask,
+        dtype=a.dtype, device=a.device,
+    ).sum(-1, keepdim=True) > 0
+    # A query that sees no key at all (all padding) outputs 0, as in every fast path.
+    return torch.where(sees_a_key, (a @ v) / torch.where(sees_a_key, den, 1.0), 0.0)
+
+
+def performer_features(x: Tensor, projection: Tensor, feature_map: str) -> Tensor:
+    """True FAVOR+ features of x̃ (already scaled by sqrt(scale)), written from the paper."""
+    f = projection.shape[0]
+    u = x @ projection.T
+    sq = (x * x).sum(-1, keepdim=True) / 2
+    if feature_map == "positive":
+        return torch.exp(u - sq) / math.sqrt(f)
+    if feature_map == "hyperbolic":
+        return torch.cat([torch.exp(u - sq), torch.exp(-u - sq)], -1) / math.sqrt(2 * f)
+    if feature_map == "trig":
+        return torch.exp(sq) * torch.cat([torch.sin(u), torch.cos(u)], -1) / math.sqrt(f)
+    if feature_map == "relu":
+        return torch.relu(u) + 1e-3
+    raise ValueError(f"unknown feature_map {feature_map!r}")
+
+
+def performer_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    projection: Tensor,
+    *,
+    feature_map: str = "positive",
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """Performer (FAVOR+) with the (F, D) ``projection``: the explicit kernel matrix of the true
+    features φ(q̃)·φ(k̃), q̃ = q·sqrt(scale) (see :func:`performer_features`)."""
+    root = math.sqrt(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    w = projection.to(q.dtype)
+    return _explicit(
+        performer_features(q * root, w, feature_map), performer_features(k * root, w, feature_map),
+        v, causal, key_padding_mask,
+    )
+
+
+def favor_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    projection: Tensor,
+    phase: Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """Original FAVOR with the (F, D) ``projection`` and (F,) ``phase``: the explicit kernel
+    matrix of φ(x) = sqrt(2/F) exp(|x|²/2) cos(w x + b), x = q·sqrt(scale) or k·sqrt(scale)."""
+    root = math.sqrt(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    w, b = projection.to(q.dtype), phase.to(q.dtype)
+
+    def phi(x: Tensor) -> Tensor:
+        x = x * root
+        sq = (x * x).sum(-1, keepdim=True) / 2
+        return math.sqrt(2 / w.shape[0]) * torch.exp(sq) * torch.cos(x @ w.T + b)
+
+    return _explicit(phi(q), phi(k), v, causal, key_padding_mask)
+
+
+def rfa_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    projection: Tensor,
+    sigma: Tensor,
+    *,
+    feature_map: str = "sincos",
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    gate: Tensor | None = None,
+) -> Tensor:
+    """RFA with the (F, D) ``projection`` and per-head ``sigma`` (H,): the explicit kernel matrix
+    of φ(x̂) = F^(-1/2) [sin(w x̂ / σ), cos(w x̂ / σ)] (or sqrt(2/F) relu(w x̂ / σ), "arccos") on
+    unit-length x̂, gated through the explicit recurrence weights (:func:`kernel_weights`)."""
+    f = projection.shape[0]
+    w = projection.to(q.dtype) / sigma.to(q.dtype)[:, None, None]  # (H, F, D)
+
+    def phi(x: Tensor) -> Tensor:
+        u = (x / x.norm(dim=-1, keepdim=True)) @ w.transpose(-2, -1)
+        if feature_map == "sincos":
+            return torch.cat([torch.sin(u), torch.cos(u)], -1) / math.sqrt(f)
+        return math.sqrt(2 / f) * torch.relu(u)
+
+    return _explicit(phi(q), phi(k), v, causal, key_padding_mask, gate)
+
+
+def linear_transformer_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """Linear transformer: the explicit kernel matrix (elu(q) + 1)·(elu(k) + 1)."""
+    return _explicit(
+        torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1, v, causal, key_padding_mask
+    )
