@@ -30,11 +30,11 @@ TIMEOUT = 30  # seconds, for every collective in the workers
 B, H, D, DV = 2, 2, 7, 5
 
 # (id, method, options, dtype): every method that can be split, with the variants that change
-# the strategy (log-scale stabiliser or none, eps of sign-changing features, learned sigma, gate,
-# window within or beyond a slice). Checked in fp32 to 1e-5, except FAVOR's trigonometric maps:
-# their denominators cancel (unbounded variance), so one process's fp32 result is itself
-# uncertain beyond 1e-5; they are checked in float64 to 1e-10. rfa needs F = 128 for the same
-# reason in fp32.
+# the strategy (log-scale stabiliser or none, eps of sign-changing features, learned sigma or
+# feature maps, gate, window within or beyond a slice). Checked in fp32 to 1e-5, except FAVOR's
+# trigonometric maps: their denominators cancel (unbounded variance), so one process's fp32
+# result is itself uncertain beyond 1e-5; they are checked in float64 to 1e-10. rfa needs
+# F = 128 for the same reason in fp32.
 METHODS = [
     ("performer", "performer", {"num_features": 16}, torch.float32),
     ("performer-trig", "performer", {"num_features": 16, "feature_map": "trig"}, torch.float64),
@@ -42,6 +42,9 @@ METHODS = [
     ("rfa", "rfa", {"num_features": 128, "learn_sigma": True}, torch.float32),
     ("rfa-gated", "rfa", {"num_features": 128, "gated": True}, torch.float32),
     ("linear", "linear", {}, torch.float32),
+    ("hedgehog", "hedgehog", {"num_features": 9}, torch.float32),
+    ("hedgehog-softmax_dim", "hedgehog", {"feature_map": "softmax_dim"}, torch.float32),
+    ("taylor", "taylor", {"proj_dim": 4}, torch.float32),
     ("softmax", "softmax", {}, torch.float32),
     ("local", "local", {"window": 5}, torch.float32),
     ("local-wide-dilated", "local", {"window": 17, "dilation": 2}, torch.float32),

@@ -4,8 +4,9 @@ Recording gradients in eager mode, the forward keeps q, k, v, the output, its di
 fixed-size states, and the backward recomputes the features slice by slice. Here: its
 gradients equal autograd through the same forward (the path torch.compile records) in float64,
 with several slices and a partial chunk, for every kernelized method and variant, padding,
-cross-attention, an incoming state, and feature maps with trainable tensors (rfa's learned σ, a
-Hedgehog-style per-head linear map, a closure whose tensors are found in its graph); and what
+cross-attention, an incoming state, and feature maps with trainable tensors (rfa's learned σ,
+hedgehog's and taylor's learned per-head maps, such a map handed to the core as a closure with
+its tensors, a closure whose tensors are found in its graph); and what
 the forward saves for backward stays O(N·(D + Dv) + F·Dv): no N x F tensor.
 """
 
@@ -32,7 +33,14 @@ VARIANTS = [
     ("rfa", {"learn_sigma": True}),
     ("rfa", {"gated": True, "learn_sigma": True}),
     ("linear", {}),
+    ("hedgehog", {"feature_map": "exp"}),
+    ("hedgehog", {"feature_map": "softmax_dim"}),
+    ("taylor", {"learn_projection": True}),
+    ("taylor", {"learn_projection": False}),
 ]
+# Options that keep each method small: F = 24 projections (hedgehog: 48 features), taylor's
+# P = 5 (21 features).
+SMALL = {"linear": {}, "taylor": {"proj_dim": 5}}
 
 
 def _id(variant):
@@ -41,8 +49,9 @@ def _id(variant):
 
 
 def _module(name, opts):
-    small = {"chunk_size": 10} if name == "linear" else {"chunk_size": 10, "num_features": 24}
-    module = effattn.build(name, head_dim=D, heads=H, seed=0, **small, **opts).double().eval()
+    small = SMALL.get(name, {"num_features": 24})
+    module = effattn.build(name, head_dim=D, heads=H, seed=0, chunk_size=10, **small,
+                           **opts).double().eval()
     # Slices of 25 tokens forward (causal: 2 chunks), 6 backward: 3 to 11 slices, the last
     # partial, and a partial chunk at the end.
     module.slice_elements = 25 * B * H * module.feature_dim
@@ -229,7 +238,7 @@ def test_redraw_between_forward_and_backward_raises(causal):
 # forward kept every slice's φ(Q), φ(K) (N x F each; F = 256 is 4 D) and, causal, the chunk
 # states (N/C of F x (Dv + 1)): 1.5-7x that (at fc0ffa8 every case here fails).
 MEMORY_CASES = [("performer", {}), ("favor", {}), ("rfa", {}), ("rfa", {"gated": True}),
-                ("linear", {})]
+                ("linear", {}), ("hedgehog", {}), ("taylor", {})]
 
 
 @pytest.mark.parametrize("variant", MEMORY_CASES, ids=_id)
@@ -239,7 +248,8 @@ def test_forward_saves_no_n_by_f_tensor_for_backward(variant, causal, one_thread
     if opts.get("gated") and not causal:
         pytest.skip("the gate is causal only")
     b, h, n, d = 1, 2, 4096, 64
-    options = {} if name == "linear" else {"num_features": 256 if name != "rfa" else 128}
+    options = {"performer": {"num_features": 256}, "favor": {"num_features": 256},
+               "rfa": {"num_features": 128}}.get(name, {})
     module = effattn.build(name, head_dim=d, heads=h, seed=0, **options, **opts)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, h, n, d, generator=g).requires_grad_() for _ in range(3))
@@ -257,7 +267,7 @@ def test_forward_saves_no_n_by_f_tensor_for_backward(variant, causal, one_thread
     step = causal_slice_tokens(b * h, f, d, module.chunk_size, module.slice_elements)
     states = (math.ceil(n / step) if causal else 1) * b * h * (f * (d + 1) + 1) * size
     budget = (4 * q.nbytes + sum(t.nbytes for t in call.values()) + 2 * b * h * n * size
-              + sum(t.nbytes for t in module.buffers()) + states + 1024)
+              + sum(t.nbytes for t in module.feature_tensors()) + states + 1024)
     n_by_f = b * h * n * f * size
     assert states < n_by_f / 8 and budget < 4.6 * q.nbytes  # an N x F tensor is 2-4 q's
     assert sum(saved.values()) <= budget, (

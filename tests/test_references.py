@@ -33,6 +33,7 @@ SMALL = {
     "ratio": 0.3,
     "bucket_size": 8,
     "n_hashes": 3,
+    "proj_dim": 5,
 }
 # Settings no variant lists, by option name, run as well (self-attention: a convolution of V
 # needs N == M).

@@ -213,7 +213,8 @@ def _run_approx(args: argparse.Namespace) -> int:
     with tqdm(total=total, desc="effattn approx", unit="point", file=sys.stderr) as bar:
         records = approx.output_error_study(
             grids, length=args.length, heads=args.heads, head_dim=args.head_dim,
-            seeds=args.seeds, qk_stds=args.qk_std, peak_logit=args.peak_logit, progress=bar)
+            seeds=args.seeds, qk_stds=args.qk_std, peak_logit=args.peak_logit,
+            fit_steps=args.fit_steps, progress=bar)
     kernel = approx.kernel_mse_study(dim=args.kernel_dim, norm=args.kernel_norm,
                                      features=args.kernel_features, draws=args.kernel_draws)
     write_json(out / "approx.json", records)
@@ -317,6 +318,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "logits then have std qk_std^2 (default 0.25,0.5,1)")
     a.add_argument("--peak-logit", type=positive_float, default=8.0,
                    help="logit of the planted pairs of the peaked data set (default 8)")
+    a.add_argument("--fit-steps", type=nonnegative_int, default=0,
+                   help="fit the parameters of learned feature maps (feature_parameters()) "
+                   "by attention distillation on each seed's q, k for this many Adam steps "
+                   "before measuring them (default 0: as built)")
     a.add_argument("--kernel-dim", type=positive_int, default=16,
                    help="d of the kernel-MSE study (default 16)")
     a.add_argument("--kernel-norm", type=positive_float, default=1.0,

@@ -164,18 +164,23 @@ def _ratio_grad(d_out: Tensor, out: Tensor, div: Tensor, back: Tensor) -> Tensor
 
 
 def _lost_rows(out: Tensor, eps: float, log_scale: Tensor) -> Tensor | None:
-    """True (0-d) if a query that sees a key got a denominator of exactly 0; None: not checked.
+    """True (0-d) if a query that sees a key got a denominator of 0 or a subnormal one; None: not
+    checked.
 
     For non-negative features (``eps = 0``) the denominator Σ_j w_ij φ(q_i)·φ(k_j) of a query
     that sees a key is a sum of terms that are positive in exact arithmetic, so 0 means they
     underflowed (or, for arccos features, all happen to be 0): the output row would be a silent
-    0. A scale above LOG_FLOOR marks a query that sees a key (a scale stays at the floor until
+    0. Below the dtype's smallest normal number they have nearly underflowed: the ratio has lost
+    its precision and its gradient, 1 / den, overflows to inf (seen with hedgehog's exp features
+    at logits ~1e4 in fp32, whose query and key maxima sit on different features). A scale
+    above LOG_FLOOR marks a query that sees a key (a scale stays at the floor until
     its state holds an unpadded one). Reading the flag is a host sync: the callers gather one
     per slice and read them once (:func:`_raise_if_lost`); skipped while compiling.
     """
     if eps != 0 or torch.compiler.is_compiling():
         return None
-    return ((out[..., -1:] == 0) & (log_scale > LOG_FLOOR)).any()
+    tiny = torch.finfo(out.dtype).tiny
+    return ((out[..., -1:] < tiny) & (log_scale > LOG_FLOOR)).any()
 
 
 def _check_chunk(chunk_size: int) -> None:
@@ -184,15 +189,16 @@ def _check_chunk(chunk_size: int) -> None:
 
 
 class DenominatorUnderflowError(ValueError):
-    """A query that sees keys got a zero denominator (see :func:`_lost_rows`)."""
+    """A query that sees keys got a zero or subnormal denominator (see :func:`_lost_rows`)."""
 
 
 def _raise_if_lost(lost: list[Tensor | None], dtype: torch.dtype) -> None:
     flags = [flag for flag in lost if flag is not None]
     if flags and bool(torch.stack(flags).any()):
         raise DenominatorUnderflowError(
-            f"the attention denominator Σ_j φ(q_i)·φ(k_j) is exactly 0 in {dtype} for a query "
-            "that sees keys: the random-feature estimate underflows for logits this large"
+            f"the attention denominator Σ_j φ(q_i)·φ(k_j) is 0 in {dtype} (or subnormal, where "
+            "its gradient overflows) for a query that sees keys: the product of the stabilised "
+            "features underflows for logits this large"
         )
 
 

@@ -8,8 +8,10 @@ exp(|q|²/2) of trigonometric ones, the 1/sqrt(F) normalisations everywhere. The
 unnormalised features are written out in ``effattn.naive.kernelized`` for the tests.
 
 x is (B, H, L, D); for softmax-kernel maps it is already multiplied by sqrt(scale), so that
-x̃_q · x̃_k = scale · q · k. w is the (F, D) projection. Shapes of phi: (B, H, L, F) or
-(B, H, L, 2F) for the maps that pair features (hyperbolic, trig, sincos).
+x̃_q · x̃_k = scale · q · k. w is the (F, D) projection shared by the heads, or, for the learned
+maps (Hedgehog's), each head's own (H, D, F). Shapes of phi: (B, H, L, F) or (B, H, L, 2F) for
+the maps that pair features (hyperbolic, trig, sincos, the learned exp and softmax);
+1 + P + P(P + 1)/2 for the Taylor map of a P-dimensional x̃.
 """
 
 from __future__ import annotations
@@ -145,11 +147,126 @@ def elu_plus_one(x: Tensor) -> Features:
     return F.elu(x).add_(1.0), None
 
 
+def project_heads(x: Tensor, w: Tensor) -> Tensor:
+    """x (B, H, L, D) times each head's own w (H, D, P) -> (B, H, L, P), as one batched GEMM over
+    the B·H (batch, head) pairs (no loop over heads)."""
+    return torch.matmul(x, w)
+
+
+class _Exp2HeadProjection(torch.autograd.Function):
+    """Hedgehog's φ from one per-head affine map u = x W_h + b_h: exp([u, -u] - rowmax), or, with
+    ``normalise``, [softmax(u), softmax(-u)] (each half over its own F features), computed as
+    exp2 of log2(e) u (see :data:`LOG2E`).
+
+    Forward: one batched GEMM that folds the bias in (baddbmm over the B·H pairs), then the
+    pair, the row max (per half when normalising) and exp2 in place on fresh tensors, and for
+    the softmax the halves' sums. Backward, with G = dφ ⊙ φ per feature (exp's derivative is
+    itself; the max is a constant that cancels), minus φ Σ_half G for the softmax (its
+    normaliser's derivative): g = G_+ - G_- (u enters the two halves with opposite signs), then
+    dx = g W_h^T, dW_h = Σ_b x^T g and db_h = Σ_{b, L} g. x (B, H, L, D), w (H, D, F), b (H, F)
+    -> φ (B, H, L, 2F) and the row max in natural log (B, H, L, 1) (meaningful for the exp form
+    only, where the true features are φ · exp(max)).
+    """
+
+    @staticmethod
+    def forward(x: Tensor, w: Tensor, b: Tensor, normalise: bool) -> tuple[Tensor, Tensor]:
+        batch, heads, length, dim = x.shape
+        f = w.shape[-1]
+        # (B·H, L, D) @ (B·H, D, F) + (B·H, 1, F): for B = 1 the expanded weights stay views.
+        u = torch.baddbmm(
+            (b * LOG2E)[None, :, None, :].expand(batch, -1, -1, -1).reshape(-1, 1, f),
+            x.reshape(-1, length, dim),
+            (w * LOG2E).expand(batch, -1, -1, -1).reshape(-1, dim, f),
+        ).view(batch, heads, length, f)
+        pair = torch.cat([u, -u], -1)
+        if not normalise:
+            m = pair.amax(-1, keepdim=True)
+            return pair.sub_(m).exp2_(), m * math.log(2.0)
+        halves = pair.view(batch, heads, length, 2, f)
+        halves.sub_(halves.amax(-1, keepdim=True)).exp2_()
+        halves.div_(halves.sum(-1, keepdim=True))
+        return pair, pair.new_zeros(batch, heads, length, 1)
+
+    @staticmethod
+    def setup_context(
+        ctx: Any, inputs: tuple[Tensor, Tensor, Tensor, bool], output: Features
+    ) -> None:
+        x, w, _, ctx.normalise = inputs
+        ctx.save_for_backward(x, w, output[0])
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_phi: Tensor, _: Tensor
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None, None]:
+        x, w, phi = ctx.saved_tensors
+        g = grad_phi * phi
+        g_plus, g_minus = g.chunk(2, -1)
+        if ctx.normalise:
+            phi_plus, phi_minus = phi.chunk(2, -1)
+            g_plus = g_plus - phi_plus * g_plus.sum(-1, keepdim=True)
+            g_minus = g_minus - phi_minus * g_minus.sum(-1, keepdim=True)
+        g = g_plus - g_minus
+        grad_x = g @ w.transpose(-2, -1) if ctx.needs_input_grad[0] else None
+        grad_w = (x.transpose(-2, -1) @ g).sum(0) if ctx.needs_input_grad[1] else None
+        grad_b = g.sum((0, 2)) if ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None
+
+
+def learned_exp(x: Tensor, w: Tensor, b: Tensor, *, is_query: bool) -> Features:
+    """Hedgehog (Zhang et al. 2024): φ(x) = [exp(x W_h + b_h), exp(-(x W_h + b_h))] per head h.
+
+    x (B, H, L, D), w (H, D, F), b (H, F) -> (B, H, L, 2F). Returned over the row max of the 2F
+    exponents (so every value is <= 1), which keys give back as their log-scale.
+    """
+    phi, m = _Exp2HeadProjection.apply(x, w, b, False)
+    return (phi, None) if is_query else (phi, m)
+
+
+def learned_softmax(x: Tensor, w: Tensor, b: Tensor) -> Features:
+    """LoLCATs' form of Hedgehog's map: φ(x) = [softmax(x W_h + b_h), softmax(-(x W_h + b_h))],
+    each softmax over its F features. Bounded (entries in [0, 1]): no log-scale.
+
+    x (B, H, L, D), w (H, D, F), b (H, F) -> (B, H, L, 2F).
+    """
+    return _Exp2HeadProjection.apply(x, w, b, True)[0], None
+
+
+# 1/√2: the diagonal of the Taylor map's x xᵀ/√2 (the off-diagonal pairs appear once, with √2).
+_HALF_SQRT = math.sqrt(0.5)
+
+
+def taylor(x: Tensor) -> Features:
+    """Based (Arora et al. 2024): the 2nd-order Taylor map of exp on x̃ (B, H, L, P),
+    φ(x̃) = [1, x̃, vec(x̃ x̃ᵀ)/√2], so that φ(x̃)·φ(ỹ) = 1 + t + t²/2 with t = x̃·ỹ.
+
+    The quadratic part is the upper triangle of x̃ x̃ᵀ: x̃_i²/√2 on the diagonal and x̃_i x̃_j
+    (i < j) once, which carries the off-diagonal pair's √2 · (1/√2): the same kernel with
+    P(P + 1)/2 quadratic features instead of P², 1 + P + P(P + 1)/2 in all (153 at P = 16).
+    Built row by row of the triangle (two products per row, one concatenation); on the CPU this
+    beats the full outer product, whose P² features make every GEMM of the core 1.8x as wide
+    (see effattn.mechanisms.taylor for the measurement). Signed features, a kernel >= 1/2.
+    """
+    half = x * _HALF_SQRT
+    parts = [x.new_ones(*x.shape[:-1], 1), x]
+    for i in range(x.shape[-1]):
+        xi = x[..., i : i + 1]
+        parts.append(xi * half[..., i : i + 1])
+        if i + 1 < x.shape[-1]:
+            parts.append(xi * x[..., i + 1 :])
+    return torch.cat(parts, -1), None
+
+
 # φ >= 0: the normaliser is a sum of non-negative terms. It can be tiny (exp(q̃·k̃) small for
 # every key, softmax still well defined) but never cancels, so an eps floor could only cut it.
-NONNEGATIVE = frozenset({positive, hyperbolic, relu, arccos, elu_plus_one})
+NONNEGATIVE = frozenset({positive, hyperbolic, relu, arccos, elu_plus_one, learned_exp,
+                         learned_softmax})
+# Signed features whose kernel is positive: the Taylor kernel 1 + t + t²/2 = ((1 + t)² + 1)/2
+# is >= 1/2 for every t, so its normaliser never cancels to 0 either (a sum of terms >= 1/2).
+POSITIVE_KERNEL = frozenset({taylor})
 
 
 def denominator_eps(feature_map: Callable[..., Features], eps: float = 1e-6) -> float:
-    """The core's ``eps`` for ``feature_map``: 0 for non-negative maps, else ``eps``."""
-    return 0.0 if feature_map in NONNEGATIVE else eps
+    """The core's ``eps`` for ``feature_map``: 0 for non-negative maps and positive kernels, else
+    ``eps``."""
+    return 0.0 if feature_map in NONNEGATIVE or feature_map in POSITIVE_KERNEL else eps

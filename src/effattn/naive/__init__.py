@@ -10,12 +10,14 @@ this package (tested), a spec's ``reference`` imports its family when called.
 from effattn.naive.fourier import fnet_mixing
 from effattn.naive.kernelized import (
     favor_attention,
+    hedgehog_attention,
     kernel_attention,
     kernel_weights,
     linear_transformer_attention,
     performer_attention,
     performer_features,
     rfa_attention,
+    taylor_attention,
 )
 from effattn.naive.lowrank import linformer_attention, nystrom_attention
 from effattn.naive.lsh import reformer_attention, reformer_candidates
@@ -34,6 +36,7 @@ __all__ = [
     "dense_mask",
     "favor_attention",
     "fnet_mixing",
+    "hedgehog_attention",
     "kernel_attention",
     "kernel_weights",
     "linear_transformer_attention",
@@ -50,4 +53,5 @@ __all__ = [
     "softmax_attention",
     "sparse_fixed_attention",
     "sparse_strided_attention",
+    "taylor_attention",
 ]

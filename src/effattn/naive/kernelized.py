@@ -70,14 +70,19 @@ def kernel_attention(
 
 def _explicit(phi_q: Tensor, phi_k: Tensor, v: Tensor, causal: bool, key_padding_mask, gate=None):
     """Normalised kernel attention with true (unstabilised) features and no eps tricks."""
-    a = phi_q @ phi_k.transpose(-2, -1)
+    return _normalised(phi_q @ phi_k.transpose(-2, -1), v, causal, key_padding_mask, gate)
+
+
+def _normalised(a: Tensor, v: Tensor, causal: bool, key_padding_mask, gate=None) -> Tensor:
+    """The kernel matrix a (B, H, N, M) weighted by :func:`kernel_weights`, normalised per query,
+    times v; a query that sees no key at all gets 0."""
     a = a * kernel_weights(
-        phi_q.shape[2], phi_k.shape[2], causal=causal, key_padding_mask=key_padding_mask,
+        a.shape[2], a.shape[3], causal=causal, key_padding_mask=key_padding_mask,
         gate=gate, dtype=a.dtype, device=a.device,
     )
     den = a.sum(-1, keepdim=True)
     sees_a_key = kernel_weights(
-        phi_q.shape[2], phi_k.shape[2], causal=causal, key_padding_mask=key_padding_mask,
+        a.shape[2], a.shape[3], causal=causal, key_padding_mask=key_padding_mask,
         dtype=a.dtype, device=a.device,
     ).sum(-1, keepdim=True) > 0
     # A query that sees no key at all (all padding) outputs 0, as in every fast path.
@@ -184,3 +189,51 @@ def linear_transformer_attention(
     return _explicit(
         torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1, v, causal, key_padding_mask
     )
+
+
+def hedgehog_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    *,
+    feature_map: str = "exp",
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """Hedgehog with per-head ``weight`` (H, D, F) and ``bias`` (H, F): the explicit kernel
+    matrix of φ(x) = [exp(u), exp(-u)] (or, ``feature_map="softmax_dim"``,
+    [softmax(u), softmax(-u)], each over its F features), u = x W_h + b_h on q and k as they
+    are."""
+
+    def phi(x: Tensor) -> Tensor:
+        u = torch.einsum("bhld,hdf->bhlf", x, weight.to(x.dtype)) + bias.to(x.dtype)[:, None, :]
+        if feature_map == "exp":
+            return torch.cat([torch.exp(u), torch.exp(-u)], -1)
+        if feature_map == "softmax_dim":
+            return torch.cat([torch.softmax(u, -1), torch.softmax(-u, -1)], -1)
+        raise ValueError(f"unknown feature_map {feature_map!r}")
+
+    return _explicit(phi(q), phi(k), v, causal, key_padding_mask)
+
+
+def taylor_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    projection: Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """Based's Taylor kernel from its formula, not its features: the kernel matrix
+    1 + t + t²/2 of t = q̃·k̃, x̃ = sqrt(scale) · x W_h, with the per-head ``projection``
+    W (H, D, P)."""
+    root = math.sqrt(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    w = projection.to(q.dtype) * root
+    q_t = torch.einsum("bhld,hdp->bhlp", q, w)
+    k_t = torch.einsum("bhld,hdp->bhlp", k, w)
+    t = q_t @ k_t.transpose(-2, -1)
+    return _normalised(1 + t + t * t / 2, v, causal, key_padding_mask)
