@@ -2,7 +2,11 @@
 
 The all-methods test uses the ``aot_eager`` backend: dynamo and AOTAutograd trace the forward and
 the backward exactly as with inductor (that is what fullgraph checks), without generating code,
-so compiled must equal eager to the last bit. Inductor itself runs on one method (marked slow).
+so compiled outputs must equal eager ones to the last bit. Gradients agree to rounding: in eager
+mode the kernelized methods' backward recomputes the features slice by slice (an autograd
+function whose backward calls autograd, which dynamo does not trace), while the compiled graph
+records the forward and keeps them (kernelized.core, "Recompute instead of store").
+Inductor itself runs on one method (marked slow).
 """
 
 import copy
@@ -63,7 +67,7 @@ def test_method_compiles_fullgraph_and_matches_eager(name, training):
             for te, tc in zip(inputs_e, inputs_c, strict=True):
                 grad_e = torch.zeros_like(te) if te.grad is None else te.grad
                 grad_c = torch.zeros_like(tc) if tc.grad is None else tc.grad
-                torch.testing.assert_close(grad_c, grad_e, rtol=0, atol=1e-12)
+                torch.testing.assert_close(grad_c, grad_e, rtol=1e-12, atol=1e-12)
     # One graph for every call: no recompilation on the redraw schedule or the call counter.
     assert backend.frame_count == 1
     # The module's random state moved as in eager (draws, redraws, call count).

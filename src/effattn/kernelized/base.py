@@ -50,7 +50,7 @@ class KernelizedAttention(RandomizedAttention):
         scale: float | None = None,
         *,
         redraw_interval: int | None = None,
-        chunk_size: int = 64,
+        chunk_size: int = 32,
         eps: float = 1e-6,
     ) -> None:
         super().__init__(head_dim, heads, max_len, seed, scale)
@@ -68,6 +68,12 @@ class KernelizedAttention(RandomizedAttention):
     def features(self, x: Tensor, *, is_query: bool) -> Features:
         """φ of queries or keys in the core's convention (see kernelized.features)."""
         raise NotImplementedError
+
+    def feature_tensors(self) -> tuple[Tensor, ...]:
+        """The tensors :meth:`features` reads: the module's parameters and buffers. The core's
+        recomputing backward takes them as inputs, so that the trainable ones get their
+        gradients and a redraw between forward and backward raises (see kernelized.core)."""
+        return (*self.parameters(), *self.buffers())
 
     def _draw(self, generator: TensorGenerator) -> tuple[Tensor, ...]:
         """Fresh values of the buffers named in ``random_buffers``, in that order."""
@@ -141,6 +147,7 @@ class KernelizedAttention(RandomizedAttention):
                 chunk_size=self.chunk_size,
                 eps=self.eps,
                 slice_elements=self.slice_elements,
+                feature_tensors=self.feature_tensors(),
             )
         except DenominatorUnderflowError as err:
             raise self._underflow(err, q, k) from None
@@ -150,7 +157,8 @@ class KernelizedAttention(RandomizedAttention):
     ) -> RecurrentState:
         dt = compute_dtype(k.dtype)
         return key_state(k.to(dt), v.to(dt), self.features, feature_dim=self.feature_dim,
-                         key_padding_mask=key_padding_mask, slice_elements=self.slice_elements)
+                         key_padding_mask=key_padding_mask, slice_elements=self.slice_elements,
+                         feature_tensors=self.feature_tensors())
 
     def _attend_memory(self, q: Tensor, memory: RecurrentState) -> Tensor:
         expected = (q.shape[0], self.heads, self.feature_dim)
@@ -164,7 +172,8 @@ class KernelizedAttention(RandomizedAttention):
         try:
             return read_queries(q.to(compute_dtype(q.dtype)), memory, self.features,
                                 feature_dim=self.feature_dim, eps=self.eps,
-                                slice_elements=self.slice_elements)
+                                slice_elements=self.slice_elements,
+                                feature_tensors=self.feature_tensors())
         except DenominatorUnderflowError as err:
             raise self._underflow(err, q, None) from None
 
@@ -210,6 +219,7 @@ class KernelizedAttention(RandomizedAttention):
                 chunk_size=self.chunk_size,
                 eps=self.eps,
                 slice_elements=self.slice_elements,
+                feature_tensors=self.feature_tensors(),
             )
         except DenominatorUnderflowError as err:
             raise self._underflow(err, q, k) from None

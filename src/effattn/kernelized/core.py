@@ -57,13 +57,14 @@ Shapes: B batch, H heads, N queries, M keys, F features, Dv value dim, C chunk, 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from effattn.kernelized.features import LOG2E
 
@@ -78,8 +79,6 @@ LOG_GATE_FLOOR = -30.0
 # would exceed that. A memory-bound step costs its passes over the state, so this saves one per
 # step (two with a gate); e^20 of headroom leaves fp32 ~1e29 of range.
 RESCALE_MARGIN = 20.0
-# The chunk scan of a causal block runs over at most this many chunks at a time.
-SCAN_CHUNKS = 16
 # A slice holds about this many feature values (B * H * S * F): 4 MiB in fp32, cache-sized.
 SLICE_ELEMENTS = 1 << 20
 
@@ -126,22 +125,42 @@ def _with_ones(v: Tensor) -> Tensor:
     return torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
 
 
-def _ratio(out: Tensor, eps: float, log_scale: Tensor) -> Tensor:
-    """[num, den] held at scale exp(log_scale) -> num / den, with |den| pushed to ``eps`` at the
-    true scale (as the reference does), so that the result does not depend on where a
-    stabiliser put the scale: a key far larger than the others in its chunk must not push its
-    neighbours' denominators under eps. The sign is kept (trigonometric features can give
-    negative denominators); a query that sees no key gets 0. ``eps = 0`` (non-negative
-    features) only keeps 0 / 0 at 0: any positive denominator, however small, is divided by."""
+def _divisor(den: Tensor, eps: float, log_scale: Tensor) -> Tensor:
+    """The denominator Σ_j w_ij φ(q_i)·φ(k_j) (..., 1), held at scale exp(log_scale), as divided
+    by: |den| pushed to ``eps`` at the true scale (as the reference does), so that the result
+    does not depend on where a stabiliser put the scale: a key far larger than the others in its
+    chunk must not push its neighbours' denominators under eps. The sign is kept (trigonometric
+    features can give negative denominators); 0 (a query that sees no key) becomes 1, so that
+    the output 0 / 1 and its gradient stay 0. ``eps = 0`` (non-negative features) only keeps
+    0 / 0 at 0: any positive denominator, however small, is divided by."""
     log_eps = math.log(eps) if eps > 0 else -math.inf
     with torch.no_grad():
         # In log space: eps / exp(log_scale) overflows for the tiny true scales of positive
         # features (exp(-|x|²/2)), and 0 * inf would be NaN.
         floor = torch.exp(log_eps - log_scale)
-    den = out[..., -1:]
     den = torch.where(den >= 0, torch.maximum(den, floor), torch.minimum(den, -floor))
-    # num = den = 0 when no key is seen: 0 / 1 keeps the output and its gradient at 0.
-    return out[..., :-1] / torch.where(den == 0, 1.0, den)
+    return torch.where(den == 0, 1.0, den)
+
+
+def _ratio(out: Tensor, eps: float, log_scale: Tensor) -> Tensor:
+    """[num, den] held at scale exp(log_scale) -> num / den, with den as :func:`_divisor`."""
+    return out[..., :-1] / _divisor(out[..., -1:], eps, log_scale)
+
+
+def _ratio_into(out: Tensor, raw: Tensor, eps: float, log_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`_ratio` of ``raw`` written into ``out`` (no autograd), and what its backward needs
+    (:func:`_ratio_grad`): the divisor d (..., 1) and back = -1/d where the gradient reaches the
+    denominator, 0 where the eps floor or the 0 -> 1 rule replaced it."""
+    den = raw[..., -1:]
+    div = _divisor(den, eps, log_scale)
+    torch.div(raw[..., :-1], div, out=out)
+    return div, torch.where(div == den, -1.0 / div, 0.0)
+
+
+def _ratio_grad(d_out: Tensor, out: Tensor, div: Tensor, back: Tensor) -> Tensor:
+    """Gradient of [num, den] from that of out = num / d: [d_out / d, -(d_out·out) / d]
+    (the second 0 where d is not the denominator; see :func:`_ratio_into`). (..., Dv + 1)."""
+    return torch.cat([d_out / div, (d_out * out).sum(-1, keepdim=True).mul_(back)], -1)
 
 
 def _lost_rows(out: Tensor, eps: float, log_scale: Tensor) -> Tensor | None:
@@ -164,6 +183,11 @@ def _lost_rows(out: Tensor, eps: float, log_scale: Tensor) -> Tensor | None:
     return ((out[..., -1:] < tiny) & (log_scale > LOG_FLOOR)).any()
 
 
+def _check_chunk(chunk_size: int) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
 class DenominatorUnderflowError(ValueError):
     """A query that sees keys got a zero or subnormal denominator (see :func:`_lost_rows`)."""
 
@@ -178,13 +202,17 @@ def _raise_if_lost(lost: list[Tensor | None], dtype: torch.dtype) -> None:
         )
 
 
-def _check_shapes(phi_q: Tensor, phi_k: Tensor, v: Tensor, key_log_scale: Tensor | None) -> None:
+def _check_shapes(
+    phi_q: Tensor, phi_k: Tensor, v: Tensor | None, key_log_scale: Tensor | None
+) -> None:
+    """φ(Q), φ(K) of the same width, φ(K) and v (None: not checked) on the same keys and the
+    keys' log-scales one per key; any leading shape (the causal form's is chunk-major)."""
     if phi_q.shape[-1] != phi_k.shape[-1]:
         raise ValueError(
             f"phi_q and phi_k must have the same feature dim F: {tuple(phi_q.shape)} vs "
             f"{tuple(phi_k.shape)}"
         )
-    if phi_k.shape[:-1] != v.shape[:-1]:
+    if v is not None and phi_k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"phi_k {tuple(phi_k.shape)} and v {tuple(v.shape)} disagree on (B, H, M)")
     if key_log_scale is not None and key_log_scale.shape != (*phi_k.shape[:-1], 1):
         raise ValueError(
@@ -232,13 +260,20 @@ class RecurrentState:
 
 def _state_for(state: RecurrentState | None, phi_k: Tensor, v: Tensor) -> RecurrentState:
     b, h, _, f = phi_k.shape
+    return _state_of(state, b, h, f, v.shape[-1], phi_k)
+
+
+def _state_of(
+    state: RecurrentState | None, b: int, h: int, f: int, dv: int, like: Tensor
+) -> RecurrentState:
+    """``state``, checked to be (B, H, F, Dv + 1), or an empty one like ``like``."""
     if state is None:
-        return RecurrentState.empty(b, h, f, v.shape[-1], phi_k)
+        return RecurrentState.empty(b, h, f, dv, like)
     if not isinstance(state, RecurrentState):
         raise ValueError(f"state must be a RecurrentState or None, got {type(state).__name__}")
-    if state.kv.shape != (b, h, f, v.shape[-1] + 1):
+    if state.kv.shape != (b, h, f, dv + 1):
         raise ValueError(
-            f"state.kv has shape {tuple(state.kv.shape)}, expected {(b, h, f, v.shape[-1] + 1)}"
+            f"state.kv has shape {tuple(state.kv.shape)}, expected {(b, h, f, dv + 1)}"
         )
     return state
 
@@ -257,22 +292,35 @@ def accumulate_keys(
     """
     _check_shapes(phi_k, phi_k, v, key_log_scale)
     state = _state_for(state, phi_k, v)
-    v1 = _with_ones(v)
     pad = None if key_padding_mask is None else key_padding_mask[:, None, :, None]
     if key_log_scale is None:
         # Features at their true scale, 0, once the state holds an unpadded key; until then
         # the scale stays at the floor, which marks a state without keys (see _lost_rows).
         scale = state.log_scale.clamp_min(0.0)
         if pad is not None:
-            v1 = v1.masked_fill(pad, 0.0)
             scale = torch.where(pad.all(-2, keepdim=True), state.log_scale, scale)
     else:
-        if pad is not None:
-            key_log_scale = key_log_scale.masked_fill(pad, float("-inf"))
-        scale = torch.maximum(state.log_scale, _shared_max(key_log_scale, -2))
-        v1 = v1 * torch.exp(key_log_scale - scale)
+        seen = key_log_scale if pad is None else key_log_scale.masked_fill(pad, float("-inf"))
+        scale = torch.maximum(state.log_scale, _shared_max(seen, -2))
+    v1 = _weighted_values(v, key_log_scale, pad, scale)
     kv = state.kv * torch.exp(state.log_scale - scale) + _key_value_products(phi_k, v1)
     return RecurrentState(kv, scale, state.position + phi_k.shape[2])
+
+
+def _weighted_values(
+    v: Tensor, key_log_scale: Tensor | None, pad: Tensor | None, scale: Tensor
+) -> Tensor:
+    """The keys' rows of [V, 1] at a state's scale: [v_j, 1] exp(ls_j - scale), 0 where padded.
+
+    v (B, H, M, Dv), key_log_scale (B, H, M, 1) or None (true scale 0, weight 1), pad
+    (B, 1, M, 1) or None, scale (B, H, 1, 1) -> (B, H, M, Dv + 1).
+    """
+    v1 = _with_ones(v)
+    if key_log_scale is None:
+        return v1 if pad is None else v1.masked_fill(pad, 0.0)
+    if pad is not None:
+        key_log_scale = key_log_scale.masked_fill(pad, float("-inf"))
+    return v1 * torch.exp(key_log_scale - scale)
 
 
 def _read_out(state: RecurrentState, phi_q: Tensor, eps: float) -> tuple[Tensor, Tensor | None]:
@@ -280,55 +328,64 @@ def _read_out(state: RecurrentState, phi_q: Tensor, eps: float) -> tuple[Tensor,
     return _ratio(out, eps, state.log_scale), _lost_rows(out, eps, state.log_scale)
 
 
-def _causal_block(
-    phi_q: Tensor,
-    phi_k: Tensor,
-    v: Tensor,
-    state: RecurrentState | None,
-    key_log_scale: Tensor | None,
-    key_padding_mask: Tensor | None,
-    gate: Tensor | None,
-    chunk_size: int,
-    eps: float,
-) -> tuple[Tensor, RecurrentState, list[Tensor | None]]:
-    """Causal attention over a block of L tokens that follows ``state``, chunkwise.
+def _chunk_major(x: Tensor, chunk: int, fill: float | None = 0.0) -> Tensor:
+    """(B, H, n, ...) -> (nc, B, H, C, ...): the sequence cut into nc = ceil(n / C) chunks, chunk
+    first, so that each chunk's (B·H, C, ...) block is contiguous (a GEMM from or into a strided
+    one runs one small GEMM per matrix, and the per-chunk loops feed them one chunk at a time).
+    The tail is filled with ``fill``, or with copies of the last row (None: inputs of a feature
+    map, which must stay finite there; no gradient comes back through them)."""
+    b, h, n = x.shape[:3]
+    rest = x.shape[3:]
+    tail = -n % chunk
+    if tail:
+        if fill is None:
+            x = torch.cat([x, x[:, :, -1:].expand(b, h, tail, *rest)], 2)
+        else:
+            x = F.pad(x, (0, 0) * len(rest) + (0, tail), value=fill)
+    return x.reshape(b, h, -1, chunk, *rest).movedim(2, 0).contiguous()
 
-    Inside each chunk of C tokens a masked C x C product, weighted by exp(a_i - a_j) (gate decay
-    and stabiliser prefix max, see :func:`_causal_group`); across chunks the running state, found
-    for up to ``SCAN_CHUNKS`` chunks at a time by a recurrence (:func:`_chunk_scan`). Per-key
-    scalars (stabiliser scale, 1 - g, padding, decay to the chunk end) multiply the rows of
-    [V, 1] (width Dv + 1), per-query ones multiply output rows: the only work on L x F data is
-    GEMMs. Returns the output (B, H, L, Dv), the state after the block and the underflow flags of
-    its groups (see :func:`_lost_rows`; ungated only).
+
+def _from_chunks(x: Tensor, n: int) -> Tensor:
+    """(nc, B, H, C, ...) -> (B, H, n, ...), the inverse of :func:`_chunk_major`."""
+    return x.movedim(0, 2).flatten(2, 3)[:, :, :n]
+
+
+def _chunk_features(
+    features: FeatureFn, x: Tensor, chunk: int, is_query: bool
+) -> tuple[Tensor, Tensor | None]:
+    """φ of x (B, H, n, D), chunk-major (nc, B, H, C, F), and the log-scales (nc, B, H, C, 1) or
+    None: the map runs on the chunk-major input as a batch of nc·B sequences of C tokens."""
+    x_c = _chunk_major(x, chunk, fill=None)
+    phi, log_scale = features(x_c.flatten(0, 1), is_query=is_query)
+    nc, b = x_c.shape[:2]
+    return phi.unflatten(0, (nc, b)), None if log_scale is None else log_scale.unflatten(0, (nc, b))
+
+
+@dataclass
+class _Factors:
+    """The per-token weights of a causal group of n tokens, chunk-major over nc chunks of C.
+
+    With P_j the prefix max of the key log-scales inside j's chunk, g the gate and Λ_j the
+    inclusive cumulative log-gate inside the chunk:
+
+    - v (nc, B, H, C, Dv + 1): [v_j, 1] (1 - g_j) exp(ls_j - P_j), 0 at padded and tail keys;
+    - prefix: P (nc, B, H, C, 1), no gradient;
+    - log_weight: a_j = Λ_j + P_last - P_j (nc, B, H, C), None when every a_j is 0;
+    - cum: Λ (nc, B, H, C), None ungated.
     """
-    _check_shapes(phi_q, phi_k, v, key_log_scale)
-    state = _state_for(state, phi_k, v)
-    outs, lost = [], []
-    pieces = _slices(SCAN_CHUNKS * chunk_size, (phi_q, 2), (phi_k, 2), (v, 2),
-                     (key_log_scale, 2), (key_padding_mask, 1), (gate, 2))
-    for q_g, k_g, v_g, ls_g, pad_g, gate_g in zip(*pieces, strict=True):
-        out, state, lost_g = _causal_group(
-            q_g, k_g, v_g, state, ls_g, pad_g, gate_g, chunk_size, eps
-        )
-        outs.append(out)
-        lost.append(lost_g)
-    return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), state, lost
+
+    v: Tensor
+    prefix: Tensor
+    log_weight: Tensor | None
+    cum: Tensor | None
 
 
-def _causal_group(
-    phi_q: Tensor,
-    phi_k: Tensor,
-    v: Tensor,
-    state: RecurrentState,
-    key_log_scale: Tensor | None,
-    key_padding_mask: Tensor | None,
-    gate: Tensor | None,
-    chunk: int,
-    eps: float,
-) -> tuple[Tensor, RecurrentState, Tensor | None]:
-    b, h, n, f = phi_q.shape
+def _factors(v: Tensor, key_log_scale: Tensor | None, key_padding_mask: Tensor | None,
+             gate: Tensor | None, chunk: int) -> _Factors:
+    """Per-token weights from v (B, H, n, Dv), the keys' chunk-major log-scales
+    (nc, B, H, C, 1) or None, the padding mask (B, n) and the gate (B, H, n)."""
+    b, h, n = v.shape[:3]
     v1 = _with_ones(v)
-    dv1 = v1.shape[-1]
     log_gate = None
     if gate is not None:
         v1 = v1 * (1.0 - gate)[..., None]
@@ -338,124 +395,306 @@ def _causal_group(
         v1 = v1.masked_fill(pad[..., None], 0.0)
         if log_gate is not None:
             log_gate = log_gate.masked_fill(pad, 0.0)  # a padded token leaves the state alone
-        if key_log_scale is None:
-            # Scale 0 from the first unpadded key on, the floor before it: queries that see no
-            # key keep the floor (see _lost_rows).
-            key_log_scale = v.new_zeros(*v.shape[:-1], 1)
-        key_log_scale = key_log_scale.masked_fill(pad[..., None], float("-inf"))
-
-    tail = (-n) % chunk
-    if tail:
-        phi_q = F.pad(phi_q, (0, 0, 0, tail))
-        phi_k = F.pad(phi_k, (0, 0, 0, tail))
-        v1 = F.pad(v1, (0, 0, 0, tail))
-        if log_gate is not None:
-            log_gate = F.pad(log_gate, (0, tail))
-        if key_log_scale is not None:
-            key_log_scale = F.pad(key_log_scale, (0, 0, 0, tail), value=float("-inf"))
-    nc = (n + tail) // chunk
-    # Copied once if strided (a group cut from a longer block), not by each GEMM below.
-    q_c = phi_q.contiguous().view(b, h, nc, chunk, f)
-    k_c = phi_k.contiguous().view(b, h, nc, chunk, f)
-    v_c = v1.reshape(b, h, nc, chunk, dv1)
-
+    v_c = _chunk_major(v1, chunk)  # zero rows after n
+    nc = v_c.shape[0]
+    if key_padding_mask is not None and key_log_scale is None:
+        # Scale 0 from the first unpadded key on, the floor before it: queries that see no
+        # key keep the floor (see _lost_rows).
+        key_log_scale = v.new_zeros(nc, b, h, chunk, 1)
+    if key_log_scale is not None and (key_padding_mask is not None or n % chunk):
+        # Padded keys and the tail after n carry no scale.
+        dropped = torch.ones(key_padding_mask.shape[0] if key_padding_mask is not None else 1,
+                             nc * chunk, dtype=torch.bool, device=v.device)
+        dropped[:, :n] = False if key_padding_mask is None else key_padding_mask
+        dropped = dropped.view(-1, nc, chunk).movedim(1, 0)[:, :, None, :, None]
+        key_log_scale = key_log_scale.masked_fill(dropped, float("-inf"))
     # Query i of a chunk sums its keys j <= i at the prefix-max scale P_i = max_{j<=i} ls_j: a
     # key later in the chunk cannot set the scale of earlier queries (their keys would underflow
     # against it). Key j enters at exp(ls_j - P_j) <= 1 and moves to scale P_i through
-    # exp(P_j - P_i) <= 1, a C x C factor of the same form as the gate's decay exp(cum_i - cum_j):
-    # both are exp(a_i - a_j) with a = cum - P. The last prefix max is the chunk's max, the
+    # exp(P_j - P_i) <= 1, a C x C factor of the same form as the gate's decay exp(Λ_i - Λ_j):
+    # both are exp(a_i - a_j) with a = Λ - P. The last prefix max is the chunk's max, the
     # scale of its delta for later chunks, which only see it complete.
     # Only differences of a enter, so its stabiliser part is taken from the chunk's max,
     # P_last - P_j >= 0: the log-scales themselves can be large (|x̃|²/2 ~ 56 for trigonometric
     # keys of norm 30 at D = 64), and -P_j * log2(e) rounded at that size put ~ε|P| of error into
     # every weight exp2(a_i - a_j) (5e-6 at 56, 1e-4 at 1024), which decoding, subtracting
     # log-scales first, does not have.
-    log_weight = None  # a up to a constant per chunk (B, H, nc, C), None when every a is 0
+    log_weight = None
     if key_log_scale is None:
-        prefix = v1.new_zeros(b, h, nc, chunk, 1)
+        prefix = v1.new_zeros(nc, b, h, chunk, 1)
     else:
-        ls_c = key_log_scale.reshape(b, h, nc, chunk, 1)
         with torch.no_grad():
-            prefix = torch.cummax(ls_c, -2).values.clamp_min_(LOG_FLOOR)  # P, (B, H, nc, C, 1)
-        v_c = v_c * torch.exp(ls_c - prefix)
+            prefix = torch.cummax(key_log_scale, -2).values.clamp_min_(LOG_FLOOR)
+        v_c = v_c * torch.exp(key_log_scale - prefix)
         log_weight = prefix[..., -1:, 0] - prefix[..., 0]
+    cum = None
     if log_gate is not None:
-        cum = log_gate.reshape(b, h, nc, chunk).cumsum(-1)  # inclusive, within the chunk
+        cum = _chunk_major(log_gate, chunk).cumsum(-1)
         log_weight = cum if log_weight is None else cum + log_weight
-    chunk_max = prefix[..., -1:, :]  # (B, H, nc, 1, 1)
+    return _Factors(v_c, prefix, log_weight, cum)
 
-    scores = q_c @ k_c.transpose(-1, -2)  # (B, H, nc, C, C)
-    if log_weight is None:
-        intra = scores.tril_() @ v_c  # (B, H, nc, C, Dv + 1)
-        deltas = _key_value_products(k_c, v_c)  # (B, H, nc, F, Dv + 1), at scale chunk_max
+
+def _intra_weights(log_weight: Tensor) -> Tensor:
+    """exp(a_i - a_j) for j <= i, 0 above the diagonal: (nc, B, H, C) -> (nc, B, H, C, C)."""
+    chunk = log_weight.shape[-1]
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=log_weight.device).triu_(1)
+    log2_weight = log_weight * LOG2E  # exp2 on the C x C weights (see features.LOG2E)
+    return (log2_weight[..., :, None] - log2_weight[..., None, :]).masked_fill_(
+        upper, float("-inf")
+    ).exp2_()
+
+
+def _to_end(log_weight: Tensor) -> Tensor:
+    """exp(a_last - a_j), key j's weight in its chunk's state delta: (nc, B, H, C, 1)."""
+    return torch.exp(log_weight[..., -1:] - log_weight)[..., None]
+
+
+def _scan_factors(
+    state_scale: Tensor, chunk_max: Tensor, chunk_log_decay: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Scales and factors of the recurrence over the chunks (see :func:`_chunk_scan`).
+
+    With ΔS_c at log-scale r_c (``chunk_max`` (nc, B, H)), a_c the total gate of chunk c
+    (``chunk_log_decay``) and the incoming state at scale R_0 = s (``state_scale`` (B, H, 1, 1)),
+    the state before chunk c + 1 is kept at R_{c+1} = max(R_c, r_c):
+
+        S_{c+1} = keep_c S_c + enter_c ΔS_c,
+        keep_c = exp(R_c - R_{c+1} + log a_c),  enter_c = exp(r_c - R_{c+1}).
+
+    Every exponent is <= 0: nothing overflows. Returns R_0..R_nc (nc + 1, B, H) and keep, enter
+    (nc, B, H, 1, 1); only keep carries a gradient (the gate's).
+    """
+    scales = torch.cat([state_scale.reshape(1, *chunk_max.shape[1:]), chunk_max])
+    running = torch.cummax(scales, 0).values
+    log_keep = running[:-1] - running[1:]
+    if chunk_log_decay is not None:
+        log_keep = log_keep + chunk_log_decay
+    keep = torch.exp(log_keep)[..., None, None]
+    enter = torch.exp(chunk_max - running[1:])[..., None, None]
+    return running, keep, enter
+
+
+def _out_weights(fac: _Factors, running: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Query i of chunk c reads the state at scale R_c and its chunk at P_i; its output is held
+    at the larger, m_i = max(P_i, R_c). Returns the state's weight exp(R_c - m_i + Λ_i), the
+    chunk's exp(P_i - m_i) and m_i, each (nc, B, H, C, 1)."""
+    state_scale = running[:-1, ..., None, None]
+    common = torch.maximum(fac.prefix, state_scale)
+    inter = torch.exp(state_scale - common)
+    if fac.cum is not None:
+        inter = inter * fac.cum.exp()[..., None]  # decay of the entering state to i
+    return inter, torch.exp(fac.prefix - common), common
+
+
+def _causal_group(
+    q_c: Tensor,
+    k_c: Tensor,
+    key_log_scale: Tensor | None,
+    v: Tensor,
+    state: RecurrentState,
+    key_padding_mask: Tensor | None,
+    gate: Tensor | None,
+    chunk: int,
+) -> tuple[Tensor, Tensor, RecurrentState]:
+    """Causal attention of n tokens after ``state``, chunkwise (see :func:`kernelized_causal`), from
+    chunk-major φ(Q), φ(K) (nc, B, H, C, F) and key log-scales (nc, B, H, C, 1) (see
+    :func:`_chunk_major`), v (B, H, n, Dv), the padding mask (B, n) and the gate (B, H, n).
+
+    Returns [num, den] (nc, B, H, C, Dv + 1) at log-scale m (nc, B, H, C, 1), chunk-major, and
+    the state after.
+    """
+    fac = _factors(v, key_log_scale, key_padding_mask, gate, chunk)
+    running, keep, enter = _scan_factors(
+        state.log_scale, fac.prefix[..., -1, 0], None if fac.cum is None else fac.cum[..., -1]
+    )
+    inter, intra_weight, common = _out_weights(fac, running)
+    scores = q_c @ k_c.transpose(-1, -2)  # (nc, B, H, C, C)
+    if fac.log_weight is None:
+        # No log-scale, padding or gate: every key enters at scale 0, and the state entering
+        # is at 0 or, empty (zeros), at LOG_FLOOR (maps without log-scales make no other), so
+        # keep, enter and the output weights are 1 (or multiply zeros): the read-outs add onto
+        # the chunks' own parts, no pass over the state or the output is spent on them.
+        out, kv = _chunk_scan(state.kv, q_c, k_c, fac.v, None, scores.tril_() @ fac.v)
     else:
-        upper = torch.ones(chunk, chunk, dtype=torch.bool, device=scores.device).triu_(1)
-        log2_weight = log_weight * LOG2E  # exp2 on the C x C weights (see features.LOG2E)
-        weight = (log2_weight[..., :, None] - log2_weight[..., None, :]).masked_fill_(
-            upper, float("-inf")
-        ).exp2_()
+        weight = _intra_weights(fac.log_weight)
         # In place when the weights carry no gradient (no gate): mul then keeps only them.
         scores = scores * weight if weight.requires_grad else scores.mul_(weight)
-        intra = scores @ v_c
-        to_end = torch.exp(log_weight[..., -1:] - log_weight)[..., None]  # exp(a_last - a_j)
-        deltas = _key_value_products(k_c, v_c * to_end)
-    chunk_log_decay = None if log_gate is None else cum[..., -1]  # (B, H, nc)
-
-    states, state_scale, final = _chunk_scan(state, deltas, chunk_max[..., 0, 0], chunk_log_decay)
-    common = torch.maximum(prefix, state_scale)  # (B, H, nc, C, 1): query i's output scale
-    inter_weight = torch.exp(state_scale - common)
-    if log_gate is not None:
-        inter_weight = inter_weight * cum.exp()[..., None]  # decay of the entering state to i
-    # In place on fresh GEMM outputs (bmm keeps its inputs, not its output, for backward).
-    out = (q_c @ states).mul_(inter_weight).add_(intra.mul_(torch.exp(prefix - common)))
-    final.position = state.position + n
-    out_scale = common.reshape(b, h, nc * chunk, 1)[:, :, :n]
-    out = out.reshape(b, h, nc * chunk, dv1)[:, :, :n]
-    # A gate can decay what a query sees to a legitimate 0: only ungated rows are checked.
-    lost = None if gate is not None else _lost_rows(out, eps, out_scale)
-    return _ratio(out, eps, out_scale), final, lost
+        # In place on fresh GEMM outputs (bmm keeps its inputs, not its output, for backward).
+        intra = (scores @ fac.v).mul_(intra_weight)
+        u = fac.v * (_to_end(fac.log_weight) * enter)
+        read, kv = _chunk_scan(state.kv, q_c, k_c, u, keep, None)
+        out = read.mul_(inter).add_(intra)
+    return out, common, RecurrentState(kv, running[-1, ..., None, None],
+                                       state.position + v.shape[2])
 
 
 def _chunk_scan(
-    state: RecurrentState, deltas: Tensor, chunk_max: Tensor, chunk_log_decay: Tensor | None
-) -> tuple[Tensor, Tensor, RecurrentState]:
-    """States before each chunk and after the last, by the recurrence over the chunk axis.
+    kv: Tensor, q_c: Tensor, k_c: Tensor, u: Tensor, keep: Tensor | None, acc: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """The chunks' read-outs φ(Q_c) S_c (nc, B, H, C, E) of the states before them, added to
+    ``acc`` when given, and the state after the last (B, H, F, E), by the recurrence of
+    :func:`_scan_factors`, S_{c+1} = keep_c S_c + φ(K_c)^T U_c, from the state kv (B, H, F, E),
+    chunk-major φ(Q), φ(K) (nc, B, H, C, F) and rows U (nc, B, H, C, E) (enter_c folded in);
+    keep (nc, B, H, 1, 1), None: 1.
 
-    With ΔS_c at log-scale r_c, a_c the total gate of chunk c and the incoming state S_0 = S_in at
-    scale R_0 = s, the state before chunk c + 1 is kept at R_{c+1} = max(R_c, r_c):
-
-        S_{c+1} = exp(R_c - R_{c+1} + log a_c) S_c + exp(r_c - R_{c+1}) ΔS_c.
-
-    Every exponent is <= 0: nothing overflows, and no subtraction of large partial sums can cancel
-    (unlike an exclusive cumsum formed as cumsum - ΔS). Two elementwise passes per chunk over a
-    cache-sized (F, Dv + 1) state: the same states as one (nc + 1) x nc GEMM over the chunk axis,
-    whose inner dimension (nc <= SCAN_CHUNKS) is too short for a GEMM to run anywhere near its
-    rate. Returns the states (B, H, nc, F, Dv + 1), their scales R_0..R_{nc-1} (B, H, nc, 1, 1)
-    and the state after the last chunk.
+    A loop over the chunks: the same states as one (nc + 1) x nc GEMM over the chunk axis, whose
+    inner dimension (nc) is too short for a GEMM to run anywhere near its rate, and no
+    subtraction of large partial sums can cancel (unlike an exclusive cumsum formed as
+    cumsum - ΔS). Each chunk reads the running state, then scales it and adds its delta GEMM
+    onto it: the (nc, F, E) states (as large as φ(K)) are never formed, and the state stays in
+    cache between its GEMMs. Without autograd in place; recorded (autograd, torch.compile) as
+    the same operations on fresh tensors, so that both agree to the last bit.
     """
-    b, h, nc = deltas.shape[:3]
-    scales = torch.cat([state.log_scale.reshape(b, h, 1), chunk_max], -1)  # (B, H, nc + 1)
-    running = torch.cummax(scales, -1).values  # R_0 .. R_nc
-    log_keep = running[..., :-1] - running[..., 1:]
-    if chunk_log_decay is not None:
-        log_keep = log_keep + chunk_log_decay
-    keep = torch.exp(log_keep)[..., None, None]  # (B, H, nc, 1, 1)
-    enter = torch.exp(chunk_max - running[..., 1:])[..., None, None]
-    kv = state.kv.to(deltas.dtype)
-    states = []
-    # unbind, not indexing: the backward of nc selected views would allocate nc zero tensors of
-    # the group's size, that of one unbind is a single stack.
-    for delta, k_c, e_c in zip(deltas.unbind(2), keep.unbind(2), enter.unbind(2), strict=True):
-        states.append(kv)
-        kv = (delta * e_c).addcmul_(kv, k_c)  # in place on mul's fresh output
-    scale = running[..., None, None]
-    return torch.stack(states, 2), scale[:, :, :nc], RecurrentState(kv, scale[:, :, nc])
+    recorded = torch.compiler.is_compiling() or (
+        torch.is_grad_enabled() and _needs_grad(kv, q_c, k_c, u, keep, acc)
+    )
+    nc, b, h = q_c.shape[:3]
+    s3 = kv.to(q_c.dtype, copy=not recorded).flatten(0, 1)  # (B·H, F, E)
+    keeps = [None] * nc if keep is None else _per_chunk(keep)
+    accs = [None] * nc if acc is None else _per_chunk(acc)
+    if recorded:
+        reads = []
+        for q_i, k_i, u_i, acc_i, keep_i in zip(_per_chunk(q_c), _per_chunk(k_c.transpose(-1, -2)),
+                                                _per_chunk(u), accs, keeps, strict=True):
+            reads.append(torch.bmm(q_i, s3) if acc_i is None else torch.baddbmm(acc_i, q_i, s3))
+            s3 = torch.baddbmm(s3 if keep_i is None else s3 * keep_i, k_i, u_i)
+        return torch.stack(reads).unflatten(1, (b, h)), s3.unflatten(0, (b, h))
+    out = q_c.new_empty(*q_c.shape[:-1], u.shape[-1]) if acc is None else acc
+    for q_i, k_i, u_i, out_i, keep_i in zip(_per_chunk(q_c), _per_chunk(k_c.transpose(-1, -2)),
+                                            _per_chunk(u), _per_chunk(out), keeps, strict=True):
+        if acc is None:
+            torch.bmm(q_i, s3, out=out_i)
+        else:
+            out_i.baddbmm_(q_i, s3)
+        if keep_i is not None:
+            s3.mul_(keep_i)
+        s3.baddbmm_(k_i, u_i)
+    return out, s3.unflatten(0, (b, h))
+
+
+def _per_chunk(x: Tensor) -> tuple[Tensor, ...]:
+    """(nc, B, H, ...) -> nc (B·H, ...) views, in one call (per-chunk indexing and reshaping
+    cost more than the small GEMMs they feed); contiguous for a chunk-major x."""
+    return x.flatten(1, 2).unbind(0)
+
+
+def _causal_group_backward(
+    q_c: Tensor,
+    k_c: Tensor,
+    fac_v: Tensor,
+    weight: Tensor | None,
+    to_end: Tensor | None,
+    keep: Tensor,
+    enter: Tensor,
+    inter: Tensor,
+    intra_weight: Tensor,
+    kv: Tensor,
+    g: Tensor,
+    d_final: Tensor | None,
+    needs: tuple[bool, bool, bool, bool],
+    query_backward: Callable[[Tensor], None],
+) -> tuple[Tensor | None, ...]:
+    """Gradients of one causal group, from recomputed values (no autograd).
+
+    The forward of :func:`_causal_group`, per chunk: A = (φ(Q) φ(K)^T) ⊙ W (W: the weights
+    exp(a_i - a_j), or the causal mask), intra = A V', U = V' ⊙ t (t = enter exp(a_last - a)),
+    the scan S_{c+1} = keep S_c + φ(K)^T U, and o = (φ(Q) S_c) ⊙ ω + intra ⊙ ν. From
+    G = ∂L/∂o (nc, B, H, C, E), with G1 = G ⊙ ω, G2 = G ⊙ ν, dA = G2 V'^T and
+    dX = dA ⊙ W:
+
+        dφ(Q) = G1 S_c^T + dX φ(K),   dφ(K) = dX^T φ(Q) + U ∂S_{c+1}^T,
+        dV' = A^T G2 + (φ(K) ∂S_{c+1}) ⊙ t,   ∂S_c = keep_c ∂S_{c+1} + φ(Q_c)^T G1_c,
+
+    with ∂S_c = ∂L/∂S_c. Two loops over the chunks, one chunk's GEMMs at a time: forwards,
+    the states S_c are recomputed from kv (B, H, F, E), the state entering the group, and read
+    into dφ(Q); backwards, ∂S runs from ∂S_nc = ``d_final`` (None: 0) into dφ(K) and dV'. No
+    per-chunk tensor of states is kept but for the gate's dkeep. For the factors that carry the
+    gate's gradient (``needs``: W, exp(a_last - a), keep, ω): dW = dA ⊙ X,
+    d exp(a_last - a) = enter rowsum((φ(K) ∂S_{c+1}) ⊙ V'), dkeep_c = <∂S_{c+1}, S_c>,
+    dω = rowsum(G ⊙ φ(Q) S_c). Without W (no log-scale, padding or gate: see
+    :func:`_causal_group`) every factor is 1 but keep_0 (0 after an empty state).
+    dφ(Q) goes to ``query_backward`` as soon as it is complete (so that it and the queries'
+    recomputed graph are freed before the keys' part). Returns dφ(K), dV', dW,
+    d exp(a_last - a), dkeep, dω (None where not needed) and ∂L/∂kv. Inputs are chunk-major
+    values (nc, B, H, C, ·).
+    """
+    need_weight, need_to_end, need_keep, need_inter = needs
+    nc, b, h, c, f = q_c.shape
+    e = g.shape[-1]
+    scaled = weight is not None
+    scores = q_c @ k_c.transpose(-1, -2)  # X
+    if scaled:
+        a = scores * weight
+        t = to_end * enter
+        u, g1, g2 = fac_v * t, g * inter, g * intra_weight
+    else:
+        a, u, g1, g2 = scores.tril(), fac_v, g, g
+    d_a = g2 @ fac_v.transpose(-1, -2)
+    d_scores = d_a * weight if scaled else d_a.tril()
+    d_weight = d_a.mul_(scores) if need_weight else None
+    del scores, d_a
+    d_v = a.transpose(-1, -2) @ g2
+    del a
+    d_q = torch.empty_like(q_c)
+    d_inter = inter.new_empty(inter.shape) if need_inter else None
+    states = q_c.new_empty(nc, b, h, f, e) if need_keep else None
+    state = kv.to(q_c.dtype, copy=True)
+    s3 = state.flatten(0, 1)
+    keeps = _per_chunk(keep) if scaled else [None] * nc
+    k_t = _per_chunk(k_c.transpose(-1, -2))
+    chunks = zip(_per_chunk(q_c), k_t, _per_chunk(u), _per_chunk(g1), _per_chunk(d_q), keeps,
+                 strict=True)
+    for i, (q_i, k_i, u_i, g1_i, d_q_i, keep_i) in enumerate(chunks):
+        if states is not None:
+            states[i] = state
+        torch.bmm(g1_i, s3.transpose(1, 2), out=d_q_i)
+        if d_inter is not None:
+            d_inter[i] = (g[i] * torch.bmm(q_i, s3).view(b, h, c, e)).sum(-1, keepdim=True)
+        if keep_i is not None:
+            s3.mul_(keep_i)
+        s3.baddbmm_(k_i, u_i)
+    del state, s3
+    d_q.flatten(0, 2).baddbmm_(d_scores.flatten(0, 2), k_c.flatten(0, 2))
+    query_backward(d_q)
+    del d_q
+    d_k = d_scores.transpose(-1, -2) @ q_c
+    del d_scores
+    d_u = torch.empty_like(fac_v)
+    d_keep = keep.new_empty(keep.shape) if need_keep else None
+    d = (torch.zeros_like(kv) if d_final is None else d_final).flatten(0, 1)  # ∂S_{i+1}
+    chunks = zip(_per_chunk(q_c), _per_chunk(k_c), _per_chunk(u), _per_chunk(g1),
+                 _per_chunk(d_k), _per_chunk(d_u), keeps, strict=True)
+    for i, (q_i, k_i, u_i, g1_i, d_k_i, d_u_i, keep_i) in reversed(list(enumerate(chunks))):
+        d_k_i.baddbmm_(u_i, d.transpose(1, 2))
+        torch.bmm(k_i, d, out=d_u_i)
+        if d_keep is not None:
+            d_keep[i] = (d.view(b, h, f, e) * states[i]).sum((-2, -1), keepdim=True)
+        d = torch.baddbmm(d if keep_i is None else d * keep_i, q_i.transpose(1, 2), g1_i)
+    d = d.view(b, h, f, e)
+    if not scaled:
+        # keep_0 = ω = 0 for the first chunk after an empty state (at LOG_FLOOR), 1 otherwise.
+        return d_k, d_v + d_u, None, None, None, None, d * keep[0]
+    d_to_end = (d_u * fac_v).sum(-1, keepdim=True).mul_(enter) if need_to_end else None
+    d_v += d_u.mul_(t)
+    return d_k, d_v, d_weight, d_to_end, d_keep, d_inter, d
 
 
 def slice_tokens(batch_heads: int, feature_dim: int, chunk_size: int, slice_elements: int) -> int:
     """Tokens per slice: about ``slice_elements`` feature values, a multiple of the chunk."""
     tokens = max(1, slice_elements // max(1, batch_heads * feature_dim))
     return max(chunk_size, tokens // chunk_size * chunk_size)
+
+
+def causal_slice_tokens(
+    batch_heads: int, feature_dim: int, value_dim: int, chunk_size: int, slice_elements: int
+) -> int:
+    """Tokens per slice of the causal form, a multiple of the chunk: about ``slice_elements / 2``
+    values of φ and of [V, 1] together (B·H·S·(F + Dv + 1)). A causal slice's backward holds
+    its φ(Q), φ(K), their gradients, the recomputed state, and (S, Dv + 1)-sized factors and
+    gradients; the state entering each slice is kept from forward to backward, so shorter
+    slices cost checkpoints. Sized by φ alone, a slice's backward held most of a causal
+    forward+backward's peak."""
+    return slice_tokens(batch_heads, feature_dim + value_dim + 1, chunk_size, slice_elements // 2)
 
 
 def kernelized_attention(
@@ -468,14 +707,16 @@ def kernelized_attention(
     causal: bool = False,
     key_padding_mask: Tensor | None = None,
     gate: Tensor | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = 32,
     eps: float = 1e-6,
     slice_elements: int = SLICE_ELEMENTS,
+    feature_tensors: Sequence[Tensor] | None = None,
 ) -> Tensor:
     """Kernelized attention from raw q, k, v, computing ``features`` slice by slice.
 
     q (B, H, N, D), k (B, H, M, D), v (B, H, M, Dv) -> (B, H, N, Dv). ``features(x, is_query=)``
-    returns (φ, key_log_scale); ``feature_dim`` is its width F, used to size the slices.
+    returns (φ, key_log_scale); ``feature_dim`` is its width F, used to size the slices;
+    ``feature_tensors`` are the tensors ``features`` reads (see :func:`_feature_inputs`).
 
     Args:
         key_padding_mask: optional bool (B, M), True marks padded keys; they leave numerator
@@ -488,7 +729,8 @@ def kernelized_attention(
 
     Non-causal cost: 2·(N + M)·F·(Dv + 1) flops per (B, H) besides the features. Causal adds the
     C x C intra-chunk products, 2·N·C·(F + Dv + 1), and (N/C)·F·(Dv + 1) states. Peak memory
-    O(S·F + F·Dv), not O(N·F), when no gradient is recorded.
+    O(S·F + F·Dv), not O(N·F), in training too: the backward recomputes the features slice by
+    slice (:class:`_KeyState`, :class:`_ReadQueries`, :class:`_Causal`).
     Raises :class:`DenominatorUnderflowError` (a ValueError), after the last slice (one host
     sync), where a query that sees a key gets a denominator of 0 (see :func:`_lost_rows`).
     """
@@ -498,11 +740,12 @@ def kernelized_attention(
         return kernelized_causal(
             q, k, v, features, feature_dim=feature_dim, key_padding_mask=key_padding_mask,
             gate=gate, chunk_size=chunk_size, eps=eps, slice_elements=slice_elements,
+            feature_tensors=feature_tensors,
         )[0]
-    state = key_state(k, v, features, feature_dim=feature_dim,
-                      key_padding_mask=key_padding_mask, slice_elements=slice_elements)
+    state = key_state(k, v, features, feature_dim=feature_dim, key_padding_mask=key_padding_mask,
+                      slice_elements=slice_elements, feature_tensors=feature_tensors)
     return read_queries(q, state, features, feature_dim=feature_dim, eps=eps,
-                        slice_elements=slice_elements)
+                        slice_elements=slice_elements, feature_tensors=feature_tensors)
 
 
 def key_state(
@@ -513,13 +756,28 @@ def key_state(
     feature_dim: int,
     key_padding_mask: Tensor | None = None,
     slice_elements: int = SLICE_ELEMENTS,
+    feature_tensors: Sequence[Tensor] | None = None,
 ) -> RecurrentState:
     """[S, z] = φ(K)^T [V, 1] of all keys k (B, H, M, D), v (B, H, M, Dv), slice by slice.
 
     The non-causal half of :func:`kernelized_attention`, and the memory a decoder's
-    cross-attention forms once per source.
+    cross-attention forms once per source. Recording gradients, it keeps k and v only
+    (:class:`_KeyState`).
     """
-    step = slice_tokens(k.shape[0] * k.shape[1], feature_dim, 1, slice_elements)
+    bh = k.shape[0] * k.shape[1]
+    step = slice_tokens(bh, feature_dim, 1, slice_elements)
+    if _recording():
+        tensors = _feature_inputs(features, k, False, feature_tensors)
+        if _needs_grad(k, v, *tensors):
+            back = slice_tokens(bh, feature_dim, 1, slice_elements // BACKWARD_SLICE_SHARE)
+            kv, scale = _KeyState.apply(k, v, key_padding_mask, features, step, back, *tensors)
+            return RecurrentState(kv, scale, k.shape[2])
+    return _key_state(k, v, features, key_padding_mask, step)
+
+
+def _key_state(
+    k: Tensor, v: Tensor, features: FeatureFn, key_padding_mask: Tensor | None, step: int
+) -> RecurrentState:
     state = None
     for k_s, v_s, pad_s in zip(*_slices(step, (k, 2), (v, 2), (key_padding_mask, 1)), strict=True):
         phi_k, log_scale = features(k_s, is_query=False)
@@ -535,9 +793,20 @@ def read_queries(
     feature_dim: int,
     eps: float = 1e-6,
     slice_elements: int = SLICE_ELEMENTS,
+    feature_tensors: Sequence[Tensor] | None = None,
 ) -> Tensor:
-    """Queries q (B, H, N, D) against a finished :func:`key_state`, in slices: (B, H, N, Dv)."""
-    step = slice_tokens(q.shape[0] * q.shape[1], feature_dim, 1, slice_elements)
+    """Queries q (B, H, N, D) against a finished :func:`key_state`, in slices: (B, H, N, Dv).
+
+    Recording gradients, it keeps q, the output and the divisors only (:class:`_ReadQueries`).
+    """
+    bh = q.shape[0] * q.shape[1]
+    step = slice_tokens(bh, feature_dim, 1, slice_elements)
+    if _recording():
+        tensors = _feature_inputs(features, q, True, feature_tensors)
+        if _needs_grad(q, state.kv, *tensors):
+            back = slice_tokens(bh, feature_dim, 1, slice_elements // BACKWARD_SLICE_SHARE)
+            return _ReadQueries.apply(q, state.kv, state.log_scale, features, eps, step, back,
+                                      *tensors)
     outs, lost = zip(*(_read_out(state, features(q_s, is_query=True)[0], eps)
                        for q_s in q.split(step, 2)), strict=True)
     _raise_if_lost(list(lost), q.dtype)
@@ -555,6 +824,217 @@ def _slices(step: int, *tensors: tuple[Tensor | None, int]) -> list[list[Tensor 
     return [[None] * count if p is None else p for p in parts]
 
 
+# Recompute instead of store (FlashAttention's trade, Dao et al. 2022, applied to linear
+# attention): recording gradients, the forward keeps q, k, v, the output, its divisors and the
+# fixed-size states, and the backward recomputes φ(Q), φ(K) a slice at a time and backpropagates
+# through the feature map with autograd. Autograd through the forward would keep every slice's
+# N x F features (and, causal, N/C states of F x (Dv + 1)): 3x SDPA's training memory.
+# The backward's slices are a quarter of the forward's: it holds three or four N x F-sized
+# tensors of a slice at once (φ, dφ and the feature map's own), the forward one or two.
+BACKWARD_SLICE_SHARE = 4
+
+
+def _recording() -> bool:
+    """Whether the recomputing autograd functions apply: gradients on, and eager (under
+    torch.compile autograd records the forward as it is: dynamo does not trace a backward that
+    calls autograd itself)."""
+    return torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
+def _needs_grad(*tensors: Tensor | None) -> bool:
+    return any(t is not None and t.requires_grad for t in tensors)
+
+
+def _feature_inputs(
+    features: FeatureFn, x: Tensor, is_query: bool, feature_tensors: Sequence[Tensor] | None
+) -> tuple[Tensor, ...]:
+    """The tensors that ``features`` reads, as inputs of a recomputing autograd function.
+
+    Given (a module's parameters and buffers), they are saved for backward, so that one changed
+    in place between forward and backward (a redraw) raises, as for any saved tensor, rather than
+    being recomputed with; those that require grad get their gradients. Not given, the ones that
+    require grad are found in the autograd graph of φ of one token of x: its leaves.
+    """
+    if feature_tensors is not None:
+        return tuple(feature_tensors)
+    with torch.enable_grad():
+        phi, log_scale = features(x[:, :, :1].detach(), is_query=is_query)
+    found: dict[int, Tensor] = {}
+    seen, stack = set(), []
+    for t in (phi, log_scale):
+        if t is not None and t.requires_grad:
+            if t.grad_fn is None:
+                found[id(t)] = t
+            stack.append(t.grad_fn)
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # AccumulateGrad: a leaf that requires grad
+        if leaf is not None:
+            found[id(leaf)] = leaf
+        stack.extend(fn for fn, _ in node.next_functions)
+    return tuple(found.values())
+
+
+def _spans(total: int, step: int) -> list[tuple[int, int]]:
+    return [(a, min(total, a + step)) for a in range(0, total, step)]
+
+
+def _leaf(x: Tensor | None, grad: bool) -> Tensor | None:
+    """x cut off from the graph, recording its own gradient when ``grad``."""
+    return None if x is None else x.detach().requires_grad_(grad)
+
+
+def _backprop(
+    outputs: Sequence[Tensor | None], grads: Sequence[Tensor | None], inputs: Sequence[Tensor]
+) -> list[Tensor | None]:
+    """Vector-Jacobian product of a recomputed piece of graph: d outputs -> d inputs (None
+    where an input does not require grad or is not reached)."""
+    pairs = [(o, g) for o, g in zip(outputs, grads, strict=True)
+             if o is not None and g is not None and o.requires_grad]
+    wanted = [i for i, t in enumerate(inputs) if t.requires_grad]
+    result: list[Tensor | None] = [None] * len(inputs)
+    if pairs and wanted:
+        # retain_graph: a feature map may read a tensor computed outside it (w = 2 w0, a
+        # dtype cast of a parameter), whose graph every slice's backward goes through.
+        got = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in wanted],
+                                  [g for _, g in pairs], retain_graph=True, allow_unused=True)
+        for i, g in zip(wanted, got, strict=True):
+            result[i] = g
+    return result
+
+
+def _put(total: Tensor | None, a: int, b: int, part: Tensor | None) -> None:
+    """Positions a..b of a gradient (B, H, L, ·): ``part``, or 0 where nothing reached them."""
+    if total is not None:
+        total[:, :, a:b] = 0.0 if part is None else part
+
+
+def _add(total: Tensor | None, part: Tensor | None) -> Tensor | None:
+    if part is None:
+        return total
+    return part if total is None else total.add_(part)
+
+
+def _key_slice_backward(
+    features: FeatureFn,
+    k: Tensor,
+    v: Tensor,
+    pad: Tensor | None,
+    scale: Tensor,
+    d_kv: Tensor,
+    tensors: Sequence[Tensor],
+) -> list[Tensor | None]:
+    """One key slice of :class:`_KeyState`'s backward: gradients of k, v (leaves) and
+    ``tensors`` from dKV (B, H, F, Dv + 1). A function, so that the slice's recomputed graph is
+    freed before the next slice's is built."""
+    with torch.enable_grad():
+        phi, log_scale = features(k, is_query=False)
+        w = _weighted_values(v, log_scale, pad, scale)
+    return _backprop((phi, w), (w.detach() @ d_kv.transpose(-2, -1), phi.detach() @ d_kv),
+                     (k, v, *tensors))
+
+
+def _query_slice_backward(
+    features: FeatureFn,
+    q: Tensor,
+    g: Tensor,
+    kv: Tensor,
+    d_kv: Tensor | None,
+    tensors: Sequence[Tensor],
+) -> list[Tensor | None]:
+    """One query slice of :class:`_ReadQueries`'s backward: adds φ(Q)^T G to ``d_kv`` (when
+    given) and returns the gradients of q (a leaf) and ``tensors``."""
+    with torch.enable_grad():
+        phi = features(q, is_query=True)[0]
+    if d_kv is not None:
+        d_kv += phi.detach().transpose(-2, -1) @ g
+    return _backprop((phi,), (g @ kv.transpose(-2, -1) if phi.requires_grad else None,),
+                     (q, *tensors))
+
+
+class _KeyState(torch.autograd.Function):
+    """[S, z] = Σ_j φ(k_j) [v_j, 1]^T exp(ls_j - s) (:func:`key_state`), keeping k and v only.
+
+    The stabiliser s (the keys' max log-scale) carries no gradient, so the state's gradient
+    dKV (B, H, F, Dv + 1) reaches each key slice directly: with W = [V, 1] exp(ls - s),
+    dφ(K) = W dKV^T and dW = φ(K) dKV, then autograd through the recomputed feature map and
+    weights gives dk, dv and the feature tensors' gradients.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
+                features: FeatureFn, step: int, back: int, *tensors: Tensor
+                ) -> tuple[Tensor, Tensor]:
+        state = _key_state(k, v, features, key_padding_mask, step)
+        ctx.features, ctx.back = features, back
+        ctx.save_for_backward(k, v, key_padding_mask, state.log_scale, *tensors)
+        ctx.mark_non_differentiable(state.log_scale)
+        return state.kv, state.log_scale
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, d_kv: Tensor, _: Tensor | None) -> tuple[Tensor | None, ...]:
+        k, v, pad, scale, *tensors = ctx.saved_tensors
+        need_k, need_v = ctx.needs_input_grad[:2]
+        dk = torch.empty_like(k) if need_k else None
+        dv = torch.empty_like(v) if need_v else None
+        d_tensors: list[Tensor | None] = [None] * len(tensors)
+        for a, b in _spans(k.shape[2], ctx.back):
+            grads = _key_slice_backward(
+                ctx.features, _leaf(k[:, :, a:b], need_k), _leaf(v[:, :, a:b], need_v),
+                None if pad is None else pad[:, None, a:b, None], scale, d_kv, tensors,
+            )
+            _put(dk, a, b, grads[0])
+            _put(dv, a, b, grads[1])
+            d_tensors = [_add(t, g) for t, g in zip(d_tensors, grads[2:], strict=True)]
+        return dk, dv, None, None, None, None, *d_tensors
+
+
+class _ReadQueries(torch.autograd.Function):
+    """out = num / d with [num, den] = φ(Q) [S, z] (:func:`read_queries`), keeping q, the
+    output and the divisors (B, H, N, 1) only.
+
+    With G = [d_out / d, -(d_out·out) / d] the gradient of [num, den] (:func:`_ratio_grad`),
+    dφ(Q) = G [S, z]^T and d[S, z] = φ(Q)^T G, then autograd through the recomputed feature map
+    gives dq and the feature tensors' gradients.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, kv: Tensor, log_scale: Tensor, features: FeatureFn,
+                eps: float, step: int, back: int, *tensors: Tensor) -> Tensor:
+        b, h, n = q.shape[:3]
+        out = q.new_empty(b, h, n, kv.shape[-1] - 1)
+        div, sign = q.new_empty(b, h, n, 1), q.new_empty(b, h, n, 1)
+        lost = []
+        for a, e in _spans(n, step):
+            raw = features(q[:, :, a:e], is_query=True)[0] @ kv
+            div[:, :, a:e], sign[:, :, a:e] = _ratio_into(out[:, :, a:e], raw, eps, log_scale)
+            lost.append(_lost_rows(raw, eps, log_scale))
+        _raise_if_lost(lost, q.dtype)
+        ctx.features, ctx.back = features, back
+        ctx.save_for_backward(q, kv, out, div, sign, *tensors)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
+        q, kv, out, div, sign, *tensors = ctx.saved_tensors
+        need_q, need_kv = ctx.needs_input_grad[:2]
+        dq = torch.empty_like(q) if need_q else None
+        d_kv = torch.zeros_like(kv) if need_kv else None
+        d_tensors: list[Tensor | None] = [None] * len(tensors)
+        for a, b in _spans(q.shape[2], ctx.back):
+            g = _ratio_grad(d_out[:, :, a:b], out[:, :, a:b], div[:, :, a:b], sign[:, :, a:b])
+            grads = _query_slice_backward(ctx.features, _leaf(q[:, :, a:b], need_q), g, kv, d_kv,
+                                          tensors)
+            _put(dq, a, b, grads[0])
+            d_tensors = [_add(t, g) for t, g in zip(d_tensors, grads[1:], strict=True)]
+        return dq, d_kv, None, None, None, None, None, *d_tensors
+
+
 def kernelized_causal(
     q: Tensor,
     k: Tensor,
@@ -565,13 +1045,16 @@ def kernelized_causal(
     feature_dim: int,
     key_padding_mask: Tensor | None = None,
     gate: Tensor | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = 32,
     eps: float = 1e-6,
     slice_elements: int = SLICE_ELEMENTS,
+    feature_tensors: Sequence[Tensor] | None = None,
 ) -> tuple[Tensor, RecurrentState]:
     """Causal :func:`kernelized_attention` that continues ``state`` and returns the state after.
 
     This is prefill for decoding: the prompt runs chunkwise, and decoding picks up the state.
+    Recording gradients, it keeps q, k, v, the gate, the output and the state entering each
+    slice (:class:`_Causal`).
     """
     b, h, n = q.shape[:3]
     if k.shape[2] != n:
@@ -580,23 +1063,184 @@ def kernelized_causal(
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     if gate is not None and gate.shape != (b, h, n):
         raise ValueError(f"gate must be (B, H, N) = {(b, h, n)}, got {tuple(gate.shape)}")
-    # At most one scan group per slice: the features of a slice are fresh contiguous tensors,
-    # while a group cut out of a longer slice is a strided view that every batched GEMM of the
-    # group would copy.
-    step = min(slice_tokens(b * h, feature_dim, chunk_size, slice_elements),
-               SCAN_CHUNKS * chunk_size)
+    _check_chunk(chunk_size)
+    step = causal_slice_tokens(b * h, feature_dim, v.shape[-1], chunk_size, slice_elements)
+    if _recording():
+        tensors = _feature_inputs(features, q, True, feature_tensors)
+        if feature_tensors is None:
+            tensors = _unique(tensors + _feature_inputs(features, k, False, None))
+        if _needs_grad(q, k, v, gate, None if state is None else state.kv, *tensors):
+            kv, scale = (None, None) if state is None else (state.kv, state.log_scale)
+            out, kv, scale = _Causal.apply(q, k, v, gate, key_padding_mask, kv, scale, features,
+                                           chunk_size, eps, step, *tensors)
+            return out, RecurrentState(kv, scale, n + (0 if state is None else state.position))
+    out, state, _, _ = _causal_forward(q, k, v, gate, key_padding_mask, state, features,
+                                       chunk_size, eps, step, None)
+    return out, state
+
+
+def _causal_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    gate: Tensor | None,
+    key_padding_mask: Tensor | None,
+    state: RecurrentState | None,
+    features: FeatureFn,
+    chunk: int,
+    eps: float,
+    step: int,
+    entering: list[Tensor] | None,
+) -> tuple[Tensor, RecurrentState, Tensor | None, Tensor | None]:
+    """The slices of :func:`kernelized_causal`: output (B, H, N, Dv) and state after. Without
+    autograd the output is written in place, with the divisors and gradient factors of
+    :func:`_ratio_into` (B, H, N, 1) when ``entering`` (a list) is given, which then receives
+    the state (kv, log_scale) entering each slice; recorded, as autograd needs (None, None)."""
+    b, h, n = q.shape[:3]
+    recorded = torch.is_grad_enabled() or torch.compiler.is_compiling()
     outs, lost = [], []
-    pieces = _slices(step, (q, 2), (k, 2), (v, 2), (key_padding_mask, 1), (gate, 2))
-    for q_s, k_s, v_s, pad_s, gate_s in zip(*pieces, strict=True):
-        phi_q, _ = features(q_s, is_query=True)
-        phi_k, log_scale = features(k_s, is_query=False)
-        out, state, lost_s = _causal_block(
-            phi_q, phi_k, v_s, state, log_scale, pad_s, gate_s, chunk_size, eps
+    out = None if recorded else q.new_empty(b, h, n, v.shape[-1])
+    div = sign = None
+    if entering is not None:
+        div, sign = q.new_empty(b, h, n, 1), q.new_empty(b, h, n, 1)
+    for a, e in _spans(n, step):
+        phi_q, _ = _chunk_features(features, q[:, :, a:e], chunk, True)
+        phi_k, key_log_scale = _chunk_features(features, k[:, :, a:e], chunk, False)
+        _check_shapes(phi_q, phi_k, None, key_log_scale)
+        state = _state_of(state, b, h, phi_k.shape[-1], v.shape[-1], phi_k)
+        if entering is not None:
+            entering += [state.kv, state.log_scale]
+        raw, out_scale, state = _causal_group(
+            phi_q, phi_k, key_log_scale, v[:, :, a:e], state,
+            None if key_padding_mask is None else key_padding_mask[:, a:e],
+            None if gate is None else gate[:, :, a:e], chunk,
         )
-        outs.append(out)
-        lost += lost_s
+        raw, out_scale = _from_chunks(raw, e - a), _from_chunks(out_scale, e - a)
+        if out is None:
+            outs.append(_ratio(raw, eps, out_scale))
+        else:
+            d, s = _ratio_into(out[:, :, a:e], raw, eps, out_scale)
+            if div is not None and sign is not None:
+                div[:, :, a:e], sign[:, :, a:e] = d, s
+        # A gate can decay what a query sees to a legitimate 0: only ungated rows are checked.
+        lost.append(None if gate is not None else _lost_rows(raw, eps, out_scale))
     _raise_if_lost(lost, q.dtype)
-    return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), state
+    if out is None:
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)
+    return out, state, div, sign
+
+
+def _unique(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    return tuple({id(t): t for t in tensors}.values())
+
+
+class _Causal(torch.autograd.Function):
+    """Causal attention of q, k, v after the state (kv, log_scale) (:func:`kernelized_causal`),
+    slice by slice, keeping q, k, v, the gate, the output, its divisors and the state entering
+    each slice (S tokens): O(N·(D + Dv) + (N / S)·F·(Dv + 1)).
+
+    Backward, slice by slice from the last: recompute φ(Q), φ(K) and the per-token factors
+    under autograd, then :func:`_causal_group_backward` recomputes the slice's chunk states from
+    the state entering it and gives the gradients of the features, of the factors and of the
+    entering state, which goes on to the previous slice; autograd through the recomputed
+    features and factors gives dq, dk, dv, the gate's and the feature tensors'. The per-chunk
+    states (N/C of F x (Dv + 1): as large as φ(K)) are never kept: recomputing a slice's costs
+    one chunk GEMM per chunk.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None,
+                key_padding_mask: Tensor | None, kv: Tensor | None, log_scale: Tensor | None,
+                features: FeatureFn, chunk: int, eps: float, step: int, *tensors: Tensor
+                ) -> tuple[Tensor, Tensor, Tensor]:
+        entering: list[Tensor] = []
+        out, state, div, sign = _causal_forward(
+            q, k, v, gate, key_padding_mask, None if kv is None else RecurrentState(kv, log_scale),
+            features, chunk, eps, step, entering,
+        )
+        ctx.features, ctx.chunk, ctx.step, ctx.slices = features, chunk, step, len(entering) // 2
+        ctx.save_for_backward(q, k, v, gate, key_padding_mask, out, div, sign, *entering,
+                              *tensors)
+        ctx.mark_non_differentiable(state.log_scale)
+        return out, state.kv, state.log_scale
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, d_out: Tensor, d_kv: Tensor | None, _: Tensor | None
+                 ) -> tuple[Tensor | None, ...]:
+        q, k, v, gate, pad, out, div, sign, *rest = ctx.saved_tensors
+        entering, tensors = rest[:2 * ctx.slices], rest[2 * ctx.slices:]
+        need_q, need_k, need_v, need_gate = ctx.needs_input_grad[:4]
+        grads = [torch.empty_like(t) if need else None
+                 for t, need in zip((q, k, v, gate), (need_q, need_k, need_v, need_gate),
+                                    strict=True)]
+        d_tensors: list[Tensor | None] = [None] * len(tensors)
+        spans = _spans(q.shape[2], ctx.step)
+        for i in range(len(spans) - 1, -1, -1):
+            a, e = spans[i]
+            leaves = [_leaf(None if t is None else t[:, :, a:e], need)
+                      for t, need in zip((q, k, v, gate), (need_q, need_k, need_v, need_gate),
+                                         strict=True)]
+            g = _ratio_grad(d_out[:, :, a:e], out[:, :, a:e], div[:, :, a:e], sign[:, :, a:e])
+            d_kv, got = _causal_slice_backward(
+                ctx.features, *leaves, None if pad is None else pad[:, a:e],
+                entering[2 * i], entering[2 * i + 1], ctx.chunk, g, d_kv, tensors,
+            )
+            for total, part in zip(grads, got[:4], strict=True):
+                _put(total, a, e, part)
+            d_tensors = [_add(t, part) for t, part in zip(d_tensors, got[4:], strict=True)]
+        d_kv = d_kv if ctx.needs_input_grad[5] else None
+        return (*grads, None, d_kv, None, None, None, None, None, *d_tensors)
+
+
+def _causal_slice_backward(
+    features: FeatureFn,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    gate: Tensor | None,
+    pad: Tensor | None,
+    kv: Tensor,
+    log_scale: Tensor,
+    chunk: int,
+    g: Tensor,
+    d_final: Tensor | None,
+    tensors: Sequence[Tensor],
+) -> tuple[Tensor, list[Tensor | None]]:
+    """One slice of :class:`_Causal`'s backward: q, k, v, gate (leaves), the state (kv,
+    log_scale) entering the slice, g = ∂L/∂[num, den] (B, H, n, Dv + 1) and ∂L/∂(state after).
+    Returns ∂L/∂kv and the gradients of q, k, v, gate and ``tensors``. The tail after n is
+    padded with copies of the last token (see :func:`_chunk_major`): no gradient reaches them
+    (their keys are masked and their queries' g is 0)."""
+    with torch.enable_grad():
+        phi_q, _ = _chunk_features(features, q, chunk, True)
+        phi_k, key_log_scale = _chunk_features(features, k, chunk, False)
+        fac = _factors(v, key_log_scale, pad, gate, chunk)
+        weight = to_end = None
+        if fac.log_weight is not None:
+            weight, to_end = _intra_weights(fac.log_weight), _to_end(fac.log_weight)
+        running, keep, enter = _scan_factors(
+            log_scale, fac.prefix[..., -1, 0], None if fac.cum is None else fac.cum[..., -1]
+        )
+        inter, intra_weight, _ = _out_weights(fac, running)
+    values = [None if t is None else t.detach() for t in (weight, to_end, keep, inter)]
+    needs = tuple(t is not None and t.requires_grad for t in (weight, to_end, keep, inter))
+    inputs = (q, k, v, *(() if gate is None else (gate,)), *tensors)
+    grads: list[Tensor | None] = [None] * len(inputs)
+
+    def query_backward(d_q: Tensor) -> None:
+        grads[:] = _backprop((phi_q,), (d_q,), inputs)
+
+    d_k, *d_rest, d_kv = _causal_group_backward(
+        phi_q.detach(), phi_k.detach(), fac.v.detach(), values[0], values[1], values[2], enter,
+        values[3], intra_weight, kv.detach(), _chunk_major(g, chunk), d_final, needs,
+        query_backward,
+    )
+    keys = _backprop((phi_k, fac.v, weight, to_end, keep, inter), (d_k, *d_rest), inputs)
+    grads = [_add(a, b) for a, b in zip(grads, keys, strict=True)]
+    if gate is None:
+        grads.insert(3, None)
+    return d_kv, grads
 
 
 def linear_attention_step(

@@ -68,7 +68,7 @@ class HedgehogAttention(KernelizedAttention):
         *,
         num_features: int | None = None,
         feature_map: str = "exp",
-        chunk_size: int = 64,
+        chunk_size: int = 32,
     ) -> None:
         super().__init__(head_dim, heads, max_len, seed, scale, chunk_size=chunk_size,
                          eps=fm.denominator_eps(fm.learned_exp))  # both maps: 0, non-negative
@@ -146,7 +146,7 @@ register(
         padding_mask=True,
         cross=True,
         decoding=True,
-        options={"num_features": None, "feature_map": "exp", "chunk_size": 64},
+        options={"num_features": None, "feature_map": "exp", "chunk_size": 32},
         flops=_flops,
         budget=Budget("num_features", (16, 32, 64, 128, 256),
                       note="the map at its initialisation (identity W, zero b), not trained"),

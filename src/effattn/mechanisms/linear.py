@@ -30,7 +30,7 @@ class LinearTransformerAttention(KernelizedAttention):
         seed: int | None = None,
         scale: float | None = None,
         *,
-        chunk_size: int = 64,
+        chunk_size: int = 32,
     ) -> None:
         super().__init__(head_dim, heads, max_len, seed, scale, chunk_size=chunk_size,
                          eps=fm.denominator_eps(fm.elu_plus_one))
@@ -77,7 +77,7 @@ register(
         padding_mask=True,
         cross=True,
         decoding=True,
-        options={"chunk_size": 64},
+        options={"chunk_size": 32},
         flops=_flops,
         bench_default=True,
         published={"lra_listops": 16.13},

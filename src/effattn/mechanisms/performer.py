@@ -62,7 +62,7 @@ class PerformerAttention(KernelizedAttention):
         feature_map: str = "positive",
         orthogonal: bool = True,
         redraw_interval: int | None = 1000,
-        chunk_size: int = 64,
+        chunk_size: int = 32,
     ) -> None:
         super().__init__(head_dim, heads, max_len, seed, scale,
                          redraw_interval=redraw_interval, chunk_size=chunk_size)
@@ -131,7 +131,7 @@ register(
             "feature_map": "positive",
             "orthogonal": True,
             "redraw_interval": 1000,
-            "chunk_size": 64,
+            "chunk_size": 32,
         },
         flops=_flops,
         budget=Budget("num_features", (16, 32, 64, 128, 256, 512, 1024)),

@@ -66,7 +66,7 @@ class RandomFeatureAttention(KernelizedAttention):
         feature_map: str = "sincos",
         gated: bool = False,
         redraw_interval: int | None = 1,
-        chunk_size: int = 64,
+        chunk_size: int = 32,
     ) -> None:
         super().__init__(head_dim, heads, max_len, seed, scale,
                          redraw_interval=redraw_interval, chunk_size=chunk_size)
@@ -158,7 +158,7 @@ register(
             "feature_map": "sincos",
             "gated": False,
             "redraw_interval": 1,
-            "chunk_size": 64,
+            "chunk_size": 32,
         },
         flops=_flops,
         budget=Budget("num_features", (16, 32, 64, 128, 256, 512, 1024), target=_target),

@@ -83,7 +83,7 @@ class TaylorAttention(KernelizedAttention):
         *,
         proj_dim: int = 16,
         learn_projection: bool = True,
-        chunk_size: int = 64,
+        chunk_size: int = 32,
     ) -> None:
         super().__init__(head_dim, heads, max_len, seed, scale, chunk_size=chunk_size,
                          eps=fm.denominator_eps(fm.taylor))
@@ -148,7 +148,7 @@ register(
         padding_mask=True,
         cross=True,
         decoding=True,
-        options={"proj_dim": 16, "learn_projection": True, "chunk_size": 64},
+        options={"proj_dim": 16, "learn_projection": True, "chunk_size": 32},
         flops=_flops,
         budget=Budget("proj_dim", (4, 8, 16, 32, 64),
                       note="the projection as drawn (E[W Wᵀ] = I), not trained"),
