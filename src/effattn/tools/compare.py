@@ -15,7 +15,6 @@ beside ours, the accuracy each method's spec publishes from the Long Range Arena
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import subprocess
@@ -27,9 +26,13 @@ from typing import Any
 
 import effattn
 from effattn.registry import DEFAULT_METHOD, methods, spec
-from effattn.tools.bench.results import atomic_write
+from effattn.tools.bench.results import atomic_write, write_csv
 from effattn.tools.tasks.data import FRACTION_METRICS, METRIC_NAMES, TASK_METRICS
 from effattn.tools.train import RESULTS, TrainConfig, applicability, label_of, write_json
+
+CSV_FIELDS = ("label", "metric", "score", "valid", "final_train_loss", "steps_per_s",
+              "peak_memory_mb", "masks_padding", "lra_listops", "token_accuracy",
+              "decode_tokens_per_s")
 
 
 def scaled_options(method: str, seq_len: int, head_dim: int) -> dict[str, Any]:
@@ -149,7 +152,7 @@ def compare(
                                         if k not in ("method", "options")},
                "rows": rows, "skipped": skipped, "failed": failed}
     write_json(out / "compare.json", summary)
-    _write_csv(out / "compare.csv", rows)
+    write_csv(out / "compare.csv", rows, CSV_FIELDS)
     atomic_write(out / "compare.md", table(summary) + "\n")
     plot(summary, out / "compare.png")
     return summary
@@ -176,17 +179,6 @@ def _row(label: str, results: dict[str, Any], task: str) -> dict[str, Any]:
     return row
 
 
-def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    fields = ["label", "metric", "score", "valid", "final_train_loss", "steps_per_s",
-              "peak_memory_mb", "masks_padding", "lra_listops", "token_accuracy",
-              "decode_tokens_per_s"]
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: row.get(k) for k in fields})
-    os.replace(tmp, path)
 
 
 def _axis_label(metric: str) -> str:

@@ -27,7 +27,6 @@ atomically after each one to ``results.json`` (a list of ``{"task", "method", "s
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import os
@@ -41,7 +40,7 @@ import torch
 
 from effattn.convert import linearize, transfer
 from effattn.registry import DEFAULT_METHOD
-from effattn.tools.bench.results import atomic_write
+from effattn.tools.bench.results import atomic_write, write_csv
 from effattn.tools.compare import run_options
 from effattn.tools.runs import load_run
 from effattn.tools.tasks.data import FRACTION_METRICS, METRIC_NAMES
@@ -54,6 +53,8 @@ from effattn.tools.train import (
     train,
     write_json,
 )
+
+CSV_FIELDS = ("task", "method", "stage", "steps", "bpc", "accuracy")
 
 STAGES = ("teacher", "swap", "transfer", "finetune", "scratch")
 # The tasks a conversion is measured on: causal LMs, scored by bits/char or accuracy.
@@ -100,7 +101,7 @@ class _Rows:
         self.rows.append({"task": self.task, "method": method, "stage": stage, "steps": steps,
                           _score_key(self.metric): score * _scale(self.metric)})
         write_json(self.out / "results.json", self.rows)
-        _write_csv(self.out / "results.csv", self.rows)
+        write_csv(self.out / "results.csv", self.rows, CSV_FIELDS)
         atomic_write(self.out / "convert.md", table(self.rows) + "\n")
         plot(self.rows, self.out / "convert.png")
 
@@ -248,15 +249,6 @@ def _transfer(ctx: _Context, model: torch.nn.Module, new: dict[str, torch.nn.Par
     return {**ctx.test_score(model), "losses": losses, "new": list(new)}
 
 
-def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    fields = ["task", "method", "stage", "steps", "bpc", "accuracy"]
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: row.get(k) for k in fields})
-    os.replace(tmp, path)
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
