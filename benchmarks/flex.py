@@ -71,6 +71,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 import effattn
 from effattn.tools.bench.machine import describe, machine_info
 from effattn.tools.bench.results import atomic_write, write_json
+from effattn.tools.bench.timing import Clock, median_ratio, paired
 
 HEADS, HEAD_DIM = 8, 64
 # Causal forms each method is measured in: only local has a causal pattern.
@@ -82,7 +83,6 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 6e-2}
 MASK_REPEATS = 3
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
-Timer = Callable[[Callable[[], object]], float]
 
 
 @dataclass(frozen=True)
@@ -178,47 +178,10 @@ def block_mask(
     return create(mask.mask_mod, None, mask.heads, n, n, device=device, BLOCK_SIZE=block_size)
 
 
-def clock(device: torch.device) -> Timer:
-    """A function timing one call in seconds: perf_counter on the CPU, CUDA events on a GPU."""
-    if device.type == "cuda":
-
-        def time_cuda(fn: Callable[[], object]) -> float:
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-
-        return time_cuda
-
-    def time_cpu(fn: Callable[[], object]) -> float:
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-
-    return time_cpu
 
 
-def paired(
-    fns: dict[str, Callable[[], object]], repeats: int, timer: Timer
-) -> dict[str, list[float]]:
-    """Seconds per call of each function, ``repeats`` samples each, after one warm-up call; the
-    order alternates between repeats so that neighbouring samples share the machine's load."""
-    names = list(fns)
-    for name in names:
-        fns[name]()
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            samples[name].append(timer(fns[name]))
-    return samples
 
 
-def median_ratio(num: list[float], den: list[float]) -> float:
-    """Median of the per-repeat ratios num / den."""
-    return statistics.median(a / b for a, b in zip(num, den, strict=True))
 
 
 def peak_mib(fn: Callable[[], object]) -> float:
@@ -338,7 +301,7 @@ def measure(method: str, causal: bool, n: int, cfg: Config) -> dict[str, Any]:
     else:
         record["fwdbwd"] = {"status": f"not supported by FlexAttention on the {cfg.device.type}: "
                                       f"{error}"}
-    timer = clock(cfg.device)
+    timer = Clock(cfg.device)
     for pass_name, fns in passes.items():
         samples = paired(fns, cfg.repeats, timer)
         result: dict[str, Any] = {

@@ -21,13 +21,13 @@ import importlib
 import json
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from effattn.tools.bench.timing import paired
 
 
 def load(src: Path) -> ModuleType:
@@ -56,18 +56,6 @@ def backward(m: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     q.grad = k.grad = v.grad = None
 
 
-def paired(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
-    """Median seconds of each function, the two run in alternating order every repeat."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {t: [] for t in fns}
-    names = list(fns)
-    for r in range(repeats):
-        for t in names if r % 2 == 0 else names[::-1]:
-            t0 = time.perf_counter()
-            fns[t]()
-            times[t].append(time.perf_counter() - t0)
-    return {t: statistics.median(v) for t, v in times.items()}
 
 
 def main() -> None:
@@ -102,8 +90,9 @@ def main() -> None:
                 diff = (mods["old"](q, k, v, causal=causal)
                         - mods["new"](q, k, v, causal=causal)).abs().max().item()
             for pas, fn, args in (("fwd", forward, (q, k, v)), ("fwdbwd", backward, (qg, kg, vg))):
-                med = paired({t: partial(fn, m, *args, causal) for t, m in mods.items()},
-                             a.repeats)
+                samples = paired({t: partial(fn, m, *args, causal) for t, m in mods.items()},
+                                 a.repeats)
+                med = {t: statistics.median(v) for t, v in samples.items()}
                 key = f"{entry} N={n} {pas}"
                 results[key] = {"old_ms": med["old"] * 1e3, "new_ms": med["new"] * 1e3,
                                 "new_over_old": med["new"] / med["old"], "max_abs_diff": diff}

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,28 +35,15 @@ import effattn
 from effattn.registry import Problem
 from effattn.tools.bench.machine import describe, machine_info
 from effattn.tools.bench.results import write_json
+from effattn.tools.bench.timing import median_ratio, paired
 
 HEADS, HEAD_DIM, FEATURES = 8, 64, 256
 KERNELIZED = ("performer", "favor", "rfa", "linear")
 PEAK = "gemm1024"
 
 
-def paired(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
-    """Seconds per call of each function, ``repeats`` samples each, the order alternating."""
-    names = list(fns)
-    for name in names:
-        fns[name]()  # warm-up
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            start = time.perf_counter()
-            fns[name]()
-            samples[name].append(time.perf_counter() - start)
-    return samples
 
 
-def median_ratio(num: list[float], den: list[float]) -> float:
-    return statistics.median(a / b for a, b in zip(num, den, strict=True))
 
 
 def inputs(n: int, grad: bool) -> tuple[torch.Tensor, ...]:

@@ -21,7 +21,6 @@ import importlib.util
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -33,6 +32,7 @@ import effattn
 from effattn.kernelized import core
 from effattn.tools.bench.machine import describe, machine_info
 from effattn.tools.bench.results import write_json
+from effattn.tools.bench.timing import median_ratio, paired
 
 HEADS, HEAD_DIM = 8, 64
 KERNELIZED = ("performer", "favor", "rfa", "linear")
@@ -48,22 +48,8 @@ def load_baseline(path: Path) -> ModuleType:
     return module
 
 
-def paired(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
-    """Seconds per call of each function, ``repeats`` samples each, the order alternating."""
-    names = list(fns)
-    for name in names:
-        fns[name]()  # warm-up
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            start = time.perf_counter()
-            fns[name]()
-            samples[name].append(time.perf_counter() - start)
-    return samples
 
 
-def median_ratio(num: list[float], den: list[float]) -> float:
-    return statistics.median(a / b for a, b in zip(num, den, strict=True))
 
 
 def attend(impl: ModuleType, module: Any, causal: bool, chunk: int) -> Callable[..., torch.Tensor]:

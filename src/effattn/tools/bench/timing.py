@@ -93,6 +93,29 @@ def time_once(fn: Callable[[], object], clock: Clock | None = None) -> float:
     return clock.stop()
 
 
+def paired(
+    fns: dict[str, Callable[[], object]], repeats: int, clock: Clock | None = None
+) -> dict[str, list[float]]:
+    """Seconds per call of each function, ``repeats`` samples each, after one warm-up call of
+    each; the order alternates between repeats, so that the samples of one repeat share the
+    machine's load and their ratios hold where the absolute times do not (the benchmarks' paired
+    comparisons: new against old, effattn against a peer)."""
+    clock = clock or Clock()
+    names = list(fns)
+    for name in names:
+        fns[name]()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            samples[name].append(time_once(fns[name], clock))
+    return samples
+
+
+def median_ratio(num: list[float], den: list[float]) -> float:
+    """Median of the per-repeat ratios ``num / den`` of two :func:`paired` sample lists."""
+    return statistics.median(a / b for a, b in zip(num, den, strict=True))
+
+
 def time_fn(
     fn: Callable[[], object],
     *,
