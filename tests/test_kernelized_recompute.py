@@ -79,24 +79,27 @@ def _assert_same(a, b, what, tol=1e-10):
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=_id)
 @pytest.mark.parametrize("mode", ["full", "padded", "causal", "causal-padded", "cross-padded"])
-def test_recomputing_backward_equals_autograd_through_the_forward(variant, mode, monkeypatch):
+def test_recomputing_backward_equals_autograd_through_the_forward(variant, mode, monkeypatch,
+                                                               device):
     name, opts = variant
     causal, padded, cross = "causal" in mode, "padded" in mode, "cross" in mode
     if opts.get("gated") and not causal:
         pytest.skip("the gate is causal only")
-    module = _module(name, opts)
-    q, k, v = qkv(b=B, h=H, n=N, m=50 if cross else N, d=D, dv=DV)
-    call = {"causal": causal, "key_padding_mask": padding(B, k.shape[2]) if padded else None}
+    module = _module(name, opts).to(device)
+    q, k, v = (t.to(device) for t in qkv(b=B, h=H, n=N, m=50 if cross else N, d=D, dv=DV))
+    call = {"causal": causal,
+            "key_padding_mask": padding(B, k.shape[2]).to(device) if padded else None}
     inputs = [q, k, v]
     if opts.get("gated"):
-        call["gate"] = torch.rand(B, H, N, dtype=torch.float64,
-                                  generator=torch.Generator().manual_seed(1)) * 0.6 + 0.2
+        call["gate"] = (torch.rand(B, H, N, dtype=torch.float64,
+                                   generator=torch.Generator().manual_seed(1)) * 0.6 + 0.2
+                        ).to(device)
         inputs.append(call["gate"])
     for t in inputs:
         t.requires_grad_()
     inputs += [p for p in module.parameters() if p.requires_grad]
     probe = torch.randn(B, H, N, DV, dtype=torch.float64,
-                        generator=torch.Generator().manual_seed(2))
+                        generator=torch.Generator().manual_seed(2)).to(device)
 
     out, grads = _grads(lambda: module(q, k, v, **call), inputs, probe)
     _stored(monkeypatch)

@@ -12,7 +12,8 @@ from effattn.sparse import banded_attention, blockwise
 def _out_and_grads(fn, q, k, v):
     q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     out = fn(q, k, v)
-    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1),
+                           dtype=out.dtype).to(out.device)
     return (out, *torch.autograd.grad((out * upstream).sum(), (q, k, v)))
 
 
@@ -22,9 +23,9 @@ def _out_and_grads(fn, q, k, v):
     [(1, 10, 1), (63, 10, 1), (63, 37, 3), (257, 1, 1), (257, 64, 5), (300, 37, 3),
      (300, 128, 1)],
 )
-def test_matches_reference_outputs_and_grads(n, causal, window, dilation):
-    q, k, v = qkv(n=n, dv=7)
-    mask = padding(2, n)
+def test_matches_reference_outputs_and_grads(n, causal, window, dilation, device):
+    q, k, v = (t.to(device) for t in qkv(n=n, dv=7))
+    mask = padding(2, n).to(device)
     opts = {"window": window, "dilation": dilation}
     m = effattn.build("local", head_dim=21, heads=3, **opts)
     fast = _out_and_grads(lambda q, k, v: m(q, k, v, causal=causal, key_padding_mask=mask),
@@ -39,12 +40,12 @@ def test_matches_reference_outputs_and_grads(n, causal, window, dilation):
 
 @pytest.mark.parametrize("block_size", [1, 5, 16, 64])
 @pytest.mark.parametrize("left, right, dilation", [(0, 0, 1), (7, 0, 1), (9, 4, 2), (30, 30, 4)])
-def test_banded_engine_any_block_size_matches_dense(block_size, left, right, dilation):
-    q, k, v = qkv(n=61, dv=5)
-    mask = padding(2, 61)
+def test_banded_engine_any_block_size_matches_dense(block_size, left, right, dilation, device):
+    q, k, v = (t.to(device) for t in qkv(n=61, dv=5))
+    mask = padding(2, 61).to(device)
     out, lse = banded_attention(q, k, v, left=left, right=right, dilation=dilation, scale=0.3,
                                 key_mask=mask, block_size=block_size)
-    i, j = torch.arange(61)[:, None], torch.arange(61)[None, :]
+    i, j = torch.arange(61, device=device)[:, None], torch.arange(61, device=device)[None, :]
     allowed = (i - j <= left) & (j - i <= right) & ((i - j) % dilation == 0) & ~mask[:, None, None]
     scores = (0.3 * q @ k.transpose(-2, -1)).masked_fill(~allowed, float("-inf"))
     torch.testing.assert_close(out, torch.softmax(scores, -1).nan_to_num(0.0) @ v)
