@@ -62,21 +62,22 @@ def test_decoding_equals_the_causal_forward(feature_map, dtype, tol, prefill):
 
 @pytest.mark.parametrize("feature_map", MAPS)
 @pytest.mark.parametrize("mode", ["full", "causal-padded", "cross-padded"])
-def test_a_trained_map_equals_its_reference_with_gradients(feature_map, mode):
+def test_a_trained_map_equals_its_reference_with_gradients(feature_map, mode, device):
     """tests/test_references.py checks the map at its initialisation (W = I, b = 0); here W and b
     are off it, and F = 30 > D = 21: outputs and gradients of q, k, v, W and b equal the
     explicit kernel matrix in float64 (N = 63, M = 50 for cross, Dv = 10, chunks of 16 and
     slices of a few chunks, both ending in a partial one)."""
     causal, cross = mode.startswith("causal"), mode.startswith("cross")
-    module = trained(make(feature_map, num_features=30))
-    q, k, v = qkv(n=63, m=50 if cross else 63, dv=10)
-    mask = padding(2, k.shape[2]) if mode.endswith("padded") else None
+    module = trained(make(feature_map, num_features=30)).to(device)
+    q, k, v = (t.to(device) for t in qkv(n=63, m=50 if cross else 63, dv=10))
+    mask = padding(2, k.shape[2]).to(device) if mode.endswith("padded") else None
     inputs = [t.requires_grad_() for t in (q, k, v)]
     out = module(q, k, v, causal=causal, key_padding_mask=mask)
     ref = effattn.spec("hedgehog").reference(module, q, k, v, causal=causal,
                                              key_padding_mask=mask)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
-    probe = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(3))
+    probe = torch.randn(out.shape, dtype=out.dtype,
+                        generator=torch.Generator().manual_seed(3)).to(device)
     wrt = [*inputs, module.weight, module.bias]
     got = torch.autograd.grad((out * probe).sum(), wrt)
     want = torch.autograd.grad((ref * probe).sum(), wrt)

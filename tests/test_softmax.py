@@ -74,9 +74,9 @@ def test_long_windowed_and_capped_inputs_are_banded_never_n_by_n(monkeypatch):
     assert max(seen) <= 4 * blockwise.SLICE_ELEMENTS < 2048 * 2048
 
 
-def _allowed(piece, n):
-    i = torch.arange(n)[:, None]
-    j = torch.arange(n)[None, :]
+def _allowed(piece, n, device="cpu"):
+    i = torch.arange(n, device=device)[:, None]
+    j = torch.arange(n, device=device)[None, :]
     if isinstance(piece, Band):
         return (i - j <= piece.left) & (j - i <= piece.right) & ((i - j) % piece.dilation == 0)
     if isinstance(piece, Blocks):
@@ -88,14 +88,14 @@ def _allowed(piece, n):
                                    Blocks(None, 10), Columns(8, causal=True)],
                          ids=["full", "causal-window", "dilated", "dilated-causal",
                               "blocks", "columns"])
-def test_the_engine_caps_its_scores_exactly_in_forward_and_backward(piece):
+def test_the_engine_caps_its_scores_exactly_in_forward_and_backward(piece, device):
     # Every piece computed by query blocks, the gathered layouts of dilated bands and columns
     # included; out and lse (which sinks read) against the dense formula, with their gradients.
-    q, k, v = (t.requires_grad_() for t in qkv(n=63, d=D, dv=10))
-    mask, scale, cap = padding(2, 63), 0.7, 1.5
+    q, k, v = (t.to(device).requires_grad_() for t in qkv(n=63, d=D, dv=10))
+    mask, scale, cap = padding(2, 63).to(device), 0.7, 1.5
     out, lse = sparse_attention(q, k, v, [piece], scale=scale, key_mask=mask, softcap=cap)
     scores = cap * torch.tanh(scale * q @ k.transpose(-2, -1) / cap)
-    allowed = _allowed(piece, 63) & ~mask[:, None, None, :]
+    allowed = _allowed(piece, 63, device) & ~mask[:, None, None, :]
     scores = scores.masked_fill(~allowed, float("-inf"))
     ref_lse = torch.logsumexp(scores, -1)
     ref = torch.softmax(scores, -1).nan_to_num(0.0) @ v
@@ -103,8 +103,8 @@ def test_the_engine_caps_its_scores_exactly_in_forward_and_backward(piece):
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse[seen], ref_lse[seen], rtol=1e-12, atol=1e-12)
     g = torch.Generator().manual_seed(4)
-    probe, probe_lse = torch.randn(out.shape, generator=g, dtype=out.dtype), torch.randn(
-        lse.shape, generator=g, dtype=lse.dtype) * seen
+    probe = torch.randn(out.shape, generator=g, dtype=out.dtype).to(device)
+    probe_lse = torch.randn(lse.shape, generator=g, dtype=lse.dtype).to(device) * seen
     got = torch.autograd.grad((out * probe).sum() + (lse * probe_lse).sum(), (q, k, v))
     ref_lse = ref_lse.masked_fill(~seen, 0.0)
     want = torch.autograd.grad((ref * probe).sum() + (ref_lse * probe_lse).sum(), (q, k, v))
