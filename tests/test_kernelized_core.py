@@ -33,7 +33,7 @@ def on_features(phi_q, phi_k, v, *, key_log_scale=None, key_padding_mask=None, c
                                 chunk_size=chunk_size, eps=eps)
 
 
-def features(b=2, h=3, n=63, m=None, f=10, dv=5, seed=0, signed=False):
+def features(b=2, h=3, n=63, m=None, f=10, dv=5, seed=0, signed=False, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     m = n if m is None else m
     phi_q = torch.rand(b, h, n, f, generator=g, dtype=torch.float64)
@@ -43,11 +43,12 @@ def features(b=2, h=3, n=63, m=None, f=10, dv=5, seed=0, signed=False):
     v = torch.randn(b, h, m, dv, generator=g, dtype=torch.float64)
     log_scale = 3 * torch.randn(b, h, m, 1, generator=g, dtype=torch.float64)
     gate = 0.3 + 0.7 * torch.rand(b, h, n, generator=g, dtype=torch.float64)
-    return phi_q, phi_k, v, log_scale, gate
+    # Drawn on the CPU and moved, so every device sees the same numbers.
+    return tuple(t.to(device) for t in (phi_q, phi_k, v, log_scale, gate))
 
 
-def pad_mask(b, m):
-    mask = torch.zeros(b, m, dtype=torch.bool)
+def pad_mask(b, m, device="cpu"):
+    mask = torch.zeros(b, m, dtype=torch.bool, device=device)
     mask[0, : max(1, m // 6)] = m > 1
     mask[-1, m - max(1, m // 4) :] = m > 1
     return mask
@@ -70,14 +71,14 @@ def _case_id(case):
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 @pytest.mark.parametrize("n, chunk", [(1, 64), (63, 16), (257, 64), (100, 7), (257, 8)])
 @pytest.mark.parametrize("padded", [False, True])
-def test_core_matches_reference_outputs_and_gradients(case, n, chunk, padded):
-    phi_q, phi_k, v, ls, gate = features(n=n)
+def test_core_matches_reference_outputs_and_gradients(case, n, chunk, padded, device):
+    phi_q, phi_k, v, ls, gate = features(n=n, device=device)
     inputs = [phi_q, phi_k, v, ls, gate]
     for t in inputs:
         t.requires_grad_(True)
     kwargs = dict(
         key_log_scale=ls if case["scaled"] else None,
-        key_padding_mask=pad_mask(2, n) if padded else None,
+        key_padding_mask=pad_mask(2, n, device) if padded else None,
         causal=case["causal"],
         gate=gate if case["gated"] else None,
         chunk_size=chunk,
@@ -95,25 +96,25 @@ def test_core_matches_reference_outputs_and_gradients(case, n, chunk, padded):
 
 
 @pytest.mark.parametrize("n, m", [(17, 40), (40, 3)])
-def test_cross_attention_with_padding(n, m):
-    phi_q, _, _, _, _ = features(n=n)
-    _, phi_k, v, ls, _ = features(n=m, seed=1)
-    mask = pad_mask(2, m)
+def test_cross_attention_with_padding(n, m, device):
+    phi_q, _, _, _, _ = features(n=n, device=device)
+    _, phi_k, v, ls, _ = features(n=m, seed=1, device=device)
+    mask = pad_mask(2, m, device)
     out = on_features(phi_q, phi_k, v, key_log_scale=ls, key_padding_mask=mask)
     ref = R.kernel_attention(phi_q, phi_k, v, key_log_scale=ls, key_padding_mask=mask)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
 
-def test_signed_features_keep_the_sign_of_the_denominator():
-    phi_q, phi_k, v, _, _ = features(n=40, signed=True)
+def test_signed_features_keep_the_sign_of_the_denominator(device):
+    phi_q, phi_k, v, _, _ = features(n=40, signed=True, device=device)
     out = on_features(phi_q, phi_k, v, causal=True, chunk_size=8)
     ref = R.kernel_attention(phi_q, phi_k, v, causal=True)
     torch.testing.assert_close(out, ref, rtol=1e-8, atol=1e-8)
 
 
 @pytest.mark.parametrize("gated", [False, True])
-def test_step_equals_causal_forward_and_state_is_fixed_size(gated):
-    phi_q, phi_k, v, ls, gate = features(n=50)
+def test_step_equals_causal_forward_and_state_is_fixed_size(gated, device):
+    phi_q, phi_k, v, ls, gate = features(n=50, device=device)
     full = on_features(
         phi_q, phi_k, v, key_log_scale=ls, causal=True, gate=gate if gated else None, chunk_size=8
     )
@@ -143,14 +144,15 @@ def _steps(phi_q, phi_k, v, ls, gate, state=None):
 
 
 @pytest.mark.parametrize("gated", [False, True])
-def test_step_rescales_lazily_but_exactly(gated):
+def test_step_rescales_lazily_but_exactly(gated, device):
     """The step keeps its state at a scale that lags the keys' by up to RESCALE_MARGIN: key
     scales that jump far past it, and gates that drive it far below the keys', must still give
     the causal forward."""
-    phi_q, phi_k, v, ls, gate = features(n=60)
+    phi_q, phi_k, v, ls, gate = features(n=60, device=device)
     ls = ls.clone()
     ls[:, :, 20:] += 45.0  # past the margin at once
-    ls[:, :, 40:] += torch.linspace(0, 30, 20, dtype=ls.dtype)[:, None]  # creeping up
+    creep = torch.linspace(0, 30, 20, dtype=ls.dtype, device=device)
+    ls[:, :, 40:] += creep[:, None]  # creeping up
     if gated:
         gate = gate.clone()
         gate[:, :, 5:35] = 0.02  # log g ~ -3.9 per step: the scale falls ~120 below the keys'
@@ -163,14 +165,15 @@ def test_step_rescales_lazily_but_exactly(gated):
 
 
 @pytest.mark.parametrize("shift", [0.0, 56.0, 1024.0])
-def test_fp32_causal_forward_and_step_do_not_depend_on_the_size_of_the_log_scales(shift):
+def test_fp32_causal_forward_and_step_do_not_depend_on_the_size_of_the_log_scales(shift,
+                                                                                  device):
     """A log-scale shared by every key cancels, whatever its size: trigonometric keys of norm 30
     have |x̃|²/2 ~ 56 at D = 64, positive ones far more. With non-negative features (nothing
     cancels) and log-scales on a 1/256 grid (shifted exactly in fp32) the fp32 forward and step
     stay at fp32 rounding of the float64 result. The forward's in-chunk weights, once formed from
     log-scales scaled by log2(e) before they were subtracted, each carried ~ε·|log-scale| of
     error: 5e-6 at 56, 1e-4 at 1024 (this test failed at both)."""
-    phi_q, phi_k, v, ls, _ = features(n=100, f=16)
+    phi_q, phi_k, v, ls, _ = features(n=100, f=16, device=device)
     ls = (ls * 256).round() / 256
     ref = on_features(phi_q, phi_k, v, key_log_scale=ls, causal=True, chunk_size=16)
     f32 = [t.float() for t in (phi_q, phi_k, v, ls + shift)]
@@ -180,8 +183,8 @@ def test_fp32_causal_forward_and_step_do_not_depend_on_the_size_of_the_log_scale
     torch.testing.assert_close(stepped.double(), ref, rtol=2e-6, atol=2e-6)
 
 
-def test_step_updates_in_place_without_autograd_and_not_with_it():
-    phi_q, phi_k, v, ls, gate = features(n=6)
+def test_step_updates_in_place_without_autograd_and_not_with_it(device):
+    phi_q, phi_k, v, ls, gate = features(n=6, device=device)
     with torch.no_grad():
         _, state = _steps(phi_q[:, :, :3], phi_k[:, :, :3], v[:, :, :3], ls[:, :, :3], None)
         before = state.kv.clone()
@@ -259,12 +262,15 @@ def test_core_error_paths():
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("scaled", [False, True])
-def test_sliced_driver_equals_one_slice(causal, scaled):
+def test_sliced_driver_equals_one_slice(causal, scaled, device):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 3, 70, 6, generator=g, dtype=torch.float64)
     k = torch.randn(2, 3, 70 if causal else 33, 6, generator=g, dtype=torch.float64)
     v = torch.randn(2, 3, k.shape[2], 4, generator=g, dtype=torch.float64)
     w = torch.randn(9, 6, generator=g, dtype=torch.float64)
+    gate = 0.5 + 0.5 * torch.rand(2, 3, 70, generator=g, dtype=torch.float64) if causal else None
+    q, k, v, w = (t.to(device) for t in (q, k, v, w))
+    gate = gate.to(device) if causal else None
 
     def feats(x, *, is_query):
         u = x @ w.T
@@ -273,8 +279,7 @@ def test_sliced_driver_equals_one_slice(causal, scaled):
         m = u.amax(-1, keepdim=True)
         return torch.exp(u - m), (None if is_query else m + 5 * x[..., :1])
 
-    gate = 0.5 + 0.5 * torch.rand(2, 3, 70, generator=g, dtype=torch.float64) if causal else None
-    mask = pad_mask(2, k.shape[2])
+    mask = pad_mask(2, k.shape[2], device)
     phi_q, _ = feats(q, is_query=True)
     phi_k, ls = feats(k, is_query=False)
     whole = on_features(phi_q, phi_k, v, key_log_scale=ls, key_padding_mask=mask,

@@ -29,11 +29,12 @@ def _id(variant):
     return name + "".join(f"-{k}={v}" for k, v in opts.items())
 
 
-def make(name, opts, d=21, h=3, chunk=16):
+def make(name, opts, d=21, h=3, chunk=16, device="cpu"):
     options = {"chunk_size": chunk, **opts}
     if name != "linear":
         options.setdefault("num_features", 24)
     module = effattn.build(name, head_dim=d, heads=h, seed=0, **options).double().eval()
+    module = module.to(device)
     module.slice_elements = 3000  # slices of a few chunks: every test crosses slice borders
     return module
 
@@ -41,11 +42,11 @@ def make(name, opts, d=21, h=3, chunk=16):
 @pytest.mark.parametrize("variant", VARIANTS, ids=_id)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n", [1, 63, 257])
-def test_module_matches_reference_outputs_and_gradients(variant, causal, n):
+def test_module_matches_reference_outputs_and_gradients(variant, causal, n, device):
     name, opts = variant
-    module = make(name, opts)
-    q, k, v = qkv(n=n, dv=5, scale=0.5)
-    mask = padding(2, n) if n > 1 else None
+    module = make(name, opts, device=device)
+    q, k, v = (t.to(device) for t in qkv(n=n, dv=5, scale=0.5))
+    mask = padding(2, n).to(device) if n > 1 else None
     for t in (q, k, v):
         t.requires_grad_(True)
     out = module(q, k, v, causal=causal, key_padding_mask=mask)
@@ -61,22 +62,22 @@ def test_module_matches_reference_outputs_and_gradients(variant, causal, n):
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=_id)
-def test_cross_attention_matches_reference(variant):
+def test_cross_attention_matches_reference(variant, device):
     name, opts = variant
-    module = make(name, opts)
-    q, _, _ = qkv(n=17, scale=0.5)
-    _, k, v = qkv(n=40, dv=5, scale=0.5, seed=1)
-    mask = padding(2, 40)
+    module = make(name, opts, device=device)
+    q = qkv(n=17, scale=0.5)[0].to(device)
+    k, v = (t.to(device) for t in qkv(n=40, dv=5, scale=0.5, seed=1)[1:])
+    mask = padding(2, 40).to(device)
     out = module(q, k, v, key_padding_mask=mask)
     ref = module.spec.reference(module, q, k, v, key_padding_mask=mask)
     torch.testing.assert_close(out, ref, rtol=1e-7, atol=1e-7)
 
 
-def test_gated_rfa_matches_recurrence_and_step():
-    module = make("rfa", {"gated": True})
-    q, k, v = qkv(n=70, dv=5)
-    gate = torch.sigmoid(torch.randn(2, 3, 70, dtype=torch.float64))
-    mask = padding(2, 70)
+def test_gated_rfa_matches_recurrence_and_step(device):
+    module = make("rfa", {"gated": True}, device=device)
+    q, k, v = (t.to(device) for t in qkv(n=70, dv=5))
+    gate = torch.sigmoid(torch.randn(2, 3, 70, dtype=torch.float64)).to(device)
+    mask = padding(2, 70).to(device)
     for t in (q, k, v, gate):
         t.requires_grad_(True)
     out = module(q, k, v, causal=True, key_padding_mask=mask, gate=gate)
@@ -91,11 +92,11 @@ def test_gated_rfa_matches_recurrence_and_step():
 @pytest.mark.parametrize(
     "variant", VARIANTS + [("rfa", {"gated": True})], ids=_id
 )
-def test_step_equals_causal_forward_with_fixed_size_state(variant):
+def test_step_equals_causal_forward_with_fixed_size_state(variant, device):
     name, opts = variant
-    module = make(name, opts)
-    q, k, v = qkv(n=45, dv=5, scale=0.5)
-    gate = torch.sigmoid(torch.randn(2, 3, 45, dtype=torch.float64))
+    module = make(name, opts, device=device)
+    q, k, v = (t.to(device) for t in qkv(n=45, dv=5, scale=0.5))
+    gate = torch.sigmoid(torch.randn(2, 3, 45, dtype=torch.float64)).to(device)
     kw = {"gate": gate} if opts.get("gated") else {}
     full = module(q, k, v, causal=True, **kw)
     state, outs, sizes = None, [], set()
@@ -270,12 +271,12 @@ def test_gate_errors():
 
 @pytest.mark.parametrize("variant", [("softmax", {})] + VARIANTS + [("rfa", {"gated": True})],
                          ids=_id)
-def test_prefill_then_step_equals_causal_forward(variant):
+def test_prefill_then_step_equals_causal_forward(variant, device):
     name, opts = variant
-    module = (make(name, opts) if name != "softmax"
-              else effattn.build("softmax", head_dim=21, heads=3).double())
-    q, k, v = qkv(n=60, dv=5, scale=0.5)
-    gate = torch.sigmoid(torch.randn(2, 3, 60, dtype=torch.float64))
+    module = (make(name, opts, device=device) if name != "softmax"
+              else effattn.build("softmax", head_dim=21, heads=3).double().to(device))
+    q, k, v = (t.to(device) for t in qkv(n=60, dv=5, scale=0.5))
+    gate = torch.sigmoid(torch.randn(2, 3, 60, dtype=torch.float64)).to(device)
 
     def kw(a, b):
         return {"gate": gate[:, :, a:b]} if opts.get("gated") else {}
