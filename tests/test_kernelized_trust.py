@@ -30,11 +30,11 @@ def _id(variant):
     return name + "".join(f"-{k}={v}" for k, v in opts.items())
 
 
-def _build(name, opts, d, dtype, chunk=16):
+def _build(name, opts, d, dtype, chunk=16, device="cpu"):
     if name != "linear":
         opts = {"num_features": 24, **opts}
     module = effattn.build(name, head_dim=d, heads=3, seed=0, chunk_size=chunk, **opts)
-    module = module.to(dtype).eval()
+    module = module.to(dtype).eval().to(device)
     module.slice_elements = 3000  # slices of a few chunks: the leak test crosses slice borders
     return module
 
@@ -46,7 +46,7 @@ def _assert_rel_close(out, ref, rtol):
 
 @pytest.mark.parametrize("variant", KERNELIZED, ids=_id)
 @pytest.mark.parametrize("t", [37, 47], ids=["mid-chunk", "chunk-end"])
-def test_large_future_keys_leave_earlier_fp32_outputs_alone(variant, t):
+def test_large_future_keys_leave_earlier_fp32_outputs_alone(variant, t, device):
     """Keys after t scaled to norm 30 (log-scales ~100 for trigonometric maps): fp32 outputs at
     positions <= t still equal the float64 ones computed without those keys, in the forward and
     through prefill (a split at 23, mid-chunk, carries a state)."""
@@ -54,12 +54,14 @@ def test_large_future_keys_leave_earlier_fp32_outputs_alone(variant, t):
     n, d = 100, 21
     q, k, v = qkv(b=2, h=3, n=n, d=d, dv=5, scale=0.7)
     gate = torch.sigmoid(torch.randn(2, 3, n, dtype=torch.float64))
+    q, k, v, gate = (x.to(device) for x in (q, k, v, gate))
     kw = (lambda a, b: {"gate": gate[:, :, a:b]}) if opts.get("gated") else (lambda a, b: {})
-    ref = _build(name, opts, d, torch.float64)(q, k, v, causal=True, **kw(0, n))[:, :, : t + 1]
+    reference = _build(name, opts, d, torch.float64, device=device)
+    ref = reference(q, k, v, causal=True, **kw(0, n))[:, :, : t + 1]
     k_big = k.clone()
     k_big[:, :, t + 1 :] = 30 * F.normalize(k[:, :, t + 1 :], dim=-1)
     q, k_big, v, gate = q.float(), k_big.float(), v.float(), gate.float()
-    module = _build(name, opts, d, torch.float32)
+    module = _build(name, opts, d, torch.float32, device=device)
     out = module(q, k_big, v, causal=True, **kw(0, n))
     _assert_rel_close(out[:, :, : t + 1], ref, 1e-4)
     first, state = module.prefill(q[:, :, :23], k_big[:, :, :23], v[:, :, :23], **kw(0, 23))
@@ -67,10 +69,10 @@ def test_large_future_keys_leave_earlier_fp32_outputs_alone(variant, t):
     _assert_rel_close(torch.cat([first, rest], 2)[:, :, : t + 1], ref, 1e-4)
 
 
-def _huge_qkv(amp, dtype=torch.float64, n=143, d=16):
+def _huge_qkv(amp, dtype=torch.float64, n=143, d=16, device="cpu"):
     """q, k with entries ~amp: |x̃|²/2 ~ 5000 at amp 50, so true positive features are
     exp(-5000) (0 even in float64) while softmax of q̃·k̃ is well defined."""
-    q, k, v = qkv(b=2, h=3, n=n, d=d)
+    q, k, v = (x.to(device) for x in qkv(b=2, h=3, n=n, d=d))
     return (q * amp).to(dtype), (k * amp).to(dtype), v.to(dtype)
 
 
@@ -92,7 +94,8 @@ def _log_space_estimator(module, q, k, v, causal):
     logits = torch.logsumexp(pairs, -1)
     if causal:
         n = q.shape[2]
-        logits = logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        future = torch.ones(n, n, dtype=torch.bool, device=logits.device).triu(1)
+        logits = logits.masked_fill(future, float("-inf"))
     return torch.softmax(logits, -1) @ v.double()
 
 
@@ -104,12 +107,13 @@ POSITIVE = KERNELIZED[:2]
 @pytest.mark.parametrize("amp, dtype, rtol", [(50.0, torch.float64, 1e-9),
                                               (12.0, torch.float32, 1e-4)],
                          ids=["entries50-fp64", "entries12-fp32"])
-def test_positive_features_at_huge_norms_give_the_estimator(variant, causal, amp, dtype, rtol):
+def test_positive_features_at_huge_norms_give_the_estimator(variant, causal, amp, dtype, rtol,
+                                                            device):
     """True features exp(u - |x̃|²/2) far below eps (or 0 in the dtype): the denominator is tiny
     but a sum of positive terms, so eps must not floor it and no real key may be clamped away."""
     name, opts = variant
-    q, k, v = _huge_qkv(amp, dtype)
-    module = _build(name, opts, 16, dtype)
+    q, k, v = _huge_qkv(amp, dtype, device=device)
+    module = _build(name, opts, 16, dtype, device=device)
     ref = _log_space_estimator(module, q, k, v, causal)
     _assert_rel_close(module(q, k, v, causal=causal), ref, rtol)
 
@@ -185,10 +189,10 @@ def test_padding_zeros_do_not_raise(variant, causal):
 
 
 @pytest.mark.parametrize("variant", POSITIVE + [("favor", {})], ids=_id)
-def test_step_equals_forward_at_huge_norms(variant):
+def test_step_equals_forward_at_huge_norms(variant, device):
     name, opts = variant
-    q, k, v = _huge_qkv(50.0, n=40)
-    module = _build(name, opts, 16, torch.float64)
+    q, k, v = _huge_qkv(50.0, n=40, device=device)
+    module = _build(name, opts, 16, torch.float64, device=device)
     full = module(q, k, v, causal=True)
     state, outs = None, []
     for t in range(40):
@@ -220,7 +224,8 @@ def _condition(module, q, k, gate):
     if log_scale is not None:  # a factor shared by all keys cancels in κ
         phi_k = phi_k * torch.exp(log_scale - log_scale.amax(2, keepdim=True))
     n = q.shape[2]
-    w = R.kernel_weights(n, n, causal=True, gate=None if gate is None else gate.double())
+    w = R.kernel_weights(n, n, causal=True, gate=None if gate is None else gate.double(),
+                         device=q.device)
     den = ((phi_q @ phi_k.transpose(-2, -1)) * w).sum(-1)
     return ((phi_q.abs() @ phi_k.abs().transpose(-2, -1)) * w).sum(-1) / den.abs()
 
@@ -230,7 +235,7 @@ def _decoding_bound(module, q, k, v, gate, exact, eps):
     elementwise, with μ = 1 + _argument_size over q and k and F the width of φ; and κ, μ."""
     kappa = _condition(module, q, k, gate)
     mu = 1.0 + max(_argument_size(module, q), _argument_size(module, k))
-    i = torch.arange(1, q.shape[2] + 1, dtype=torch.float64)
+    i = torch.arange(1, q.shape[2] + 1, dtype=torch.float64, device=q.device)
     growth = mu + i.sqrt() + module.feature_dim**0.5
     size = exact.abs() + v.double().abs().cummax(2).values
     return 4 * eps * (kappa * growth)[..., None] * size, kappa, mu
@@ -263,14 +268,14 @@ DECODING_CASES = {
 }
 
 
-def _decoding_inputs(case, gated, dtype):
+def _decoding_inputs(case, gated, dtype, device="cpu"):
     b, h, n, d, dv, norm = DECODING_CASES[case]
     q, k, v = qkv(b=b, h=h, n=n, d=d, dv=dv)
     if norm is not None:
         q, k = norm * F.normalize(q, dim=-1), norm * F.normalize(k, dim=-1)
     g = torch.Generator().manual_seed(1)
     gate = torch.sigmoid(torch.randn(b, h, n, generator=g, dtype=torch.float64)) if gated else None
-    return [None if t is None else t.to(dtype) for t in (q, k, v, gate)]
+    return [None if t is None else t.to(device, dtype) for t in (q, k, v, gate)]
 
 
 def _gate(gate):
@@ -279,15 +284,16 @@ def _gate(gate):
 
 @pytest.mark.parametrize("variant", KERNELIZED, ids=_id)
 @pytest.mark.parametrize("case", DECODING_CASES)
-def test_fp32_decoding_equals_forward_within_the_conditioning_bound(variant, case):
+def test_fp32_decoding_equals_forward_within_the_conditioning_bound(variant, case, device):
     """``step`` (from the start and after a prefill) and the causal forward sum the same terms in
     different orders. In fp32 each is within the documented bound of the float64 result, and so
     of each other; where neither the normaliser cancels nor the feature arguments are large
     (κ_i <= 2, μ <= 30) they agree to 1e-5. The signed maps' reported disagreements (favor over
     33 steps, trig with keys of norm 30) are where κ_i is large."""
     name, opts = variant
-    q, k, v, gate = _decoding_inputs(case, opts.get("gated"), torch.float32)
-    module = effattn.build(name, head_dim=q.shape[-1], heads=q.shape[1], seed=0, **opts).eval()
+    q, k, v, gate = _decoding_inputs(case, opts.get("gated"), torch.float32, device)
+    module = effattn.build(name, head_dim=q.shape[-1], heads=q.shape[1], seed=0, **opts)
+    module = module.eval().to(device)
     exact = copy.deepcopy(module).double()(
         q.double(), k.double(), v.double(), causal=True,
         **_gate(None if gate is None else gate.double()),
@@ -311,13 +317,13 @@ def test_fp32_decoding_equals_forward_within_the_conditioning_bound(variant, cas
 
 @pytest.mark.parametrize("variant", KERNELIZED, ids=_id)
 @pytest.mark.parametrize("case", ["33-steps", "norm-30"])
-def test_float64_decoding_equals_forward_within_the_conditioning_bound(variant, case):
+def test_float64_decoding_equals_forward_within_the_conditioning_bound(variant, case, device):
     """The same bound with ε = 2^-53: float64 step and prefill equal the forward to ~1e-15
     relative, ~1e-12 on the rows of large κ_i."""
     name, opts = variant
-    q, k, v, gate = _decoding_inputs(case, opts.get("gated"), torch.float64)
+    q, k, v, gate = _decoding_inputs(case, opts.get("gated"), torch.float64, device)
     module = effattn.build(name, head_dim=q.shape[-1], heads=q.shape[1], seed=0, **opts)
-    module = module.double().eval()
+    module = module.double().eval().to(device)
     forward = module(q, k, v, causal=True, **_gate(gate))
     bound, _, _ = _decoding_bound(module, q, k, v, gate, forward, 2.0**-53)
     for out in (_decode(module, q, k, v, gate), _decode(module, q, k, v, gate, prefill=20)):
