@@ -51,9 +51,9 @@ def _decode(module, q, k, v, prefill):
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)],
                          ids=["float64", "fp32"])
 @pytest.mark.parametrize("prefill", [0, 37], ids=["step", "prefill-then-step"])
-def test_decoding_equals_the_causal_forward(feature_map, dtype, tol, prefill):
-    module = trained(make(feature_map, dtype=dtype, num_features=30))
-    q, k, v = (t.to(dtype) for t in qkv(n=50, dv=5))
+def test_decoding_equals_the_causal_forward(feature_map, dtype, tol, prefill, device):
+    module = trained(make(feature_map, dtype=dtype, num_features=30)).to(device)
+    q, k, v = (t.to(device, dtype) for t in qkv(n=50, dv=5))
     full = module(q, k, v, causal=True)
     out, state = _decode(module, q, k, v, prefill)
     torch.testing.assert_close(out, full, rtol=tol, atol=tol)
@@ -95,15 +95,15 @@ def test_the_reference_rejects_an_unknown_map():
 
 @pytest.mark.parametrize("feature_map", MAPS)
 @pytest.mark.parametrize("t", [37, 47], ids=["mid-chunk", "chunk-end"])
-def test_large_future_keys_leave_earlier_fp32_outputs_alone(feature_map, t):
+def test_large_future_keys_leave_earlier_fp32_outputs_alone(feature_map, t, device):
     """The causal stabiliser (the prefix max of the keys' log-scales) takes no future key: keys
     after t moved to norm 100 (log-scales ~130 above the earlier keys': a stabiliser that took
     them would scale those keys by exp(-130), below fp32's range) leave the fp32 outputs at
     positions <= t equal to the float64 ones without them, in the forward and through a
     prefill split at 23 (mid-chunk), with a trained-looking map. The softmax form has no
     log-scale; it must pass as well."""
-    q, k, v = qkv(n=100, dv=5, scale=0.7)
-    module = trained(make(feature_map, num_features=30))
+    q, k, v = (x.to(device) for x in qkv(n=100, dv=5, scale=0.7))
+    module = trained(make(feature_map, num_features=30)).to(device)
     ref = module(q, k, v, causal=True)[:, :, : t + 1]
     k_big = k.clone()
     k_big[:, :, t + 1 :] = 100 * F.normalize(k[:, :, t + 1 :], dim=-1)
@@ -138,15 +138,15 @@ def test_fp32_underflow_raises_naming_the_method_and_its_exponents():
 
 @pytest.mark.parametrize("feature_map", MAPS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_no_overflow_at_norms_of_30_in_fp32(feature_map, causal):
+def test_no_overflow_at_norms_of_30_in_fp32(feature_map, causal, device):
     """Rows of norm 30 (|u| up to ~20 at the identity, exp(±u) alone overflows nothing but their
     products across 2F features and keys of very different norms test the stabiliser): finite
     outputs and gradients, equal to the float64 result."""
-    q, k, v = qkv(b=1, h=2, n=200, d=64)
+    q, k, v = (x.to(device) for x in qkv(b=1, h=2, n=200, d=64))
     q = 30 * F.normalize(q, dim=-1)
     k = 30 * F.normalize(k, dim=-1)
     k[:, :, 150:] *= 0.1
-    module = make(feature_map, d=64, h=2, dtype=torch.float32)
+    module = make(feature_map, d=64, h=2, dtype=torch.float32).to(device)
     exact = copy.deepcopy(module).double()(q, k, v, causal=causal)
     qf = q.float().requires_grad_()
     out = module(qf, k.float(), v.float(), causal=causal)
@@ -157,19 +157,21 @@ def test_no_overflow_at_norms_of_30_in_fp32(feature_map, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_identity_init_is_the_cosh_kernel(causal):
+def test_identity_init_is_the_cosh_kernel(causal, device):
     """At init W = I and b = 0: φ(q)·φ(k) = Σ_f exp(q_f + k_f) + exp(-q_f - k_f)
     = 2 Σ_f cosh(q_f + k_f), on q and k as they are (scale has no effect)."""
-    module = make(scale=0.01)
-    assert torch.equal(module.weight, torch.eye(21, dtype=torch.float64).expand(3, 21, 21))
+    module = make(scale=0.01).to(device)
+    identity = torch.eye(21, dtype=torch.float64, device=device).expand(3, 21, 21)
+    assert torch.equal(module.weight, identity)
     assert not module.bias.any()
-    q, k, v = qkv(n=40, dv=5, scale=0.7)
+    q, k, v = (t.to(device) for t in qkv(n=40, dv=5, scale=0.7))
     kernel = 2 * torch.cosh(q[..., :, None, :] + k[..., None, :, :]).sum(-1)  # (B, H, N, M)
     if causal:
         kernel = kernel.tril()
     want = kernel @ v / kernel.sum(-1, keepdim=True)
     torch.testing.assert_close(module(q, k, v, causal=causal), want, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(make()(q, k, v, causal=causal), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(make().to(device)(q, k, v, causal=causal), want, rtol=1e-12,
+                               atol=1e-12)
 
 
 def test_init_beyond_and_below_the_head_dim():

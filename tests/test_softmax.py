@@ -20,17 +20,18 @@ def _module(softcap=None):
     return effattn.build("softmax", head_dim=D, heads=H, softcap=softcap).double()
 
 
-def _sinks():
-    return torch.randn(H, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+def _sinks(device="cpu"):
+    return torch.randn(H, dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(5)).to(device)
 
 
 @pytest.mark.parametrize("softcap", [None, 3.0])
 @pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize("sinks", [False, True])
-def test_prefill_and_steps_equal_the_causal_forward(softcap, window, sinks):
-    m = _module(softcap)
-    q, k, v = qkv(n=63, d=D)
-    sinks = _sinks() if sinks else None
+def test_prefill_and_steps_equal_the_causal_forward(softcap, window, sinks, device):
+    m = _module(softcap).to(device)
+    q, k, v = (t.to(device) for t in qkv(n=63, d=D))
+    sinks = _sinks(device) if sinks else None
     call = {"sliding_window": window, "sinks": sinks}
     outs, state = [], None
     for a, b in ((0, 20), (20, 21), (21, 22), (22, 40), (40, 41), (41, 63)):
@@ -119,11 +120,11 @@ def test_the_engine_refuses_a_cap_on_dense_pieces():
                          softcap=2.0)
 
 
-def test_a_window_as_long_as_the_input_is_plain_sdpa(monkeypatch):
+def test_a_window_as_long_as_the_input_is_plain_sdpa(monkeypatch, device):
     calls = []
     monkeypatch.setattr(blockwise, "sparse_attention", lambda *a, **kw: calls.append(1))
-    q, k, v = qkv(n=40, d=D)
-    m = _module()
+    q, k, v = (t.to(device) for t in qkv(n=40, d=D))
+    m = _module().to(device)
     out = m(q, k, v, causal=True, sliding_window=40)
     assert not calls
     torch.testing.assert_close(out, m(q, k, v, causal=True))
