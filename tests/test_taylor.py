@@ -35,13 +35,14 @@ def _full_vec(x):
 
 
 @pytest.mark.parametrize("p", [1, 2, 5, 16])
-def test_the_kernel_is_exactly_one_plus_t_plus_half_t_squared(p):
+def test_the_kernel_is_exactly_one_plus_t_plus_half_t_squared(p, device):
     """The symmetric map (upper triangle, √2 on off-diagonal pairs) and the full vec(x xᵀ)/√2
     give the same kernel 1 + t + t²/2, t = x·y, in float64 (inputs up to norm ~40)."""
     g = torch.Generator().manual_seed(p)
     norms = torch.logspace(-2, 1, 50, dtype=torch.float64)[:, None]  # rows of norm ~0.01 to 40
     x = torch.randn(3, 2, 50, p, generator=g, dtype=torch.float64) * norms
     y = torch.randn(3, 2, 50, p, generator=g, dtype=torch.float64)
+    x, y = x.to(device), y.to(device)
     phi_x, log_scale = fm.taylor(x)
     phi_y, _ = fm.taylor(y)
     assert log_scale is None and phi_x.shape[-1] == 1 + p + p * (p + 1) // 2
@@ -54,17 +55,18 @@ def test_the_kernel_is_exactly_one_plus_t_plus_half_t_squared(p):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_at_proj_dim_of_at_least_d_t_is_the_softmax_logit(causal):
+def test_at_proj_dim_of_at_least_d_t_is_the_softmax_logit(causal, device):
     """P >= D: the projection has orthonormal rows (W Wᵀ = I, to the fp32 rounding of the
     stored weights), so t = scale q·k and the module is the Taylor expansion of
     softmax(scale q kᵀ) to second order."""
     for p in (21, 30):
-        module = make(proj_dim=p, learn_projection=False)
+        module = make(proj_dim=p, learn_projection=False).to(device)
         w = module.projection
         torch.testing.assert_close(w @ w.transpose(-2, -1),
-                                   torch.eye(21, dtype=torch.float64).expand(3, 21, 21),
+                                   torch.eye(21, dtype=torch.float64,
+                                             device=device).expand(3, 21, 21),
                                    rtol=1e-6, atol=1e-6)
-        q, k, v = qkv(n=40, dv=5)
+        q, k, v = (t.to(device) for t in qkv(n=40, dv=5))
         t = module.scale * q @ k.transpose(-2, -1)
         kernel = 1 + t + t * t / 2
         if causal:
@@ -90,9 +92,9 @@ def test_a_smaller_projection_is_unbiased():
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)],
                          ids=["float64", "fp32"])
 @pytest.mark.parametrize("prefill", [0, 37], ids=["step", "prefill-then-step"])
-def test_decoding_equals_the_causal_forward(learn_projection, dtype, tol, prefill):
-    module = make(learn_projection, dtype=dtype, proj_dim=6)
-    q, k, v = (t.to(dtype) for t in qkv(n=50, dv=5))
+def test_decoding_equals_the_causal_forward(learn_projection, dtype, tol, prefill, device):
+    module = make(learn_projection, dtype=dtype, proj_dim=6).to(device)
+    q, k, v = (t.to(device, dtype) for t in qkv(n=50, dv=5))
     full = module(q, k, v, causal=True)
     outs, state = [], None
     if prefill:
@@ -107,14 +109,14 @@ def test_decoding_equals_the_causal_forward(learn_projection, dtype, tol, prefil
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_no_overflow_at_norms_of_30_in_fp32(causal):
+def test_no_overflow_at_norms_of_30_in_fp32(causal, device):
     """Rows of norm 30 (t up to ~110 at D = 64, kernel values ~6000): polynomial features need no
     stabiliser; fp32 equals float64 to its rounding, gradients finite."""
-    q, k, v = qkv(b=1, h=2, n=200, d=64)
+    q, k, v = (x.to(device) for x in qkv(b=1, h=2, n=200, d=64))
     q = 30 * F.normalize(q, dim=-1)
     k = 30 * F.normalize(k, dim=-1)
     k[:, :, 150:] *= 0.1
-    module = make(d=64, h=2, dtype=torch.float32)
+    module = make(d=64, h=2, dtype=torch.float32).to(device)
     exact = copy.deepcopy(module).double()(q, k, v, causal=causal)
     qf = q.float().requires_grad_()
     out = module(qf, k.float(), v.float(), causal=causal)
