@@ -13,7 +13,8 @@ from effattn.sparse import blockwise
 def _out_and_grads(fn, q, k, v):
     q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     out = fn(q, k, v)
-    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1),
+                           dtype=out.dtype).to(out.device)
     return (out, *torch.autograd.grad((out * upstream).sum(), (q, k, v)))
 
 
@@ -32,13 +33,13 @@ def _reference(m, q, k, v, mask=None):
      (300, 64, 1, 1)],
 )
 def test_matches_reference_outputs_and_grads(
-    masked, n, block_size, num_random_blocks, num_global_blocks
+    masked, n, block_size, num_random_blocks, num_global_blocks, device
 ):
-    q, k, v = qkv(n=n, dv=7)
-    mask = padding(2, n) if masked else None
+    q, k, v = (t.to(device) for t in qkv(n=n, dv=7))
+    mask = padding(2, n).to(device) if masked else None
     m = effattn.build("bigbird", head_dim=21, heads=3, seed=5, block_size=block_size,
                       num_random_blocks=num_random_blocks,
-                      num_global_blocks=num_global_blocks).eval()
+                      num_global_blocks=num_global_blocks).eval().to(device)
     fast = _out_and_grads(lambda q, k, v: m(q, k, v, key_padding_mask=mask), q, k, v)
     ref = _out_and_grads(lambda q, k, v: _reference(m, q, k, v, mask), q, k, v)
     for a, b in zip(fast, ref, strict=True):
@@ -48,9 +49,9 @@ def test_matches_reference_outputs_and_grads(
 @pytest.mark.parametrize("n, opts", [(150, {}), (192, {}), (40, {"block_size": 16}),
                                      (200, {"block_size": 10, "num_random_blocks": 20}),
                                      (90, {"block_size": 30, "num_global_blocks": 0})])
-def test_every_block_covered_is_exact_softmax(n, opts):
-    q, k, v = qkv(n=n)
-    mask = padding(2, n)
+def test_every_block_covered_is_exact_softmax(n, opts, device):
+    q, k, v = (t.to(device) for t in qkv(n=n))
+    mask = padding(2, n).to(device)
     out = effattn.attention(q, k, v, "bigbird", key_padding_mask=mask, seed=0, **opts)
     full = effattn.attention(q, k, v, key_padding_mask=mask)
     torch.testing.assert_close(out, full, rtol=1e-12, atol=1e-12)

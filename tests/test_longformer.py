@@ -12,7 +12,8 @@ from effattn.sparse import blockwise
 def _out_and_grads(fn, q, k, v):
     q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     out = fn(q, k, v)
-    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1),
+                           dtype=out.dtype).to(out.device)
     return (out, *torch.autograd.grad((out * upstream).sum(), (q, k, v)))
 
 
@@ -22,9 +23,9 @@ def _out_and_grads(fn, q, k, v):
     [(1, 10, (0,)), (63, 10, (0,)), (63, 37, (62, 5, 0, 5)), (257, 21, ()),
      (257, 64, (3, 100, 101, 256)), (300, 128, (0, 299))],
 )
-def test_matches_reference_outputs_and_grads(masked, n, window, global_tokens):
-    q, k, v = qkv(n=n, dv=7)
-    mask = padding(2, n) if masked else None
+def test_matches_reference_outputs_and_grads(masked, n, window, global_tokens, device):
+    q, k, v = (t.to(device) for t in qkv(n=n, dv=7))
+    mask = padding(2, n).to(device) if masked else None
     opts = {"window": window, "global_tokens": global_tokens}
     m = effattn.build("longformer", head_dim=21, heads=3, **opts)
     fast = _out_and_grads(lambda q, k, v: m(q, k, v, key_padding_mask=mask), q, k, v)
@@ -49,9 +50,9 @@ def test_global_rows_and_columns_reach_everything():
 
 
 @pytest.mark.parametrize("n", [1, 63, 257])
-def test_exact_limits(n):
-    q, k, v = qkv(n=n)
-    mask = padding(2, n)
+def test_exact_limits(n, device):
+    q, k, v = (t.to(device) for t in qkv(n=n))
+    mask = padding(2, n).to(device)
     full = effattn.attention(q, k, v, key_padding_mask=mask)
     everyone = effattn.attention(q, k, v, "longformer", key_padding_mask=mask, window=2,
                                  global_tokens=tuple(range(n)))
