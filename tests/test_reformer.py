@@ -9,8 +9,8 @@ from effattn import naive as R
 from effattn.mechanisms import reformer as F
 
 
-def _inputs(n, m, shared, seed=0, dv=5):
-    q, k, v = qkv(b=2, h=3, n=n, m=m, d=21, dv=dv, seed=seed)
+def _inputs(n, m, shared, seed=0, dv=5, device="cpu"):
+    q, k, v = (t.to(device) for t in qkv(b=2, h=3, n=n, m=m, d=21, dv=dv, seed=seed))
     return q, (q if shared else k), v
 
 
@@ -19,7 +19,7 @@ def _grads(fn, q, k, v, shared, **kw):
     k = q if shared else k.clone().requires_grad_()
     v = v.clone().requires_grad_()
     out = fn(q, k, v, **kw)
-    weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+    weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).view_as(out)
     leaves = [q, v] if shared else [q, k, v]
     return [out, *torch.autograd.grad((out * weights).sum(), leaves)]
 
@@ -41,16 +41,17 @@ CASES = [
 
 @pytest.mark.parametrize("n, m, shared, causal", CASES)
 @pytest.mark.parametrize("group_elements", [None, 2500], ids=["one-group", "grouped"])
-def test_fast_path_matches_dense_reference(n, m, shared, causal, group_elements, monkeypatch):
+def test_fast_path_matches_dense_reference(n, m, shared, causal, group_elements, monkeypatch,
+                                           device):
     bucket_size = 8  # lengths are not multiples of it; many buckets and chunks
     if group_elements is not None:
         # Chunks in groups of 1 (C = 16) or 3 (shared, C = 8), the last one short.
         monkeypatch.setattr(F, "GROUP_ELEMENTS", group_elements)
-    q, k, v = _inputs(n, m, shared)
+    q, k, v = _inputs(n, m, shared, device=device)
     rotations = F.draw_rotations(
         3, 3, 21, F.num_buckets(n, m, bucket_size), generator=torch.Generator().manual_seed(n)
-    ).double()
-    for mask in (None, padding(2, m)):
+    ).double().to(device)
+    for mask in (None, padding(2, m).to(device)):
         kw = dict(
             rotations=rotations,
             bucket_size=bucket_size,
@@ -72,15 +73,15 @@ def test_fast_path_matches_dense_reference(n, m, shared, causal, group_elements,
 
 
 @pytest.mark.parametrize("shared", [False, True])
-def test_module_hashes_with_its_rotations(shared):
-    q, k, v = _inputs(63, 63, shared)
+def test_module_hashes_with_its_rotations(shared, device):
+    q, k, v = _inputs(63, 63, shared, device=device)
     attn = effattn.build(
         "reformer", head_dim=21, heads=3, seed=5, n_hashes=2, bucket_size=8, shared_qk=shared
-    ).eval()
-    mask = padding(2, 63)
+    ).eval().to(device)
+    mask = padding(2, 63).to(device)
     out = attn(q, k, v, causal=True, key_padding_mask=mask)
     ref = R.reformer_attention(
-        q, k, v, attn.rotations(63, 63).double(), bucket_size=8, causal=True,
+        q, k, v, attn.rotations(63, 63).double().to(device), bucket_size=8, causal=True,
         key_padding_mask=mask, shared_qk=shared,
     )
     torch.testing.assert_close(out, ref)
@@ -88,12 +89,13 @@ def test_module_hashes_with_its_rotations(shared):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n, m", [(1, 1), (30, 30), (17, 30), (30, 17)])
-def test_one_chunk_is_exact_softmax(causal, n, m):
+def test_one_chunk_is_exact_softmax(causal, n, m, device):
     if causal and n != m:
         pytest.skip("causal needs N == M")
-    q, k, v = qkv(n=n, m=m, dv=4, scale=2.0)
-    mask = padding(2, m)
-    attn = effattn.build("reformer", head_dim=21, heads=3, seed=0, n_hashes=3, bucket_size=30)
+    q, k, v = (t.to(device) for t in qkv(n=n, m=m, dv=4, scale=2.0))
+    mask = padding(2, m).to(device)
+    attn = effattn.build("reformer", head_dim=21, heads=3, seed=0, n_hashes=3,
+                         bucket_size=30).to(device)
     for pad in (None, mask):
         out = attn(q, k, v, causal=causal, key_padding_mask=pad)
         exact = R.softmax_attention(q, k, v, causal=causal, key_padding_mask=pad)
@@ -101,17 +103,17 @@ def test_one_chunk_is_exact_softmax(causal, n, m):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_shared_qk_one_chunk_is_softmax_without_the_diagonal(causal):
-    q, _, v = qkv(n=20, dv=4)
+def test_shared_qk_one_chunk_is_softmax_without_the_diagonal(causal, device):
+    q, _, v = (t.to(device) for t in qkv(n=20, dv=4))
     attn = effattn.build(
         "reformer", head_dim=21, heads=3, seed=0, n_hashes=2, bucket_size=32, shared_qk=True
-    )
+    ).to(device)
     out = attn(q, q, v, causal=causal)
     keys = q / q.norm(dim=-1, keepdim=True)
     scores = q @ keys.transpose(-2, -1) / 21**0.5
-    blocked = torch.eye(20, dtype=torch.bool)
+    blocked = torch.eye(20, dtype=torch.bool, device=device)
     if causal:
-        blocked |= torch.ones(20, 20, dtype=torch.bool).triu(1)
+        blocked |= torch.ones(20, 20, dtype=torch.bool, device=device).triu(1)
         blocked[0, 0] = False  # token 0 has no other key: it attends to itself
     expected = torch.softmax(scores.masked_fill(blocked, float("-inf")), -1) @ v
     torch.testing.assert_close(out, expected)
@@ -146,16 +148,16 @@ def test_block_size_rule():
     [(143, 143, False, 4096), (143, 143, True, 4096), (17, 40, False, 4096), (5, 77, False, 64)],
 )
 @pytest.mark.parametrize("causal", [False, True])
-def test_bucket_size_past_the_sequence_is_capped(n, m, shared, bucket_size, causal):
+def test_bucket_size_past_the_sequence_is_capped(n, m, shared, bucket_size, causal, device):
     """A bucket_size past the sequence gives one chunk of every query and one window of every
     key (never 2·bucket_size columns for a short sequence), and the reference's result."""
     if causal and n != m:
         pytest.skip("causal needs N == M")
-    q, k, v = _inputs(n, m, shared)
-    mask = padding(2, m)
+    q, k, v = _inputs(n, m, shared, device=device)
+    mask = padding(2, m).to(device)
     rotations = F.draw_rotations(
         3, 2, 21, F.num_buckets(n, m, bucket_size), generator=torch.Generator().manual_seed(0)
-    ).double()
+    ).double().to(device)
     layout = F._layout(q, k, rotations, mask, bucket_size, causal, shared)
     chunk, width = F.block_sizes(n, m, bucket_size, shared)
     assert layout.rows.shape[-2:] == (1, n) and chunk == n
@@ -236,16 +238,16 @@ def test_fully_padded_rows_are_zero_and_causal_queries_never_empty(shared):
 
 @pytest.mark.parametrize("bucket_size", [16, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-def test_large_logits_give_no_zero_row_and_match_the_reference(bucket_size, dtype):
+def test_large_logits_give_no_zero_row_and_match_the_reference(bucket_size, dtype, device):
     # Issue 19: causal, q and k entries ~50 at D = 16 (logits ~1e4), N = 143, two rounds. A
     # query whose round had no new candidate reported a row max of 0 to the merge of rounds,
     # where it outranked real maxima of -1e4: their exp underflowed and the row came out 0.
-    q, k, v = qkv(n=143, d=16, dv=5, scale=50.0)
+    q, k, v = (t.to(device) for t in qkv(n=143, d=16, dv=5, scale=50.0))
     attn = effattn.build(
         "reformer", head_dim=16, heads=3, seed=0, n_hashes=2, bucket_size=bucket_size
-    ).eval()
-    rotations = attn.rotations(143, 143).double()
-    for mask in (None, padding(2, 143)):
+    ).eval().to(device)
+    rotations = attn.rotations(143, 143).double().to(device)
+    for mask in (None, padding(2, 143).to(device)):
         kw = dict(bucket_size=bucket_size, causal=True, key_padding_mask=mask)
         sees = R.reformer_candidates(q, k, rotations, **kw).any(-1)
         out = attn(q.to(dtype), k.to(dtype), v.to(dtype), causal=True, key_padding_mask=mask)
@@ -260,11 +262,12 @@ def test_large_logits_give_no_zero_row_and_match_the_reference(bucket_size, dtyp
                 torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
-def test_causal_query_sees_its_own_key_when_its_bucket_has_no_past():
+def test_causal_query_sees_its_own_key_when_its_bucket_has_no_past(device):
     # n_buckets = 16 for N = 63, bucket_size 4: query 0 rarely shares a bucket with key 0.
-    q, k, v = qkv(n=63, dv=4)
+    q, k, v = (t.to(device) for t in qkv(n=63, dv=4))
     rotations = F.draw_rotations(3, 1, 21, 16, generator=torch.Generator().manual_seed(0))
-    out = F.reformer_attention(q, k, v, rotations.double(), bucket_size=4, causal=True)
+    out = F.reformer_attention(q, k, v, rotations.double().to(device), bucket_size=4,
+                               causal=True)
     torch.testing.assert_close(out[:, :, 0], v[:, :, 0])
 
 
