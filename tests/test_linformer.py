@@ -15,7 +15,7 @@ SHARES = ("none", "kv", "headwise")
 
 def _grads(out, inputs, seed=1):
     g = torch.Generator().manual_seed(seed)
-    weight = torch.randn(out.shape, generator=g, dtype=out.dtype)
+    weight = torch.randn(out.shape, generator=g, dtype=out.dtype).to(out.device)
     return torch.autograd.grad((out * weight).sum(), inputs)
 
 
@@ -26,11 +26,11 @@ def _module(h=3, d=21, max_len=300, **options):
 @pytest.mark.parametrize("share", SHARES)
 @pytest.mark.parametrize("n, m", [(1, 1), (63, 63), (257, 257), (17, 40), (40, 17)])
 @pytest.mark.parametrize("masked", [False, True])
-def test_matches_reference_outputs_and_grads(share, n, m, masked):
+def test_matches_reference_outputs_and_grads(share, n, m, masked, device):
     q, k, v = qkv(n=n, m=m, dv=5)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    mask = padding(2, m) if masked else None
-    attn = _module(proj_len=24, share=share).double()
+    q, k, v = (t.to(device).requires_grad_() for t in (q, k, v))
+    mask = padding(2, m).to(device) if masked else None
+    attn = _module(proj_len=24, share=share).double().to(device)
     e = attn.e
     f = attn.e if share == "kv" else attn.f
     out = attn(q, k, v, key_padding_mask=mask)
@@ -42,11 +42,12 @@ def test_matches_reference_outputs_and_grads(share, n, m, masked):
 
 
 @pytest.mark.parametrize("n, m", [(63, 63), (17, 40)])
-def test_identity_projection_equals_softmax(n, m):
+def test_identity_projection_equals_softmax(n, m, device):
     """With P = M and E = F = I on the first M columns, Linformer is exact attention."""
-    q, k, v = qkv(n=n, m=m, dv=6)
+    q, k, v = (t.to(device) for t in qkv(n=n, m=m, dv=6))
     e = torch.randn(3, m, 100, dtype=torch.float64)
     e[:, :, :m] = torch.eye(m, dtype=torch.float64)
+    e = e.to(device)
     out = linformer_attention(q, k, v, e, e.clone(), scale=0.3)
     torch.testing.assert_close(out, R.softmax_attention(q, k, v, scale=0.3))
 

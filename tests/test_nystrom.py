@@ -11,7 +11,7 @@ from effattn.mechanisms.nystrom import iterative_pinv, nystrom_attention, segmen
 
 def _grads(out, inputs, seed=1):
     g = torch.Generator().manual_seed(seed)
-    weight = torch.randn(out.shape, generator=g, dtype=out.dtype)
+    weight = torch.randn(out.shape, generator=g, dtype=out.dtype).to(out.device)
     return torch.autograd.grad((out * weight).sum(), inputs)
 
 
@@ -37,10 +37,11 @@ def _heavy_padding(b, m, kept):
         (17, 40, 64, None),  # exact limit (S V), cross
     ],
 )
-def test_matches_reference_outputs_and_grads(n, m, landmarks, mask_kind):
+def test_matches_reference_outputs_and_grads(n, m, landmarks, mask_kind, device):
     q, k, v = qkv(n=n, m=m, dv=5)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    q, k, v = (t.to(device).requires_grad_() for t in (q, k, v))
     mask = {None: None, "padding": padding(2, m), "heavy": _heavy_padding(2, m, 25)}[mask_kind]
+    mask = None if mask is None else mask.to(device)
     kwargs = dict(key_padding_mask=mask, scale=0.4, num_landmarks=landmarks)
     out = nystrom_attention(q, k, v, **kwargs)
     ref = R.nystrom_attention(q, k, v, **kwargs)
@@ -50,12 +51,12 @@ def test_matches_reference_outputs_and_grads(n, m, landmarks, mask_kind):
 
 
 @pytest.mark.parametrize("n, masked", [(63, False), (63, True), (257, True)])
-def test_module_with_conv_matches_reference(n, masked):
+def test_module_with_conv_matches_reference(n, masked, device):
     q, k, v = qkv(n=n, dv=4)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    mask = padding(2, n) if masked else None
+    q, k, v = (t.to(device).requires_grad_() for t in (q, k, v))
+    mask = padding(2, n).to(device) if masked else None
     attn = effattn.build("nystrom", head_dim=21, heads=3, seed=0, num_landmarks=16,
-                         pinv_iterations=4, conv_kernel=5).double()
+                         pinv_iterations=4, conv_kernel=5).double().to(device)
     out = attn(q, k, v, key_padding_mask=mask)
     ref = R.nystrom_attention(q, k, v, key_padding_mask=mask, num_landmarks=16,
                               pinv_iterations=4, conv_weight=attn.conv_weight)
@@ -70,13 +71,13 @@ def test_module_with_conv_matches_reference(n, masked):
 
 @pytest.mark.parametrize("n, m", [(1, 1), (63, 63), (17, 40), (40, 17)])
 @pytest.mark.parametrize("masked", [False, True])
-def test_landmarks_at_least_length_is_exact_softmax(n, m, masked):
-    q, k, v = qkv(n=n, m=m, dv=6)
-    mask = padding(2, m) if masked else None
-    attn = effattn.build("nystrom", head_dim=21, heads=3, num_landmarks=max(n, m))
+def test_landmarks_at_least_length_is_exact_softmax(n, m, masked, device):
+    q, k, v = (t.to(device) for t in qkv(n=n, m=m, dv=6))
+    mask = padding(2, m).to(device) if masked else None
+    attn = effattn.build("nystrom", head_dim=21, heads=3, num_landmarks=max(n, m)).to(device)
     torch.testing.assert_close(attn(q, k, v, key_padding_mask=mask),
                                R.softmax_attention(q, k, v, key_padding_mask=mask))
-    more = effattn.build("nystrom", head_dim=21, heads=3, num_landmarks=max(n, m) + 9)
+    more = effattn.build("nystrom", head_dim=21, heads=3, num_landmarks=max(n, m) + 9).to(device)
     torch.testing.assert_close(more(q, k, v, key_padding_mask=mask),
                                R.softmax_attention(q, k, v, key_padding_mask=mask))
 
@@ -95,14 +96,14 @@ def test_uneven_segments():
     assert sorted(avg[0].argmax(-1)[valid[0]].tolist()) == [0, 2, 3, 6]
 
 
-def test_iterative_pinv_converges_and_keeps_zero_rows_and_columns():
+def test_iterative_pinv_converges_and_keeps_zero_rows_and_columns(device):
     g = torch.Generator().manual_seed(0)
-    s = torch.softmax(torch.randn(2, 12, 9, generator=g, dtype=torch.float64), -1)
+    s = torch.softmax(torch.randn(2, 12, 9, generator=g, dtype=torch.float64).to(device), -1)
     exact = torch.linalg.pinv(s)
     # smallest singular values near 0.04: 6 steps are not converged yet, 12 are
     err = [(iterative_pinv(s, t) - exact).abs().max().item() for t in (3, 6, 12)]
     assert err[0] > err[1] > err[2] and err[2] < 1e-8
-    padded = torch.zeros(2, 15, 11, dtype=torch.float64)
+    padded = torch.zeros(2, 15, 11, dtype=torch.float64, device=device)
     padded[:, :12, 2:] = s
     z = iterative_pinv(padded, 6)
     assert z[:, :2].abs().max() == 0 and z[:, :, 12:].abs().max() == 0
@@ -201,10 +202,11 @@ def test_seed_fixes_conv_weights():
 
 
 
-def _peaked(n, dtype):
+def _peaked(n, dtype, device="cpu"):
     """q, k ~ N(0, 50^2), D = 16: logits of std 2500, where every softmax is one-hot."""
     g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(2, 2, n, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    q, k, v = (torch.randn(2, 2, n, 16, generator=g, dtype=torch.float64).to(device)
+               for _ in range(3))
     return (50 * q).to(dtype), (50 * k).to(dtype), v.to(dtype)
 
 
@@ -223,29 +225,31 @@ def test_peaked_logits_are_refused_not_zeroed(dtype, n, masked):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("n", [57, 143])
-def test_exact_limit_holds_on_peaked_logits(dtype, n):
+def test_exact_limit_holds_on_peaked_logits(dtype, n, device):
     """Single-token landmarks give S V directly: no pseudo-inverse of the singular S."""
-    q, k, v = _peaked(n, dtype)
+    q, k, v = _peaked(n, dtype, device)
     exact = R.softmax_attention(q, k, v)
-    out = effattn.build("nystrom", head_dim=16, heads=2, num_landmarks=n)(q, k, v)
+    out = effattn.build("nystrom", head_dim=16, heads=2, num_landmarks=n).to(device)(q, k, v)
     assert (out.abs().amax(-1) > 0).all()
     torch.testing.assert_close(out, exact)
     if n <= 64:
         # The issue's case: these tokens padded to 143 are exact too, by their own length.
         q2, k2, v2 = (torch.cat([t, torch.zeros_like(t[:, :, :1]).expand(-1, -1, 143 - n, -1)],
                                 2) for t in (q, k, v))
-        mask = (torch.arange(143) >= n).expand(2, -1)
-        out = effattn.build("nystrom", head_dim=16, heads=2)(q2, k2, v2, key_padding_mask=mask)
+        mask = (torch.arange(143, device=device) >= n).expand(2, -1)
+        out = effattn.build("nystrom", head_dim=16, heads=2).to(device)(q2, k2, v2,
+                                                                        key_padding_mask=mask)
         torch.testing.assert_close(out[:, :, :n], exact)
 
 
 @pytest.mark.parametrize("cross", [False, True])
-def test_padded_rows_equal_unpadded_rows_whatever_their_length(cross):
+def test_padded_rows_equal_unpadded_rows_whatever_their_length(cross, device):
     """Exact or iterative is chosen per sequence by its unpadded length, never the padded one:
     in one batch, rows of 5, 16 (<= 16 landmarks: exact), 17, 60 and 97 (iterative) tokens."""
     lengths, total, landmarks = [5, 16, 17, 60, 97], 97, 16
-    q, k, v = qkv(b=5, n=12 if cross else total, m=total, dv=5, scale=1.5)
-    mask = torch.arange(total)[None, :] >= torch.tensor(lengths)[:, None]
+    q, k, v = (t.to(device) for t in qkv(b=5, n=12 if cross else total, m=total, dv=5, scale=1.5))
+    mask = (torch.arange(total, device=device)[None, :]
+            >= torch.tensor(lengths, device=device)[:, None])
     mask[2] = mask[2].flip(0)  # one row padded on the left
     out = nystrom_attention(q, k, v, key_padding_mask=mask, num_landmarks=landmarks, scale=0.3)
     for row, length in enumerate(lengths):
