@@ -11,25 +11,26 @@ from effattn.mechanisms.fnet import fnet_mixing
 
 
 @pytest.mark.parametrize("n, d, dv", [(1, 21, 21), (63, 21, 5), (257, 21, 21), (64, 8, 1)])
-def test_matches_dft_reference_outputs_and_grads(n, d, dv):
-    q, k, v = qkv(n=n, d=d, dv=dv)
+def test_matches_dft_reference_outputs_and_grads(n, d, dv, device):
+    q, k, v = (t.to(device) for t in qkv(n=n, d=d, dv=dv))
     v.requires_grad_()
-    attn = effattn.build("fnet", head_dim=d, heads=3)
+    attn = effattn.build("fnet", head_dim=d, heads=3).to(device)
     out = attn(q, k, v)
     ref = R.fnet_mixing(q, k, v)
     torch.testing.assert_close(out, ref)
-    weight = torch.randn(out.shape, dtype=out.dtype)
+    weight = torch.randn(out.shape, dtype=out.dtype).to(device)
     (got,) = torch.autograd.grad((out * weight).sum(), v)
     (want,) = torch.autograd.grad((ref * weight).sum(), v)
     torch.testing.assert_close(got, want)
 
 
-def test_equals_numpy_fft2_and_known_values():
+def test_equals_numpy_fft2_and_known_values(device):
     q, k, v = qkv(n=12, d=6)
     expected = np.fft.fft2(v.numpy(), axes=(-2, -1)).real
-    torch.testing.assert_close(fnet_mixing(q, k, v), torch.from_numpy(expected))
+    q, k, v = (t.to(device) for t in (q, k, v))
+    torch.testing.assert_close(fnet_mixing(q, k, v), torch.from_numpy(expected).to(device))
     # a constant input puts everything into frequency (0, 0): N * Dv * c there, 0 elsewhere
-    const = torch.full((1, 1, 12, 6), 0.5, dtype=torch.float64)
+    const = torch.full((1, 1, 12, 6), 0.5, dtype=torch.float64, device=device)
     out = fnet_mixing(const, const, const)
     assert out[0, 0, 0, 0].item() == pytest.approx(12 * 6 * 0.5)
     out[0, 0, 0, 0] = 0

@@ -17,7 +17,8 @@ REFERENCES = {
 def _out_and_grads(fn, q, k, v):
     q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     out = fn(q, k, v)
-    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1),
+                           dtype=out.dtype).to(out.device)
     return (out, *torch.autograd.grad((out * upstream).sum(), (q, k, v)))
 
 
@@ -37,10 +38,10 @@ CASES = [
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name, n, opts", CASES)
-def test_matches_reference_outputs_and_grads(causal, name, n, opts):
-    q, k, v = qkv(n=n, dv=7)
-    mask = padding(2, n)
-    m = effattn.build(name, head_dim=21, heads=3, **opts)
+def test_matches_reference_outputs_and_grads(causal, name, n, opts, device):
+    q, k, v = (t.to(device) for t in qkv(n=n, dv=7))
+    mask = padding(2, n).to(device)
+    m = effattn.build(name, head_dim=21, heads=3, **opts).to(device)
     fast = _out_and_grads(lambda q, k, v: m(q, k, v, causal=causal, key_padding_mask=mask),
                           q, k, v)
     ref = _out_and_grads(
@@ -61,9 +62,9 @@ def test_default_stride_is_round_sqrt_n():
 
 @pytest.mark.parametrize("name", sorted(REFERENCES))
 @pytest.mark.parametrize("n", [1, 63, 257])
-def test_stride_at_least_n_is_exact_softmax(name, n):
-    q, k, v = qkv(n=n)
-    mask = padding(2, n)
+def test_stride_at_least_n_is_exact_softmax(name, n, device):
+    q, k, v = (t.to(device) for t in qkv(n=n))
+    mask = padding(2, n).to(device)
     for causal in (True, False):
         full = effattn.attention(q, k, v, causal=causal, key_padding_mask=mask)
         for stride in (n, n + 5):
