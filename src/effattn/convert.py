@@ -25,9 +25,13 @@ Language Models"; Hedgehog, Zhang et al. 2024, ICLR 2024).
 
    so the model is unchanged until B trains; :func:`merge_lora` folds B A into W.
 
-Hugging Face models take effattn through ``attn_implementation``
-(:mod:`effattn.integrations.transformers`), whose modules are built at their first call:
-:func:`linearize` does not convert them.
+Hugging Face decoders (a ``LlamaForCausalLM`` and others whose attention goes through
+transformers' ``AttentionInterface``) are linearized through effattn's ``attn_implementation``
+(:mod:`effattn.integrations.transformers`): :func:`linearize` sets ``effattn-<method>``, keeping
+every weight, and builds each layer's effattn module (the submodule ``effattn`` of each attention
+module) by one short forward; :func:`transfer` matches exact softmax on the q, k, v the model's
+attention function receives, and :func:`lora` adapts the ``q_proj``, ``k_proj``, ``v_proj`` and
+``o_proj`` linears. ``generate()`` then decodes with ``RecurrentCache``'s fixed-size state.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from effattn.base import AttentionMethod
 from effattn.nn.attention import MultiheadAttention, swap
 from effattn.nn.blocks import TransformerBlock, check_capability
 from effattn.registry import DEFAULT_METHOD, build, spec
@@ -72,9 +77,10 @@ def linearize(model: nn.Module, method: str, *, decoding: bool = False,
     such as performer's random features or plain linear attention).
 
     ``model``: an effattn model (``DecoderLM``, ``EncoderClassifier``, ``EncoderDecoder``, any
-    module holding ``effattn.nn.MultiheadAttention``) or a torch model built from
-    ``torch.nn.MultiheadAttention``; the layers keep their projections (and a call input's
-    projection that the new method uses too), and lose the old mechanism's own state.
+    module holding ``effattn.nn.MultiheadAttention``), a torch model built from
+    ``torch.nn.MultiheadAttention``, or a Hugging Face decoder (needs the ``hf`` extra; see
+    :func:`linearize_hf`); the layers keep their projections (and a call input's projection
+    that the new method uses too), and lose the old mechanism's own state.
     ``decoding=True`` requires a method that decodes with a recurrent state.
     ``options``: the method's options, ``max_len``, ``seed`` (a distinct one per layer) and layer
     overrides such as ``dropout=0.0`` (see :func:`effattn.nn.swap`).
@@ -88,6 +94,8 @@ def linearize(model: nn.Module, method: str, *, decoding: bool = False,
     if decoding and not method_spec.decoding:
         raise ValueError(f"decoding=True, but {method} cannot decode with a recurrent state: "
                          f"{method_spec.refusals['decoding']}")
+    if _is_hugging_face(model):
+        return linearize_hf(model, method, **options)
     if isinstance(model, (nn.MultiheadAttention, MultiheadAttention)):
         raise ValueError("linearize converts a model in place; a single attention layer is "
                          "converted into a new one by MultiheadAttention.from_torch(layer, method)")
@@ -105,19 +113,64 @@ def linearize(model: nn.Module, method: str, *, decoding: bool = False,
     return {name: p for name, p in model.named_parameters() if name not in kept}
 
 
-def _teacher(layer: MultiheadAttention) -> nn.Module:
-    """Exact softmax attention at the layer mechanism's scale (the softmax layer's, 1/√D,
-    unless one was given)."""
-    attn = layer.attn
-    teacher = build(DEFAULT_METHOD, head_dim=layer.head_dim, heads=layer.num_heads,
-                    scale=attn.scale)
-    return teacher.to(layer.out_proj.weight.device)
+def _is_hugging_face(model: nn.Module) -> bool:
+    """A transformers ``PreTrainedModel`` (duck-typed: transformers is an optional extra)."""
+    return callable(getattr(model, "set_attn_implementation", None)) and hasattr(model, "config")
 
 
-def _converted(model: nn.Module) -> list[MultiheadAttention]:
-    """The attention layers of ``model`` whose method is not the exact one; ``ValueError`` when
+def linearize_hf(model: nn.Module, method: str, **options: Any) -> dict[str, nn.Parameter]:
+    """:func:`linearize` for a Hugging Face decoder: its attention implementation becomes
+    ``effattn-<method>`` (registered here), every weight kept; returns the parameters of the
+    layers' new effattn modules (``<attention module>.effattn.*``).
+
+    ``options``: the method's options, stored as ``model.config.effattn_options`` (per model);
+    ``seed`` becomes ``config.effattn_seed`` (layer i draws with seed + i). Each attention
+    module's effattn module is built by one forward of two tokens (the integration builds them
+    at their first call; building them now lets a caller hand their parameters to an
+    optimizer). ``ValueError`` for a method without a causal form, a model whose attention does
+    not go through transformers' ``AttentionInterface``, or options the method does not take
+    (``TypeError``).
+    """
+    from effattn.integrations import transformers as hf
+
+    check_capability(method, "causal", f"{type(model).__name__}'s causal self-attention")
+    seed = options.pop("seed", getattr(model.config, "effattn_seed", 0))
+    build(method, head_dim=8, heads=1, **options)  # unknown options fail now, by name
+    hf.register(method)
+    model.config.effattn_options = dict(options)
+    model.config.effattn_seed = seed
+    model.set_attn_implementation(hf.name(method))
+    if model.config._attn_implementation != hf.name(method):
+        raise ValueError(f"{type(model).__name__} cannot switch its attention implementation "
+                         "(its attention does not go through transformers' AttentionInterface)")
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device), use_cache=False)
+    if not _mechanisms(model):
+        raise ValueError(f"{type(model).__name__} has no attention that calls "
+                         f"{hf.name(method)}: nothing was converted")
+    return {name: p for name, p in model.named_parameters() if "effattn" in name.split(".")}
+
+
+def _mechanisms(model: nn.Module) -> list[AttentionMethod]:
+    """The attention mechanisms of ``model``'s layers: effattn's ``MultiheadAttention``'s
+    ``attn``, and the ``effattn`` submodule of a Hugging Face attention module."""
+    found = [layer.attn for _, layer in attention_layers(model)]
+    found += [m.effattn for m in model.modules()
+              if isinstance(getattr(m, "effattn", None), AttentionMethod)]
+    return found
+
+
+def _teacher(attn: AttentionMethod) -> nn.Module:
+    """Exact softmax attention at the mechanism's scale (the softmax layer's, 1/√D, unless one
+    was given)."""
+    return build(DEFAULT_METHOD, head_dim=attn.head_dim, heads=attn.heads, scale=attn.scale)
+
+
+def _converted(model: nn.Module) -> list[AttentionMethod]:
+    """The attention mechanisms of ``model`` that are not the exact one; ``ValueError`` when
     there are none (nothing to match to softmax)."""
-    layers = [layer for _, layer in attention_layers(model) if not layer.exact]
+    layers = [attn for attn in _mechanisms(model) if attn.spec.name != DEFAULT_METHOD]
     if not layers:
         raise ValueError(f"{type(model).__name__} has no attention layer with a method other "
                          f"than {DEFAULT_METHOD} to match ({DEFAULT_METHOD} is the teacher): "
@@ -142,8 +195,8 @@ def _matching(model: nn.Module, losses: list[Tensor]) -> Iterator[None]:
             return target
         return run
 
-    handles = [layer.attn.register_forward_hook(hook(_teacher(layer)), with_kwargs=True)
-               for layer in layers]
+    handles = [attn.register_forward_hook(hook(_teacher(attn)), with_kwargs=True)
+               for attn in layers]
     try:
         yield
     finally:
@@ -207,13 +260,17 @@ def transfer(
         raise ValueError(f"lr must be a positive number, got {lr!r}")
     layers = _converted(model)
     if parameters is None:
-        parameters = [p for layer in layers for name, p in layer.named_parameters()
-                      if name.startswith(("attn.", *(f"{c}_proj." for c in layer.call_inputs)))]
+        # The mechanisms' own parameters and, in effattn's layers, their call inputs'
+        # projections (gated RFA's gate).
+        parameters = [p for attn in layers for p in attn.parameters()]
+        parameters += [p for _, layer in attention_layers(model) if not layer.exact
+                       for name, p in layer.named_parameters()
+                       if name.startswith(tuple(f"{c}_proj." for c in layer.call_inputs))]
     elif isinstance(parameters, Mapping):
         parameters = list(parameters.values())
     trainable = list(parameters)
     if not trainable:
-        methods = sorted({layer.method for layer in layers})
+        methods = sorted({attn.spec.name for attn in layers})
         raise ValueError(f"nothing to transfer: {', '.join(methods)} adds no parameters to the "
                          "model (a fixed feature map); fine-tune the model instead")
     train_ids = {id(p) for p in trainable}
