@@ -16,8 +16,9 @@ Then: the converted model's greedy ``generate()`` with ``RecurrentCache`` is che
 full forward of the generated text (max |logit difference|) and its cache size at two lengths,
 and tokens/s (batch 1, a 16-character prompt of test text, the whole generate call) is measured
 for the teacher (``sdpa``, transformers' default cache) and the converted model at each
-``--lengths``, the two alternating ``--repeats`` times, the fastest kept. The teacher is cached
-in ``--out``'s folder (``teacher.pt``): a rerun skips its training.
+``--lengths``, the two alternating ``--repeats`` times, the fastest kept. The teacher and the
+converted stages are cached in ``--out``'s folder (``teacher.pt``, ``stages.pt``): a rerun skips
+their training and only measures decoding (on a machine otherwise idle).
 
     python3 benchmarks/hf_convert.py --out benchmarks/hf-convert/results.json
 """
@@ -87,7 +88,7 @@ def fit(model: nn.Module, task: Any, args: argparse.Namespace, steps: int, start
         loss.backward()
         nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if (step + 1) % max(1, steps // 10) == 0:
             print(f"  step {step + 1}/{steps} loss {sum(losses[-10:]) / len(losses[-10:]):.3f}",
                   file=sys.stderr, flush=True)
@@ -159,6 +160,13 @@ def main(argv: list[str] | None = None) -> None:
     model = copy.deepcopy(teacher)
     new = linearize(model, args.method, num_features=4 * (args.hidden // args.heads))
     label = f"{args.method}:num_features={4 * (args.hidden // args.heads)}"
+    stages = args.out.parent / "stages.pt"
+    if stages.is_file():
+        done = torch.load(stages, weights_only=False)
+        rows, timings = done["rows"], done["timings"]
+        model.load_state_dict(done["student"])
+        measure(args, teacher, model.eval(), label, rows, timings)
+        return
     row("swap", 0, model, method=label)
     x = task.train_batch(args.teacher_steps, args.batch_size)[0]
     before = layer_errors(model, x)
@@ -185,8 +193,14 @@ def main(argv: list[str] | None = None) -> None:
         row("finetune", args.transfer_steps + args.finetune_steps, student, method=label,
             **extra)
 
-    # Decoding: the fully fine-tuned model against the teacher.
-    student = tuned["full"]
+    torch.save({"rows": rows, "timings": timings, "student": tuned["full"].state_dict()}, stages)
+    measure(args, teacher, tuned["full"], label, rows, timings)
+
+
+def measure(args: argparse.Namespace, teacher: nn.Module, student: nn.Module, label: str,
+            rows: list, timings: dict) -> None:
+    """Decoding of the fully fine-tuned model against the teacher; writes the results."""
+    task = make_task("charlm", args.seq_len, args.seed)
     test = task.eval_sets["test"][0]
     prompt = test[:1, :args.prompt]
     check: dict[str, Any] = {}
@@ -220,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
             print(rec, file=sys.stderr, flush=True)
     load.append(os.getloadavg())
     write_json(args.out, {
-        "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "model": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "seq_len",
                                                 "batch_size", "lr", "seed", "prompt")},
         "environment": {"torch": torch.__version__, "transformers": transformers.__version__,

@@ -25,7 +25,7 @@ whose result exists is not redone, an interrupted training resumes from its chec
 interrupted transfer is redone (it is short). The rows of every stage done so far are written
 atomically after each one to ``results.json`` (a list of ``{"task", "method", "stage", "steps",
 "bpc" | "accuracy"}``, accuracy in %; a LoRA fine-tuning row adds ``"finetune":
-"lora:rank=R,alpha=A"``, a row without it fine-tuned every weight), ``results.csv``,
+"lora:rank=R,alpha=A,lr=LR"``, a row without it fine-tuned every weight), ``results.csv``,
 ``convert.md`` (the table) and ``convert.png`` (score against conversion steps).
 """
 
@@ -239,7 +239,7 @@ def _convert_method(ctx: _Context, out: Path, method: str, options: dict[str, An
         for kind in plan.finetune:
             rank = plan.lora_rank if kind == "lora" else 0
             name = f"finetune-lora-r{rank}" if rank else "finetune"
-            extra = {"finetune": lora_label(rank, plan.lora_alpha)} if rank else None
+            extra = {"finetune": lora_label(rank, plan.lora_alpha, tuned.lr)} if rank else None
             for steps in plan.finetune_steps:
                 ft = dataclasses.replace(tuned, method=method, options=options, steps=steps,
                                          init_from=str(start_from), eval_every=0,
@@ -274,9 +274,10 @@ def _transfer(ctx: _Context, model: torch.nn.Module, new: dict[str, torch.nn.Par
 
 
 
-def lora_label(rank: int, alpha: float) -> str:
-    """The ``finetune`` field of a LoRA fine-tuning row: ``lora:rank=8,alpha=16``."""
-    return f"lora:rank={rank},alpha={alpha:g}"
+def lora_label(rank: int, alpha: float, lr: float) -> str:
+    """The ``finetune`` field of a LoRA fine-tuning row, with its peak learning rate (adapters
+    often want another than the full model's): ``lora:rank=8,alpha=16,lr=0.005``."""
+    return f"lora:rank={rank},alpha={alpha:g},lr={lr:g}"
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
