@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         extra: dict[str, Any] = {}
         if kind == "lora":
             adapters = lora(student, rank=8, alpha=16)
-            extra = {"finetune": "lora:rank=8,alpha=16",
+            extra = {"finetune": f"lora:rank=8,alpha=16,lr={args.lr:g}",
                      "trained_parameters": sum(p.numel() for p in adapters.values())}
         t0 = time.perf_counter()
         fit(student, task, args, args.finetune_steps, start)
