@@ -15,12 +15,23 @@ Language Models"; Hedgehog, Zhang et al. 2024, ICLR 2024).
    each layer from the q, k, v it receives (no second model in memory), and the layer hands the
    teacher's output on, so that every layer trains on the softmax model's own hidden states and
    the layers do not wait on each other's progress (as LoLCATs does).
-3. Fine-tuning of every weight afterwards is ordinary training: ``effattn train --init-from DIR``
-   (or ``effattn convert``, which runs the whole path on a task and measures every stage).
+3. Fine-tuning afterwards is ordinary training: ``effattn train --init-from DIR`` (or
+   ``effattn convert``, which runs the whole path on a task and measures every stage), of every
+   weight or, with :func:`lora`, of low-rank adapters on the attention projections alone
+   (LoRA, Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models", as LoLCATs
+   fine-tunes): each projection weight W (out x in) becomes
 
-Hugging Face models take effattn through ``attn_implementation``
-(:mod:`effattn.integrations.transformers`), whose modules are built at their first call:
-:func:`linearize` does not convert them.
+       W + (alpha / r) B A,    A (r x in), B (out x r), B = 0 at the start,
+
+   so the model is unchanged until B trains; :func:`merge_lora` folds B A into W.
+
+Hugging Face decoders (a ``LlamaForCausalLM`` and others whose attention goes through
+transformers' ``AttentionInterface``) are linearized through effattn's ``attn_implementation``
+(:mod:`effattn.integrations.transformers`): :func:`linearize` sets ``effattn-<method>``, keeping
+every weight, and builds each layer's effattn module (the submodule ``effattn`` of each attention
+module) by one short forward; :func:`transfer` matches exact softmax on the q, k, v the model's
+attention function receives, and :func:`lora` adapts the ``q_proj``, ``k_proj``, ``v_proj`` and
+``o_proj`` linears. ``generate()`` then decodes with ``RecurrentCache``'s fixed-size state.
 """
 
 from __future__ import annotations
@@ -32,12 +43,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
+from effattn.base import AttentionMethod
 from effattn.nn.attention import MultiheadAttention, swap
 from effattn.nn.blocks import TransformerBlock, check_capability
 from effattn.registry import DEFAULT_METHOD, build, spec
 
-__all__ = ["attention_layers", "layer_errors", "linearize", "transfer"]
+__all__ = ["LoRA", "attention_layers", "layer_errors", "linearize", "lora", "merge_lora",
+           "transfer"]
 
 # Adam's step size for attention transfer: LoLCATs trains its feature maps with 1e-2.
 TRANSFER_LR = 1e-2
@@ -63,9 +77,10 @@ def linearize(model: nn.Module, method: str, *, decoding: bool = False,
     such as performer's random features or plain linear attention).
 
     ``model``: an effattn model (``DecoderLM``, ``EncoderClassifier``, ``EncoderDecoder``, any
-    module holding ``effattn.nn.MultiheadAttention``) or a torch model built from
-    ``torch.nn.MultiheadAttention``; the layers keep their projections (and a call input's
-    projection that the new method uses too), and lose the old mechanism's own state.
+    module holding ``effattn.nn.MultiheadAttention``), a torch model built from
+    ``torch.nn.MultiheadAttention``, or a Hugging Face decoder (needs the ``hf`` extra; see
+    :func:`linearize_hf`); the layers keep their projections (and a call input's projection
+    that the new method uses too), and lose the old mechanism's own state.
     ``decoding=True`` requires a method that decodes with a recurrent state.
     ``options``: the method's options, ``max_len``, ``seed`` (a distinct one per layer) and layer
     overrides such as ``dropout=0.0`` (see :func:`effattn.nn.swap`).
@@ -79,6 +94,8 @@ def linearize(model: nn.Module, method: str, *, decoding: bool = False,
     if decoding and not method_spec.decoding:
         raise ValueError(f"decoding=True, but {method} cannot decode with a recurrent state: "
                          f"{method_spec.refusals['decoding']}")
+    if _is_hugging_face(model):
+        return linearize_hf(model, method, **options)
     if isinstance(model, (nn.MultiheadAttention, MultiheadAttention)):
         raise ValueError("linearize converts a model in place; a single attention layer is "
                          "converted into a new one by MultiheadAttention.from_torch(layer, method)")
@@ -96,19 +113,64 @@ def linearize(model: nn.Module, method: str, *, decoding: bool = False,
     return {name: p for name, p in model.named_parameters() if name not in kept}
 
 
-def _teacher(layer: MultiheadAttention) -> nn.Module:
-    """Exact softmax attention at the layer mechanism's scale (the softmax layer's, 1/√D,
-    unless one was given)."""
-    attn = layer.attn
-    teacher = build(DEFAULT_METHOD, head_dim=layer.head_dim, heads=layer.num_heads,
-                    scale=attn.scale)
-    return teacher.to(layer.out_proj.weight.device)
+def _is_hugging_face(model: nn.Module) -> bool:
+    """A transformers ``PreTrainedModel`` (duck-typed: transformers is an optional extra)."""
+    return callable(getattr(model, "set_attn_implementation", None)) and hasattr(model, "config")
 
 
-def _converted(model: nn.Module) -> list[MultiheadAttention]:
-    """The attention layers of ``model`` whose method is not the exact one; ``ValueError`` when
+def linearize_hf(model: nn.Module, method: str, **options: Any) -> dict[str, nn.Parameter]:
+    """:func:`linearize` for a Hugging Face decoder: its attention implementation becomes
+    ``effattn-<method>`` (registered here), every weight kept; returns the parameters of the
+    layers' new effattn modules (``<attention module>.effattn.*``).
+
+    ``options``: the method's options, stored as ``model.config.effattn_options`` (per model);
+    ``seed`` becomes ``config.effattn_seed`` (layer i draws with seed + i). Each attention
+    module's effattn module is built by one forward of two tokens (the integration builds them
+    at their first call; building them now lets a caller hand their parameters to an
+    optimizer). ``ValueError`` for a method without a causal form, a model whose attention does
+    not go through transformers' ``AttentionInterface``, or options the method does not take
+    (``TypeError``).
+    """
+    from effattn.integrations import transformers as hf
+
+    check_capability(method, "causal", f"{type(model).__name__}'s causal self-attention")
+    seed = options.pop("seed", getattr(model.config, "effattn_seed", 0))
+    build(method, head_dim=8, heads=1, **options)  # unknown options fail now, by name
+    hf.register(method)
+    model.config.effattn_options = dict(options)
+    model.config.effattn_seed = seed
+    model.set_attn_implementation(hf.name(method))
+    if model.config._attn_implementation != hf.name(method):
+        raise ValueError(f"{type(model).__name__} cannot switch its attention implementation "
+                         "(its attention does not go through transformers' AttentionInterface)")
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device), use_cache=False)
+    if not _mechanisms(model):
+        raise ValueError(f"{type(model).__name__} has no attention that calls "
+                         f"{hf.name(method)}: nothing was converted")
+    return {name: p for name, p in model.named_parameters() if "effattn" in name.split(".")}
+
+
+def _mechanisms(model: nn.Module) -> list[AttentionMethod]:
+    """The attention mechanisms of ``model``'s layers: effattn's ``MultiheadAttention``'s
+    ``attn``, and the ``effattn`` submodule of a Hugging Face attention module."""
+    found = [layer.attn for _, layer in attention_layers(model)]
+    found += [m.effattn for m in model.modules()
+              if isinstance(getattr(m, "effattn", None), AttentionMethod)]
+    return found
+
+
+def _teacher(attn: AttentionMethod) -> nn.Module:
+    """Exact softmax attention at the mechanism's scale (the softmax layer's, 1/√D, unless one
+    was given)."""
+    return build(DEFAULT_METHOD, head_dim=attn.head_dim, heads=attn.heads, scale=attn.scale)
+
+
+def _converted(model: nn.Module) -> list[AttentionMethod]:
+    """The attention mechanisms of ``model`` that are not the exact one; ``ValueError`` when
     there are none (nothing to match to softmax)."""
-    layers = [layer for _, layer in attention_layers(model) if not layer.exact]
+    layers = [attn for attn in _mechanisms(model) if attn.spec.name != DEFAULT_METHOD]
     if not layers:
         raise ValueError(f"{type(model).__name__} has no attention layer with a method other "
                          f"than {DEFAULT_METHOD} to match ({DEFAULT_METHOD} is the teacher): "
@@ -133,8 +195,8 @@ def _matching(model: nn.Module, losses: list[Tensor]) -> Iterator[None]:
             return target
         return run
 
-    handles = [layer.attn.register_forward_hook(hook(_teacher(layer)), with_kwargs=True)
-               for layer in layers]
+    handles = [attn.register_forward_hook(hook(_teacher(attn)), with_kwargs=True)
+               for attn in layers]
     try:
         yield
     finally:
@@ -198,13 +260,17 @@ def transfer(
         raise ValueError(f"lr must be a positive number, got {lr!r}")
     layers = _converted(model)
     if parameters is None:
-        parameters = [p for layer in layers for name, p in layer.named_parameters()
-                      if name.startswith(("attn.", *(f"{c}_proj." for c in layer.call_inputs)))]
+        # The mechanisms' own parameters and, in effattn's layers, their call inputs'
+        # projections (gated RFA's gate).
+        parameters = [p for attn in layers for p in attn.parameters()]
+        parameters += [p for _, layer in attention_layers(model) if not layer.exact
+                       for name, p in layer.named_parameters()
+                       if name.startswith(tuple(f"{c}_proj." for c in layer.call_inputs))]
     elif isinstance(parameters, Mapping):
         parameters = list(parameters.values())
     trainable = list(parameters)
     if not trainable:
-        methods = sorted({layer.method for layer in layers})
+        methods = sorted({attn.spec.name for attn in layers})
         raise ValueError(f"nothing to transfer: {', '.join(methods)} adds no parameters to the "
                          "model (a fixed feature map); fine-tune the model instead")
     train_ids = {id(p) for p in trainable}
@@ -234,3 +300,119 @@ def transfer(
         for p in frozen:
             p.requires_grad_(True)
     return history
+
+
+class LoRA(nn.Module):
+    """A low-rank update of a weight W (out x in), as a parametrization
+    (``torch.nn.utils.parametrize``): ``W + scaling · B A`` with ``scaling = alpha / rank``.
+
+    ``blocks`` splits W's rows into that many equal parts with an adapter each: torch's and
+    effattn's packed ``in_proj_weight`` (3E x E) holds W_q, W_k and W_v, and each gets its own
+    rank-``rank`` update, as separate q, k, v projections would. A: (blocks, rank, in), Kaiming
+    uniform as nn.Linear's weight; B: (blocks, out / blocks, rank), zeros.
+    """
+
+    def __init__(self, weight: Tensor, rank: int, alpha: float, blocks: int = 1) -> None:
+        super().__init__()
+        out, fan_in = weight.shape
+        if out % blocks:
+            raise ValueError(f"a weight of {out} rows cannot be split into {blocks} blocks")
+        factory = {"device": weight.device, "dtype": weight.dtype}
+        self.lora_A = nn.Parameter(torch.empty(blocks, rank, fan_in, **factory))
+        self.lora_B = nn.Parameter(torch.zeros(blocks, out // blocks, rank, **factory))
+        for a in self.lora_A:
+            nn.init.kaiming_uniform_(a, a=5 ** 0.5)
+        self.scaling = alpha / rank
+
+    def forward(self, weight: Tensor) -> Tensor:
+        delta = torch.bmm(self.lora_B, self.lora_A).reshape(weight.shape)
+        return weight + self.scaling * delta
+
+    def extra_repr(self) -> str:
+        blocks, rank, _ = self.lora_A.shape
+        return f"rank={rank}, scaling={self.scaling:g}, blocks={blocks}"
+
+
+# Projection weights of one attention layer that LoRA adapts, as (module attribute path, blocks).
+_TORCH_STYLE = (("in_proj_weight", 3), ("q_proj_weight", 1), ("k_proj_weight", 1),
+                ("v_proj_weight", 1), ("out_proj.weight", 1))
+_HF_STYLE = (("q_proj.weight", 1), ("k_proj.weight", 1), ("v_proj.weight", 1),
+             ("o_proj.weight", 1))
+
+
+def _projection_weights(model: nn.Module) -> list[tuple[str, nn.Module, str, int]]:
+    """(qualified name, owning module, attribute, blocks) of every attention projection weight:
+    effattn's and torch's ``MultiheadAttention`` (packed or separate q, k, v and ``out_proj``)
+    and attention modules with ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` linears (Llama and
+    most Hugging Face decoders)."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.MultiheadAttention, MultiheadAttention)):
+            targets = _TORCH_STYLE
+        elif all(isinstance(getattr(module, p, None), nn.Linear)
+                 for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            targets = _HF_STYLE
+        else:
+            continue
+        for path, blocks in targets:
+            owner_path, _, attr = path.rpartition(".")
+            owner = module.get_submodule(owner_path) if owner_path else module
+            if isinstance(getattr(owner, attr, None), Tensor):
+                found.append((f"{name}.{path}" if name else path, owner, attr, blocks))
+    return found
+
+
+def lora(model: nn.Module, rank: int = 8, alpha: float = 16.0) -> dict[str, nn.Parameter]:
+    """Add low-rank adapters (:class:`LoRA`) to the q, k, v and output projection weights of
+    every attention layer of ``model`` in place, freeze every other parameter, and return the
+    adapters' parameters by qualified name (what an optimizer should train).
+
+    The model computes exactly what it did until the adapters train (B starts at zero). The
+    adapters live in ``state_dict`` (``<layer>.parametrizations.<weight>.0.lora_A`` / ``lora_B``,
+    the frozen weight as ``....original``): a checkpoint of an adapted model loads into a model
+    adapted the same way; :func:`merge_lora` folds them into plain weights.
+
+    ``ValueError`` for a rank or alpha that is not positive, a model without attention
+    projections, or one that already has adapters.
+    """
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank must be a positive int, got {rank!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+        raise ValueError(f"alpha must be a positive number, got {alpha!r}")
+    targets = _projection_weights(model)
+    if not targets:
+        raise ValueError(f"{type(model).__name__} has no attention projections to adapt "
+                         "(effattn's or torch's MultiheadAttention, or q/k/v/o_proj linears)")
+    if any(isinstance(m, LoRA) for m in model.modules()):
+        raise ValueError(f"{type(model).__name__} already has LoRA adapters: merge_lora first")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for _, owner, attr, blocks in targets:
+        parametrize.register_parametrization(
+            owner, attr, LoRA(getattr(owner, attr), rank, float(alpha), blocks))
+    return {name: p for name, p in model.named_parameters() if ".lora_" in name}
+
+
+def merge_lora(model: nn.Module) -> int:
+    """Fold every :class:`LoRA` adapter of ``model`` into its weight (``W + scaling · B A``) and
+    remove it, in place: the model computes the same, with plain weights and ``state_dict`` keys
+    again (the merged weights keep the frozen weights' ``requires_grad``). Returns the number of
+    weights merged (0 for a model without adapters).
+
+    ``ValueError`` when a weight has another parametrization besides its adapter.
+    """
+    merged = 0
+    for module in list(model.modules()):
+        if not parametrize.is_parametrized(module):
+            continue
+        for attr, chain in list(module.parametrizations.items()):
+            if not any(isinstance(p, LoRA) for p in chain):
+                continue
+            if len(chain) != 1:
+                raise ValueError(f"{type(module).__name__}.{attr} has other parametrizations "
+                                 "besides its LoRA adapter: remove them first")
+            requires_grad = chain.original.requires_grad
+            parametrize.remove_parametrizations(module, attr, leave_parametrized=True)
+            getattr(module, attr).requires_grad_(requires_grad)
+            merged += 1
+    return merged

@@ -19,7 +19,7 @@ from effattn.cli.common import (
 )
 from effattn.registry import DEFAULT_METHOD
 from effattn.tools.compare import run_options
-from effattn.tools.convert import STAGES, TASKS, ConvertPlan, convert, table
+from effattn.tools.convert import FINETUNE_KINDS, STAGES, TASKS, ConvertPlan, convert, table
 from effattn.tools.train import MODEL_DEFAULTS, TASK_DEFAULTS, TrainConfig, applicability
 
 
@@ -29,6 +29,14 @@ def _stages(text: str) -> list[str]:
     if not names or unknown:
         raise argparse.ArgumentTypeError(f"stages must be a comma list of {', '.join(STAGES)}")
     return [s for s in STAGES if s in names]
+
+
+def _kinds(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names or any(n not in FINETUNE_KINDS for n in names):
+        raise argparse.ArgumentTypeError(
+            f"finetune must be a comma list of {', '.join(FINETUNE_KINDS)}")
+    return list(dict.fromkeys(names))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -53,7 +61,8 @@ def _run(args: argparse.Namespace) -> int:
                            teacher_dir=None if args.teacher is None else Path(args.teacher),
                            transfer_steps=args.transfer_steps, transfer_lr=args.transfer_lr,
                            finetune_steps=args.finetune_steps, finetune_lr=args.lr,
-                           stages=args.stages)
+                           stages=args.stages, finetune=args.finetune,
+                           lora_rank=args.lora_rank, lora_alpha=args.lora_alpha)
     args.out = prepare_out(Path(args.out or f"runs/convert-{args.task}"))
     with user_input():
         rows = convert(plan, args.out)
@@ -90,6 +99,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--finetune-steps", type=int_list, default=[75], metavar="N[,N...]",
                    help="fine-tuning steps of every weight after the transfer, one run per "
                    "count (default 75)")
+    p.add_argument("--finetune", type=_kinds, default=["full"], metavar="KIND[,KIND]",
+                   help="what fine-tuning trains: full (every weight) or lora (low-rank "
+                   "adapters on the attention's q, k, v and output projections, every other "
+                   "weight frozen); both: full,lora (default full)")
+    p.add_argument("--lora-rank", type=positive_int, default=8,
+                   help="rank of the LoRA adapters (default 8)")
+    p.add_argument("--lora-alpha", type=positive_float, default=16.0,
+                   help="LoRA's scale: the update is (alpha / rank) B A (default 16)")
     p.add_argument("--stages", type=_stages, default=list(STAGES), metavar="STAGE[,STAGE...]",
                    help=f"stages to run (default all: {','.join(STAGES)})")
     p.add_argument("--lr", type=float,

@@ -10,8 +10,10 @@ from effattn.cli.common import (
     check_method,
     device_or_auto,
     method_defaults,
+    nonnegative_int,
     parse_entry,
     parse_options,
+    positive_float,
     prepare_out,
     user_input,
 )
@@ -59,7 +61,9 @@ def _config(args: argparse.Namespace, method: str, options: dict) -> TrainConfig
                        seq_len=args.seq_len, seed=args.seed, dropout=args.dropout,
                        checkpoint_every=args.checkpoint_every,
                        eval_every=getattr(args, "eval_every", 0), device=args.device,
-                       init_from=getattr(args, "init_from", None)).resolved()
+                       init_from=getattr(args, "init_from", None),
+                       lora_rank=getattr(args, "lora_rank", 0),
+                       lora_alpha=getattr(args, "lora_alpha", 16.0)).resolved()
 
 
 def _check(cfg: TrainConfig) -> None:
@@ -142,6 +146,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "and model size, any method): every weight of the same name is loaded, the "
                    "new method's own ones are initialised and named in the log (fine-tuning a "
                    "converted model)")
+    p.add_argument("--lora-rank", type=nonnegative_int, default=0, metavar="R",
+                   help="with --init-from: train rank-R adapters (LoRA) on the attention's q, k, "
+                   "v and output projections instead of every weight, which stays frozen "
+                   "(default 0: every weight trains)")
+    p.add_argument("--lora-alpha", type=positive_float, default=16.0,
+                   help="LoRA's scale: the update is (alpha / R) B A (default 16)")
     p.add_argument("--out", help="run directory (default runs/<task>-<method>)")
     p.add_argument("--data-dir", help="cache of generated data sets (default <out>/data)")
     p.add_argument("--resume", action="store_true",

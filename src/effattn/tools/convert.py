@@ -9,20 +9,24 @@ Stages, per method (the teacher once):
 - ``transfer``: attention transfer of the parameters the method adds
   (:func:`effattn.convert.transfer`) on training batches the teacher never saw; skipped for a
   method that adds none (random or fixed feature maps, a window);
-- ``finetune``: every weight trained from there for each of ``finetune_steps`` (a run of
-  ``effattn train --init-from``, the task's loop and learning rate); its ``steps`` count the
+- ``finetune``: trained from there for each of ``finetune_steps`` (a run of
+  ``effattn train --init-from``, the task's loop and learning rate), for each kind of
+  ``finetune``: ``full`` (every weight) or ``lora`` (rank-``lora_rank`` adapters on the q, k, v
+  and output projections alone, :func:`effattn.convert.lora`); its ``steps`` count the
   transfer's too;
 - ``scratch``: the method trained from scratch for the teacher's steps plus the conversion's
   longest (transfer + finetune).
 
 Everything lives under ``out``: ``teacher/`` (a run folder), then per method label
 ``<label>/swap.json``, ``<label>/transfer/`` (``checkpoint.pt`` that the fine-tuning starts from,
-``transfer.json``), ``<label>/finetune-<F>/`` and ``<label>/scratch/`` (run folders). A stage
+``transfer.json``), ``<label>/finetune-<F>/`` (``finetune-lora-r<R>-<F>/`` with LoRA) and
+``<label>/scratch/`` (run folders). A stage
 whose result exists is not redone, an interrupted training resumes from its checkpoint, and an
 interrupted transfer is redone (it is short). The rows of every stage done so far are written
 atomically after each one to ``results.json`` (a list of ``{"task", "method", "stage", "steps",
-"bpc" | "accuracy"}``, accuracy in %), ``results.csv``, ``convert.md`` (the table) and
-``convert.png`` (score against conversion steps).
+"bpc" | "accuracy"}``, accuracy in %; a LoRA fine-tuning row adds ``"finetune":
+"lora:rank=R,alpha=A,lr=LR"``, a row without it fine-tuned every weight), ``results.csv``,
+``convert.md`` (the table) and ``convert.png`` (score against conversion steps).
 """
 
 from __future__ import annotations
@@ -48,15 +52,18 @@ from effattn.tools.train import (
     CHECKPOINT,
     RESULTS,
     TrainConfig,
+    config_diff,
     evaluate,
     label_of,
     train,
     write_json,
 )
 
-CSV_FIELDS = ("task", "method", "stage", "steps", "bpc", "accuracy")
+CSV_FIELDS = ("task", "method", "stage", "steps", "bpc", "accuracy", "finetune")
 
 STAGES = ("teacher", "swap", "transfer", "finetune", "scratch")
+# What fine-tuning trains: every weight, or LoRA adapters on the attention projections.
+FINETUNE_KINDS = ("full", "lora")
 # The tasks a conversion is measured on: causal LMs, scored by bits/char or accuracy.
 TASKS = ("charlm", "recall")
 
@@ -70,6 +77,8 @@ class ConvertPlan:
     methods: (method, options) pairs; options are those of ``effattn compare`` for the task's
         length, under the given ones.
     finetune_lr: peak learning rate of fine-tuning and scratch (None: the teacher's).
+    finetune: the kinds of fine-tuning to run, each for every ``finetune_steps`` count: ``full``
+        (every weight) and ``lora`` (adapters of rank ``lora_rank``, scale ``lora_alpha``).
     """
 
     teacher: TrainConfig
@@ -80,6 +89,9 @@ class ConvertPlan:
     finetune_steps: Sequence[int] = (75,)
     finetune_lr: float | None = None
     stages: Sequence[str] = STAGES
+    finetune: Sequence[str] = ("full",)
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
 
 
 def _score_key(metric: str) -> str:
@@ -97,9 +109,10 @@ class _Rows:
         self.out, self.task, self.metric = out, task, metric
         self.rows: list[dict[str, Any]] = []
 
-    def add(self, method: str, stage: str, steps: int, score: float) -> None:
+    def add(self, method: str, stage: str, steps: int, score: float,
+            extra: dict[str, Any] | None = None) -> None:
         self.rows.append({"task": self.task, "method": method, "stage": stage, "steps": steps,
-                          _score_key(self.metric): score * _scale(self.metric)})
+                          _score_key(self.metric): score * _scale(self.metric), **(extra or {})})
         write_json(self.out / "results.json", self.rows)
         write_csv(self.out / "results.csv", self.rows, CSV_FIELDS)
         atomic_write(self.out / "convert.md", table(self.rows) + "\n")
@@ -125,7 +138,7 @@ def _trained(cfg: TrainConfig, run_dir: Path, echo: bool) -> dict[str, Any]:
     done = run_dir / RESULTS
     if done.is_file() and (run_dir / CHECKPOINT).is_file():
         results = json.loads(done.read_text())
-        if results["config"] == dataclasses.asdict(cfg):
+        if not config_diff(results["config"], dataclasses.asdict(cfg)):
             return results
     results = train(cfg, run_dir, progress=None if echo else False)
     assert results is not None
@@ -159,8 +172,9 @@ class _Context:
     def test_score(self, model: torch.nn.Module) -> dict[str, Any]:
         return {"score": evaluate(model, self.task, "test", self.device)[self.key]}
 
-    def report(self, label: str, stage: str, steps: int, score: float, how: str = "") -> None:
-        self.rows.add(label, stage, steps, score)
+    def report(self, label: str, stage: str, steps: int, score: float, how: str = "",
+               extra: dict[str, Any] | None = None) -> None:
+        self.rows.add(label, stage, steps, score, extra)
         _say(f"{label}: {stage}{how} ({steps} steps) test {self.key} "
              f"{score * _scale(self.task.metric):.3f}", self.echo)
 
@@ -172,6 +186,10 @@ def convert(plan: ConvertPlan, out: str | Path, *, echo: bool = True) -> list[di
     unknown = [s for s in plan.stages if s not in STAGES]
     if unknown:
         raise ValueError(f"stages: unknown {', '.join(unknown)}; valid: {', '.join(STAGES)}")
+    unknown = [k for k in plan.finetune if k not in FINETUNE_KINDS]
+    if unknown or not plan.finetune:
+        raise ValueError(f"finetune: got {list(plan.finetune)}; valid kinds: "
+                         f"{', '.join(FINETUNE_KINDS)}")
     teacher_dir = out / "teacher" if plan.teacher_dir is None else Path(plan.teacher_dir)
     if plan.teacher_dir is None:
         _say(f"teacher: {DEFAULT_METHOD}, {plan.teacher.resolved().steps} steps", echo)
@@ -218,11 +236,16 @@ def _convert_method(ctx: _Context, out: Path, method: str, options: dict[str, An
                        f" (loss {done['losses'][0]:.4g} -> {done['losses'][-1]:.4g})")
     tuned = cfg if plan.finetune_lr is None else dataclasses.replace(cfg, lr=plan.finetune_lr)
     if "finetune" in plan.stages:
-        for steps in plan.finetune_steps:
-            ft = dataclasses.replace(tuned, method=method, options=options, steps=steps,
-                                     init_from=str(start_from), eval_every=0)
-            score = _trained(ft, folder / f"finetune-{steps}", ctx.echo)["score"]
-            ctx.report(label, "finetune", spent + steps, score)
+        for kind in plan.finetune:
+            rank = plan.lora_rank if kind == "lora" else 0
+            name = f"finetune-lora-r{rank}" if rank else "finetune"
+            extra = {"finetune": lora_label(rank, plan.lora_alpha, tuned.lr)} if rank else None
+            for steps in plan.finetune_steps:
+                ft = dataclasses.replace(tuned, method=method, options=options, steps=steps,
+                                         init_from=str(start_from), eval_every=0,
+                                         lora_rank=rank, lora_alpha=plan.lora_alpha)
+                score = _trained(ft, folder / f"{name}-{steps}", ctx.echo)["score"]
+                ctx.report(label, "finetune", spent + steps, score, f" {kind}", extra)
     if "scratch" in plan.stages:
         total = cfg.steps + spent + max(plan.finetune_steps, default=0)
         scratch = dataclasses.replace(tuned, method=method, options=options, steps=total,
@@ -251,9 +274,15 @@ def _transfer(ctx: _Context, model: torch.nn.Module, new: dict[str, torch.nn.Par
 
 
 
+def lora_label(rank: int, alpha: float, lr: float) -> str:
+    """The ``finetune`` field of a LoRA fine-tuning row, with its peak learning rate (adapters
+    often want another than the full model's): ``lora:rank=8,alpha=16,lr=0.005``."""
+    return f"lora:rank={rank},alpha={alpha:g},lr={lr:g}"
+
+
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as a Markdown table: one line per method, one column per stage (fine-tuning per
-    step count), each score with its change against the teacher's."""
+    step count and kind), each score with its change against the teacher's."""
     if not rows:
         return "(no results yet)"
     key = "accuracy" if "accuracy" in rows[0] else "bpc"
@@ -264,10 +293,10 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         """The fine-tuning steps of a finetune row (its ``steps`` count the transfer's too)."""
         return r["steps"] - transferred.get(r["method"], 0)
 
-    columns: list[tuple[str, int | None]] = [("swap", None), ("transfer", None)]
-    columns += sorted({("finetune", finetuned(r)) for r in rows if r["stage"] == "finetune"},
-                      key=lambda c: c[1])
-    columns.append(("scratch", None))
+    columns: list[tuple[str, int | None, str]] = [("swap", None, ""), ("transfer", None, "")]
+    columns += sorted({("finetune", finetuned(r), r.get("finetune", ""))
+                       for r in rows if r["stage"] == "finetune"}, key=lambda c: (c[2], c[1]))
+    columns.append(("scratch", None, ""))
 
     def cell(r: dict[str, Any] | None) -> str:
         if r is None:
@@ -279,7 +308,8 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
                   else f"{100.0 * (r[key] / teacher - 1.0):+.1f}%")
         return f"{value} ({change}) @{r['steps']}"
 
-    head = ["method", *(f"{s}" if n is None else f"{s} (+{n})" for s, n in columns)]
+    head = ["method", *(f"{s}" if n is None else f"{s}{' ' + k if k else ''} (+{n})"
+                        for s, n, k in columns)]
     lines = [f"{METRIC_NAMES.get(key, key)} on {rows[0]['task']}; teacher "
              + ("-" if teacher is None else (f"{teacher:.2f}%" if key == "accuracy"
                                              else f"{teacher:.3f}"))
@@ -289,10 +319,11 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     for method in methods:
         mine = [r for r in rows if r["method"] == method]
         cells = []
-        for stage, n in columns:
+        for stage, n, kind in columns:
             found = [r for r in mine if r["stage"] == stage]
             if n is not None:
-                found = [r for r in found if finetuned(r) == n]
+                found = [r for r in found
+                         if finetuned(r) == n and r.get("finetune", "") == kind]
             cells.append(cell(found[0] if found else None))
         lines.append(f"| `{method}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -314,17 +345,23 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
     methods = list(dict.fromkeys(r["method"] for r in rows if r["stage"] != "teacher"))
     for i, method in enumerate(methods):
         color = f"C{i % 10}"
-        curve = sorted((r["steps"], r[key]) for r in rows
-                       if r["method"] == method and r["stage"] in ("swap", "transfer", "finetune"))
-        if curve:
-            ax.plot(*zip(*curve, strict=True), marker="o", color=color, label=method)
+        mine = [r for r in rows if r["method"] == method]
+        start = [r for r in mine if r["stage"] in ("swap", "transfer")]
+        kinds = dict.fromkeys(r.get("finetune", "") for r in mine if r["stage"] == "finetune")
+        for kind in kinds or [""]:
+            curve = sorted((r["steps"], r[key]) for r in start + [
+                r for r in mine if r["stage"] == "finetune" and r.get("finetune", "") == kind])
+            if curve:
+                ax.plot(*zip(*curve, strict=True), marker="o", color=color,
+                        ls="--" if kind else "-", label=f"{method} {kind}".strip())
         for r in rows:
             if r["method"] == method and r["stage"] == "scratch":
                 ax.axhline(r[key], color=color, ls=":", lw=1)
     ax.set_xlabel("conversion steps (transfer + fine-tuning)")
     ax.set_ylabel(METRIC_NAMES.get(key, key) + (" (%)" if key == "accuracy" else
                                                 " (lower is better)"))
-    ax.set_title(f"{rows[0]['task']}: converted from softmax (dotted: the method from scratch)")
+    ax.set_title(f"{rows[0]['task']}: converted from softmax (dashed: LoRA fine-tuning; "
+                 "dotted: the method from scratch)", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

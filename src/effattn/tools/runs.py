@@ -9,7 +9,9 @@ The model is built as the training loop builds it (:func:`effattn.tools.train.bu
 loads the checkpoint strictly: every key must match, so a folder of another effattn or a
 damaged checkpoint is an error rather than a half-loaded model. To switch a loaded model to
 another method, see :func:`effattn.convert.linearize`; to fine-tune it,
-``effattn train --init-from DIR``.
+``effattn train --init-from DIR``. A run fine-tuned with LoRA (``lora_rank`` > 0) comes back with
+its adapters (frozen weights, trainable adapters, as it trained); :func:`effattn.convert.merge_lora`
+folds them into plain weights.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from effattn.convert import lora
 from effattn.tools.tasks.data import Task, make_task
 from effattn.tools.train import CHECKPOINT, TrainConfig, build_model
 
@@ -63,6 +66,8 @@ def load_run(run_dir: str | Path, *, device: str = "cpu",
                      data_dir=Path(run_dir) / "data" if data_dir is None else Path(data_dir),
                      **cfg.task_options)
     model = build_model(task, cfg)
+    if cfg.lora_rank:
+        lora(model, cfg.lora_rank, cfg.lora_alpha)
     try:
         model.load_state_dict(saved["model"])
     except RuntimeError as err:

@@ -10,6 +10,9 @@ A run lives in its own directory:
 
 A run may start from another run's checkpoint (``init_from``, ``effattn train --init-from``),
 with another method: every weight of the same name is loaded and the report names the new ones.
+With ``lora_rank`` > 0 such a run trains low-rank adapters on the attention projections alone
+(:func:`effattn.convert.lora`), every loaded weight frozen; the checkpoint holds the adapters
+beside the frozen weights.
 
 Re-running with the same configuration resumes from the checkpoint; since every batch is a
 function of (seed, step) and the RNG states are restored, the result equals an uninterrupted run.
@@ -41,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from effattn.convert import lora
 from effattn.distributed import SequenceParallel
 from effattn.distributed.training import World
 from effattn.nn import DecoderLM, EncoderClassifier, EncoderDecoder, generate
@@ -105,6 +109,8 @@ class TrainConfig:
     eval_every: int = 0
     device: str = "cpu"
     init_from: str | None = None
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
 
     def resolved(self) -> TrainConfig:
         """A copy with the task defaults filled in and every field checked."""
@@ -132,6 +138,15 @@ class TrainConfig:
         if cfg.init_from is not None and not (Path(cfg.init_from) / CHECKPOINT).is_file():
             raise ValueError(f"init_from {cfg.init_from}: no {CHECKPOINT} there (a run folder of "
                              "effattn train is expected)")
+        if isinstance(cfg.lora_rank, bool) or not isinstance(cfg.lora_rank, int) \
+                or cfg.lora_rank < 0:
+            raise ValueError(f"lora_rank must be an int >= 0, got {cfg.lora_rank!r}")
+        if not (isinstance(cfg.lora_alpha, (int, float)) and cfg.lora_alpha > 0):
+            raise ValueError(f"lora_alpha must be a positive number, got {cfg.lora_alpha!r}")
+        if cfg.lora_rank and cfg.init_from is None:
+            raise ValueError(f"lora_rank={cfg.lora_rank} adapts trained weights: it needs "
+                             "init_from (adapters on a freshly initialised model would leave it "
+                             "untrained)")
         return cfg
 
 
@@ -335,7 +350,11 @@ class _PeakMemory:
         return max(0, peak - self.base)
 
 
-def _config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+def config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The fields (but ``RESUMABLE_CHANGES``) where a saved configuration differs from the
+    current one; a field the saved one lacks (written before the field existed) has its
+    default."""
+    saved = {**dataclasses.asdict(TrainConfig()), **saved}
     return [f"{k}: checkpoint {saved.get(k)!r} != now {current.get(k)!r}"
             for k in sorted(set(saved) | set(current))
             if k not in RESUMABLE_CHANGES and saved.get(k) != current.get(k)]
@@ -379,7 +398,7 @@ def _prepare(config: TrainConfig, out: Path, resume: bool | None, data_dir: str 
             # which now carries it: their model state lacks it, so they cannot resume exactly.
             raise ValueError(f"{ckpt_path} was written by an older effattn (random state "
                              "outside the model's state_dict); use another output directory")
-        diff = _config_diff(saved["config"], dataclasses.asdict(cfg))
+        diff = config_diff(saved["config"], dataclasses.asdict(cfg))
         if diff:
             raise ValueError(f"{ckpt_path} was written by a different configuration ("
                              + "; ".join(diff) + "); use another output directory")
@@ -401,11 +420,18 @@ def _prepare(config: TrainConfig, out: Path, resume: bool | None, data_dir: str 
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     model = build_model(task, cfg).to(device)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+    init = None
+    if saved is None and cfg.init_from is not None:
+        init = initialize_from(model, cfg)
+    if cfg.lora_rank:
+        # After the trained weights are in (their names change under the adapters), before a
+        # checkpoint of this run is loaded (it holds the adapters).
+        lora(model, cfg.lora_rank, cfg.lora_alpha)
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = [p for n, p in trained if p.dim() >= 2 and "embed" not in n]
+    no_decay = [p for n, p in trained if not (p.dim() >= 2 and "embed" not in n)]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr)
-    init = None
     if saved is not None:
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
@@ -414,8 +440,6 @@ def _prepare(config: TrainConfig, out: Path, resume: bool | None, data_dir: str 
         if device.type == "cuda" and saved.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(saved["cuda_rng"], device)
         init = saved.get("init")
-    elif cfg.init_from is not None:
-        init = initialize_from(model, cfg)
     return _Run(cfg, task, model, optimizer, device, saved, init)
 
 
@@ -431,6 +455,11 @@ def initialize_from(model: nn.Module, cfg: TrainConfig) -> dict[str, Any]:
     if source["config"]["task"] != cfg.task:
         raise ValueError(f"init_from {cfg.init_from}: a run of task {source['config']['task']}, "
                          f"not {cfg.task}")
+    if source["config"].get("lora_rank"):
+        raise ValueError(f"init_from {cfg.init_from}: a run with LoRA adapters, whose weights "
+                         "are not under their plain names; rebuild it with "
+                         "effattn.tools.runs.load_run, fold them with effattn.convert.merge_lora "
+                         "and save that model's state_dict as a run folder's checkpoint")
     own = model.state_dict()
     state = source["model"]
     # Entries that are not tensors (a generator's state) have no shape to disagree on.
@@ -605,6 +634,7 @@ def train(
         "peak_memory_mb": peak / 2**20,
         "peak_memory_kind": memory.kind,
         "parameters": sum(p.numel() for p in model.parameters()),
+        "trained_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "masks_padding": bool(getattr(model, "masks_padding", True)),
         "capabilities": {c: getattr(method_spec, c)
                          for c in ("causal", "padding_mask", "cross", "decoding")},
