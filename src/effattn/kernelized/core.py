@@ -665,15 +665,17 @@ def _causal_group_backward(
     e = g.shape[-1]
     scaled = weight is not None
     scores = q_c @ k_c.transpose(-1, -2)  # X
+    # X and dA are this function's own: masked or weighted in place unless dW needs them both
+    # (every fresh (C, C) or (C, Dv + 1) tensor per group is memory the allocator faults in).
     if scaled:
-        a = scores * weight
+        a = scores * weight if need_weight else scores.mul_(weight)
         t = to_end * enter
         u, g1, g2 = fac_v * t, g * inter, g * intra_weight
     else:
-        a, u, g1, g2 = scores.tril(), fac_v, g, g
+        a, u, g1, g2 = scores.tril_(), fac_v, g, g
     # A bmm of 3-d views: matmul would copy the transposed 5-d V' before its GEMM.
     d_a = torch.bmm(g2.flatten(0, 2), fac_v.flatten(0, 2).transpose(1, 2)).view_as(scores)
-    d_scores = d_a * weight if scaled else d_a.tril()
+    d_scores = (d_a * weight if need_weight else d_a.mul_(weight)) if scaled else d_a.tril_()
     d_weight = d_a.mul_(scores) if need_weight else None
     del scores, d_a
     d_v = a.transpose(-1, -2) @ g2
@@ -719,7 +721,7 @@ def _causal_group_backward(
     d = d.view(b, h, f, e)
     if not scaled:
         # keep_0 = ω = 0 for the first chunk after an empty state (at LOG_FLOOR), 1 otherwise.
-        return d_k, d_v + d_u, None, None, None, None, d * keep[0]
+        return d_k, d_v.add_(d_u), None, None, None, None, d * keep[0]
     d_to_end = (d_u * fac_v).sum(-1, keepdim=True).mul_(enter) if need_to_end else None
     d_v += d_u.mul_(t)
     return d_k, d_v, d_weight, d_to_end, d_keep, d_inter, d
