@@ -579,17 +579,16 @@ def _chunk_scan(
     )
     nc, b, h = q_c.shape[:3]
     s3 = kv.to(q_c.dtype, copy=not recorded).flatten(0, 1)  # (B·H, F, E)
-    keeps = [None] * nc if keep is None else _per_chunk(keep)
-    accs = [None] * nc if acc is None else _per_chunk(acc)
     if recorded:
+        keeps = [None] * nc if keep is None else _per_chunk(keep)
+        accs = [None] * nc if acc is None else _per_chunk(acc)
         reads = []
         for q_i, k_i, u_i, acc_i, keep_i in zip(_per_chunk(q_c), _per_chunk(k_c.transpose(-1, -2)),
                                                 _per_chunk(u), accs, keeps, strict=True):
             reads.append(torch.bmm(q_i, s3) if acc_i is None else torch.baddbmm(acc_i, q_i, s3))
             s3 = torch.baddbmm(s3 if keep_i is None else s3 * keep_i, k_i, u_i)
         return torch.stack(reads).unflatten(1, (b, h)), s3.unflatten(0, (b, h))
-    if keep is not None:
-        keeps = _keeps(keep)
+    keeps = [None] * nc if keep is None else _keeps(keep)
     out = q_c.new_empty(*q_c.shape[:-1], u.shape[-1]) if acc is None else acc
     for q_i, k_i, u_i, out_i, keep_i in zip(_per_chunk(q_c), _per_chunk(k_c.transpose(-1, -2)),
                                             _per_chunk(u), _per_chunk(out), keeps, strict=True):
