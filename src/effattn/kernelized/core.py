@@ -579,16 +579,15 @@ def _chunk_scan(
     )
     nc, b, h = q_c.shape[:3]
     s3 = kv.to(q_c.dtype, copy=not recorded).flatten(0, 1)  # (B·H, F, E)
+    keeps = [None] * nc if keep is None else _per_chunk(keep)
+    accs = [None] * nc if acc is None else _per_chunk(acc)
     if recorded:
-        keeps = [None] * nc if keep is None else _per_chunk(keep)
-        accs = [None] * nc if acc is None else _per_chunk(acc)
         reads = []
         for q_i, k_i, u_i, acc_i, keep_i in zip(_per_chunk(q_c), _per_chunk(k_c.transpose(-1, -2)),
                                                 _per_chunk(u), accs, keeps, strict=True):
             reads.append(torch.bmm(q_i, s3) if acc_i is None else torch.baddbmm(acc_i, q_i, s3))
             s3 = torch.baddbmm(s3 if keep_i is None else s3 * keep_i, k_i, u_i)
         return torch.stack(reads).unflatten(1, (b, h)), s3.unflatten(0, (b, h))
-    keeps = [None] * nc if keep is None else _keeps(keep)
     out = q_c.new_empty(*q_c.shape[:-1], u.shape[-1]) if acc is None else acc
     for q_i, k_i, u_i, out_i, keep_i in zip(_per_chunk(q_c), _per_chunk(k_c.transpose(-1, -2)),
                                             _per_chunk(u), _per_chunk(out), keeps, strict=True):
@@ -606,17 +605,6 @@ def _per_chunk(x: Tensor) -> tuple[Tensor, ...]:
     """(nc, B, H, ...) -> nc (B·H, ...) views, in one call (per-chunk indexing and reshaping
     cost more than the small GEMMs they feed); contiguous for a chunk-major x."""
     return x.flatten(1, 2).unbind(0)
-
-
-def _keeps(keep: Tensor) -> list[Tensor | None]:
-    """keep (nc, B, H, 1, 1) as nc (B·H, 1, 1) views, None where keep_c is exactly 1 (the running
-    scale stays, no gate decays): a multiply by 1 is a pass over the state skipped, for one host
-    sync per group; compiled, every factor is kept (no host sync in the graph). Not where
-    autograd records (keep_c carries the gate's gradient)."""
-    if torch.compiler.is_compiling():
-        return list(_per_chunk(keep))
-    return [None if one else k for one, k in
-            zip((keep == 1).flatten(1).all(1).tolist(), _per_chunk(keep), strict=True)]
 
 
 def _causal_group_backward(
@@ -684,7 +672,7 @@ def _causal_group_backward(
     states = q_c.new_empty(nc, b, h, f, e) if need_keep else None
     state = kv.to(q_c.dtype, copy=True)
     s3 = state.flatten(0, 1)
-    keeps = _keeps(keep) if scaled else [None] * nc
+    keeps = _per_chunk(keep) if scaled else [None] * nc
     k_t = _per_chunk(k_c.transpose(-1, -2))
     chunks = zip(_per_chunk(q_c), k_t, _per_chunk(u), _per_chunk(g1), _per_chunk(d_q), keeps,
                  strict=True)
