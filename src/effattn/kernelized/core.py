@@ -385,17 +385,20 @@ def _factors(v: Tensor, key_log_scale: Tensor | None, key_padding_mask: Tensor |
     """Per-token weights from v (B, H, n, Dv), the keys' chunk-major log-scales
     (nc, B, H, C, 1) or None, the padding mask (B, n) and the gate (B, H, n)."""
     b, h, n = v.shape[:3]
-    v1 = _with_ones(v)
     log_gate = None
-    if gate is not None:
-        v1 = v1 * (1.0 - gate)[..., None]
-        log_gate = torch.log(gate).clamp_min(LOG_GATE_FLOOR)
-    if key_padding_mask is not None:
-        pad = key_padding_mask[:, None, :]
-        v1 = v1.masked_fill(pad[..., None], 0.0)
-        if log_gate is not None:
-            log_gate = log_gate.masked_fill(pad, 0.0)  # a padded token leaves the state alone
-    v_c = _chunk_major(v1, chunk)  # zero rows after n
+    if gate is None and key_padding_mask is None:
+        v_c = _values_chunk_major(v, chunk)
+    else:
+        v1 = _with_ones(v)
+        if gate is not None:
+            v1 = v1 * (1.0 - gate)[..., None]
+            log_gate = torch.log(gate).clamp_min(LOG_GATE_FLOOR)
+        if key_padding_mask is not None:
+            pad = key_padding_mask[:, None, :]
+            v1 = v1.masked_fill(pad[..., None], 0.0)
+            if log_gate is not None:
+                log_gate = log_gate.masked_fill(pad, 0.0)  # a padded token leaves the state alone
+        v_c = _chunk_major(v1, chunk)  # zero rows after n
     nc = v_c.shape[0]
     if key_padding_mask is not None and key_log_scale is None:
         # Scale 0 from the first unpadded key on, the floor before it: queries that see no
@@ -421,11 +424,14 @@ def _factors(v: Tensor, key_log_scale: Tensor | None, key_padding_mask: Tensor |
     # log-scales first, does not have.
     log_weight = None
     if key_log_scale is None:
-        prefix = v1.new_zeros(nc, b, h, chunk, 1)
+        prefix = v_c.new_zeros(nc, b, h, chunk, 1)
     else:
         with torch.no_grad():
             prefix = torch.cummax(key_log_scale, -2).values.clamp_min_(LOG_FLOOR)
-        v_c = v_c * torch.exp(key_log_scale - prefix)
+        entry = torch.exp(key_log_scale - prefix)
+        # v_c is this function's own: scaled in place unless autograd records the product.
+        recorded = torch.is_grad_enabled() and _needs_grad(v_c, entry)
+        v_c = v_c * entry if recorded else v_c.mul_(entry)
         log_weight = prefix[..., -1:, 0] - prefix[..., 0]
     cum = None
     if log_gate is not None:
@@ -434,12 +440,28 @@ def _factors(v: Tensor, key_log_scale: Tensor | None, key_padding_mask: Tensor |
     return _Factors(v_c, prefix, log_weight, cum)
 
 
-def _intra_weights(log_weight: Tensor) -> Tensor:
-    """exp(a_i - a_j) for j <= i, 0 above the diagonal: (nc, B, H, C) -> (nc, B, H, C, C)."""
+def _values_chunk_major(v: Tensor, chunk: int) -> Tensor:
+    """[v, 1] of v (B, H, n, Dv), chunk-major (nc, B, H, C, Dv + 1), 0 after n: one pass over v
+    (the ones column is written by the same pad, not by a concatenation copied again)."""
+    b, h, n, dv = v.shape
+    tail = -n % chunk
+    if tail:
+        v = F.pad(v, (0, 0, 0, tail))
+    v_c = F.pad(v.unflatten(2, (-1, chunk)).movedim(2, 0), (0, 1), value=1.0)
+    if tail:
+        v_c[-1, :, :, chunk - tail:, dv] = 0.0
+    return v_c
+
+
+def _intra_weights(log_weight: Tensor, row: Tensor | None = None) -> Tensor:
+    """exp(a_i - a_j) for j <= i, 0 above the diagonal: (nc, B, H, C) -> (nc, B, H, C, C); times
+    exp(row_i) when a row factor's log (nc, B, H, C) is given (folded into the C x C weights,
+    C wide, rather than applied to their (C, Dv + 1) product)."""
     chunk = log_weight.shape[-1]
     upper = torch.ones(chunk, chunk, dtype=torch.bool, device=log_weight.device).triu_(1)
     log2_weight = log_weight * LOG2E  # exp2 on the C x C weights (see features.LOG2E)
-    return (log2_weight[..., :, None] - log2_weight[..., None, :]).masked_fill_(
+    log2_row = log2_weight if row is None else (log_weight + row) * LOG2E
+    return (log2_row[..., :, None] - log2_weight[..., None, :]).masked_fill_(
         upper, float("-inf")
     ).exp2_()
 
@@ -507,23 +529,30 @@ def _causal_group(
     running, keep, enter = _scan_factors(
         state.log_scale, fac.prefix[..., -1, 0], None if fac.cum is None else fac.cum[..., -1]
     )
-    inter, intra_weight, common = _out_weights(fac, running)
-    scores = q_c @ k_c.transpose(-1, -2)  # (nc, B, H, C, C)
+    inter, _, common = _out_weights(fac, running)
+    # (nc·B·H, C, ·) batches: a bmm of 3-d views, not matmul's broadcasting of 5-d ones.
+    scores = torch.bmm(q_c.flatten(0, 2), k_c.flatten(0, 2).transpose(1, 2))  # (nc·B·H, C, C)
+    v_flat = fac.v.flatten(0, 2)
     if fac.log_weight is None:
         # No log-scale, padding or gate: every key enters at scale 0, and the state entering
         # is at 0 or, empty (zeros), at LOG_FLOOR (maps without log-scales make no other), so
         # keep, enter and the output weights are 1 (or multiply zeros): the read-outs add onto
         # the chunks' own parts, no pass over the state or the output is spent on them.
-        out, kv = _chunk_scan(state.kv, q_c, k_c, fac.v, None, scores.tril_() @ fac.v)
+        intra = torch.bmm(scores.tril_(), v_flat).view_as(fac.v)
+        out, kv = _chunk_scan(state.kv, q_c, k_c, fac.v, None, intra)
     else:
-        weight = _intra_weights(fac.log_weight)
-        # In place when the weights carry no gradient (no gate): mul then keeps only them.
-        scores = scores * weight if weight.requires_grad else scores.mul_(weight)
-        # In place on fresh GEMM outputs (bmm keeps its inputs, not its output, for backward).
-        intra = (scores @ fac.v).mul_(intra_weight)
+        # The chunk's own part reaches m_i through exp(P_i - m_i), folded into the weights' rows.
+        weight = _intra_weights(fac.log_weight, (fac.prefix - common)[..., 0]).flatten(0, 2)
         u = fac.v * (_to_end(fac.log_weight) * enter)
         read, kv = _chunk_scan(state.kv, q_c, k_c, u, keep, None)
-        out = read.mul_(inter).add_(intra)
+        # In place on fresh GEMM outputs (bmm keeps its inputs, not its output, for backward)
+        # unless autograd records the product (a gate's weights and ω carry gradients): the
+        # read-outs scaled to m_i, and the chunks' own parts accumulated onto them by the GEMM.
+        if torch.is_grad_enabled() and _needs_grad(weight, inter, read, v_flat):
+            out = (read * inter).flatten(0, 2).baddbmm(scores * weight, v_flat).view_as(read)
+        else:
+            out = read.mul_(inter)
+            out.flatten(0, 2).baddbmm_(scores.mul_(weight), v_flat)
     return out, common, RecurrentState(kv, running[-1, ..., None, None],
                                        state.position + v.shape[2])
 
@@ -623,14 +652,17 @@ def _causal_group_backward(
     e = g.shape[-1]
     scaled = weight is not None
     scores = q_c @ k_c.transpose(-1, -2)  # X
+    # X and dA are this function's own: masked or weighted in place unless dW needs them both
+    # (every fresh (C, C) or (C, Dv + 1) tensor per group is memory the allocator faults in).
     if scaled:
-        a = scores * weight
+        a = scores * weight if need_weight else scores.mul_(weight)
         t = to_end * enter
         u, g1, g2 = fac_v * t, g * inter, g * intra_weight
     else:
-        a, u, g1, g2 = scores.tril(), fac_v, g, g
-    d_a = g2 @ fac_v.transpose(-1, -2)
-    d_scores = d_a * weight if scaled else d_a.tril()
+        a, u, g1, g2 = scores.tril_(), fac_v, g, g
+    # A bmm of 3-d views: matmul would copy the transposed 5-d V' before its GEMM.
+    d_a = torch.bmm(g2.flatten(0, 2), fac_v.flatten(0, 2).transpose(1, 2)).view_as(scores)
+    d_scores = (d_a * weight if need_weight else d_a.mul_(weight)) if scaled else d_a.tril_()
     d_weight = d_a.mul_(scores) if need_weight else None
     del scores, d_a
     d_v = a.transpose(-1, -2) @ g2
@@ -661,7 +693,8 @@ def _causal_group_backward(
     del d_scores
     d_u = torch.empty_like(fac_v)
     d_keep = keep.new_empty(keep.shape) if need_keep else None
-    d = (torch.zeros_like(kv) if d_final is None else d_final).flatten(0, 1)  # ∂S_{i+1}
+    # ∂S_{i+1}, this function's own: updated in place (no state-sized tensor per chunk).
+    d = (torch.zeros_like(kv) if d_final is None else d_final.clone()).flatten(0, 1)
     chunks = zip(_per_chunk(q_c), _per_chunk(k_c), _per_chunk(u), _per_chunk(g1),
                  _per_chunk(d_k), _per_chunk(d_u), keeps, strict=True)
     for i, (q_i, k_i, u_i, g1_i, d_k_i, d_u_i, keep_i) in reversed(list(enumerate(chunks))):
@@ -669,11 +702,13 @@ def _causal_group_backward(
         torch.bmm(k_i, d, out=d_u_i)
         if d_keep is not None:
             d_keep[i] = (d.view(b, h, f, e) * states[i]).sum((-2, -1), keepdim=True)
-        d = torch.baddbmm(d if keep_i is None else d * keep_i, q_i.transpose(1, 2), g1_i)
+        if keep_i is not None:
+            d.mul_(keep_i)
+        d.baddbmm_(q_i.transpose(1, 2), g1_i)
     d = d.view(b, h, f, e)
     if not scaled:
         # keep_0 = ω = 0 for the first chunk after an empty state (at LOG_FLOOR), 1 otherwise.
-        return d_k, d_v + d_u, None, None, None, None, d * keep[0]
+        return d_k, d_v.add_(d_u), None, None, None, None, d * keep[0]
     d_to_end = (d_u * fac_v).sum(-1, keepdim=True).mul_(enter) if need_to_end else None
     d_v += d_u.mul_(t)
     return d_k, d_v, d_weight, d_to_end, d_keep, d_inter, d
