@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from conftest import padding, qkv
+from conftest import padding, qkv, small_options
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import effattn
@@ -33,7 +33,7 @@ def _fresh_dynamo(one_thread):
 
 
 def _build(name: str, training: bool) -> effattn.AttentionMethod:
-    options = {k: v for k, v in SMALL.items() if k in spec(name).options}
+    options = small_options(name, SMALL)
     return effattn.build(name, head_dim=D, heads=H, max_len=N, seed=0, **options).double().train(
         training
     )
