@@ -87,7 +87,7 @@ def test_decoding_step_compiles_fullgraph_and_matches_eager(name, options):
     """The lazy rescale is branch-free when compiled: keys whose log-scale jumps past the
     margin (small keys after large ones, for positive features) must still match eager."""
     s = spec(name)
-    options = {k: v for k, v in {**SMALL, **options}.items() if k in s.options}
+    options = {**small_options(name, SMALL), **options}
     module = effattn.build(name, head_dim=D, heads=H, seed=0, **options).double().eval()
     backend = CompileCounterWithBackend("aot_eager")
     step = torch.compile(module.step, backend=backend, fullgraph=True)

@@ -37,7 +37,6 @@ Shapes: B batch, H heads, N tokens, D head dim, Dv value dim, W window.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -72,8 +71,10 @@ class Partial:
 def merge(parts: list[Partial], eps: float) -> Tensor:
     """Σ_p n_p out_p / Σ_p n_p for the parts' normalisers n_p: attention over the union of their
     (disjoint) key sets. Held at the largest log |n_p| of each row (no overflow); a row that no
-    part reaches gives 0. ``eps`` floors |Σ_p n_p| at the true scale, keeping its sign, as the
-    core floors a normaliser of signed features (0: no floor)."""
+    part reaches gives 0. ``eps`` floors |Σ_p n_p| at ``eps`` times the largest |n_p|, keeping
+    its sign (0: no floor): only signed features' estimates can cancel the sum, and relative to
+    its parts, since the window's exact softmax can be legitimately tiny at the true scale
+    (logits of -400), where the core's absolute floor would replace it."""
     top = torch.stack([p.log_abs for p in parts]).amax(0).detach()
     top = torch.where(torch.isfinite(top), top, 0.0)
     num = den = None
@@ -86,8 +87,7 @@ def merge(parts: list[Partial], eps: float) -> Tensor:
         den = weight if den is None else den + weight
     assert num is not None and den is not None
     if eps > 0:
-        floor = torch.exp(math.log(eps) - top)
-        den = torch.where(den >= 0, torch.maximum(den, floor), torch.minimum(den, -floor))
+        den = torch.where(den >= 0, den.clamp_min(eps), den.clamp_max(-eps))
     den = torch.where(den == 0, 1.0, den)
     return num / den[..., None]
 
