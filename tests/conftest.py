@@ -64,3 +64,17 @@ def assert_png(path: Path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
     image = matplotlib.image.imread(path)
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+def small_options(name: str, table: dict) -> dict:
+    """The entries of ``table`` (small settings by option name) that method ``name`` takes, less
+    the window hybrid's options of the kernelized methods (None by default: setting ``window``
+    switches the method to its hybrid, which tests/test_window_hybrid.py and the hybrid cases
+    of the all-methods tests cover on their own)."""
+    import effattn
+    from effattn.kernelized.base import WINDOW_OPTIONS
+
+    options = effattn.spec(name).options
+    return {key: value for key, value in table.items() if key in options
+            and not (key in WINDOW_OPTIONS and options[key] == WINDOW_OPTIONS[key])}
+

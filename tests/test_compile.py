@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from conftest import padding, qkv
+from conftest import padding, qkv, small_options
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import effattn
@@ -33,7 +33,7 @@ def _fresh_dynamo(one_thread):
 
 
 def _build(name: str, training: bool) -> effattn.AttentionMethod:
-    options = {k: v for k, v in SMALL.items() if k in spec(name).options}
+    options = small_options(name, SMALL)
     return effattn.build(name, head_dim=D, heads=H, max_len=N, seed=0, **options).double().train(
         training
     )
@@ -87,7 +87,7 @@ def test_decoding_step_compiles_fullgraph_and_matches_eager(name, options):
     """The lazy rescale is branch-free when compiled: keys whose log-scale jumps past the
     margin (small keys after large ones, for positive features) must still match eager."""
     s = spec(name)
-    options = {k: v for k, v in {**SMALL, **options}.items() if k in s.options}
+    options = {**small_options(name, SMALL), **options}
     module = effattn.build(name, head_dim=D, heads=H, seed=0, **options).double().eval()
     backend = CompileCounterWithBackend("aot_eager")
     step = torch.compile(module.step, backend=backend, fullgraph=True)

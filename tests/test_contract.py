@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import qkv
+from conftest import qkv, small_options
 
 import effattn
 from effattn import naive as R
@@ -173,7 +173,7 @@ def test_half_precision_equals_fp32_to_its_rounding(name, dtype):
     intermediates and output: methods compute features and sums in fp32, softmax in SDPA's own
     half-precision kernel."""
     spec = effattn.spec(name)
-    options = {key: value for key, value in HALF_OPTIONS.items() if key in spec.options}
+    options = small_options(name, HALF_OPTIONS)
     module = effattn.build(name, head_dim=16, heads=2, max_len=64, seed=0, **options).eval()
     q, k, v = qkv(b=2, h=2, n=50, d=16, dtype=torch.float32, scale=0.5)
     q, k, v = (t.to(dtype) for t in (q, k, v))

@@ -16,7 +16,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import padding
+from conftest import padding, small_options
 
 import effattn
 
@@ -48,12 +48,14 @@ PADDING = {  # name: mask of (B, N), None for no padding
 def _cases():
     for name in effattn.methods():
         spec = effattn.spec(name)
-        small = {key: value for key, value in SMALL.items() if key in spec.options}
+        small = small_options(name, SMALL)
         settings = [("small", small)] + [
             ("-".join(f"{k}={v}" for k, v in variant.options.items()),
              {**small, **variant.options})
             for variant in spec.variants
         ]
+        if spec.options.get("window", "") is None:  # a kernelized method's window hybrid
+            settings.append(("window=9", {**small, "window": 9}))
         if "shared_qk" in spec.options:
             settings.append(("shared_qk", {**small, "shared_qk": True}))
         for label, options in settings:

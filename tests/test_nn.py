@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from conftest import small_options
 
 import effattn
 from effattn.nn import (
@@ -249,7 +250,7 @@ SMALL = {"window": 8, "bucket_size": 4, "chunk_size": 8, "stride": 4}
 
 @pytest.mark.parametrize("method, options", CAUSAL_ENTRIES, ids=str)
 def test_decoder_lm_has_no_future_leakage(method, options):
-    small = {k: v for k, v in SMALL.items() if k in effattn.spec(method).options}
+    small = small_options(method, SMALL)
     model = DecoderLM(20, 16, 2, 2, method, max_len=40, seed=0, **small, **options).double().eval()
     tokens = torch.randint(0, 20, (2, 40), generator=torch.Generator().manual_seed(0))
     changed = tokens.clone()

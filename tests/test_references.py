@@ -12,7 +12,7 @@ alone and together, and their gradients (the tensors') are compared too.
 
 import pytest
 import torch
-from conftest import padding, qkv
+from conftest import padding, qkv, small_options
 
 import effattn
 
@@ -62,7 +62,7 @@ def _label(options):
 def _cases():
     for name in effattn.methods():
         spec = effattn.spec(name)
-        small = {key: value for key, value in SMALL.items() if key in spec.options}
+        small = small_options(name, SMALL)
         settings = [("small", small, spec.cross, ())] + [
             (_label(variant.options), {**small, **variant.options}, spec.cross, ())
             for variant in spec.variants
@@ -77,6 +77,11 @@ def _cases():
         if len(optional) > 1 or (optional and extra):
             label = "+".join([_label(extra)] * bool(extra) + list(optional))
             settings.append((label, {**small, **extra}, spec.cross, optional))
+        if spec.options.get("window", "") is None:
+            # A kernelized method: its window hybrid too, on each setting (no cross-attention:
+            # the window needs aligned positions).
+            settings += [(f"{label}-window=9", {**options, "window": 9}, False, ())
+                         for label, options, _, chosen in list(settings) if not chosen]
         for label, options, cross_ok, chosen in settings:
             given = [*spec.required_inputs(options),
                      *(c for c in spec.call_inputs if c.name in chosen)]

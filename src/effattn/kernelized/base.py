@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from effattn.base import check_positive_int, compute_dtype
+from effattn.base import check_bool, check_positive_int, compute_dtype
 from effattn.kernelized.core import (
     SLICE_ELEMENTS,
     DenominatorUnderflowError,
@@ -17,7 +17,13 @@ from effattn.kernelized.core import (
     read_queries,
 )
 from effattn.kernelized.features import Features
+from effattn.kernelized.hybrid import WindowState, hybrid_attention, hybrid_prefill, hybrid_step
 from effattn.random import RandomizedAttention, TensorGenerator
+
+# The options of the window hybrid (effattn.kernelized.hybrid), which every kernelized method
+# takes: exact softmax over a window of ``window`` keys (None: the pure method), and a learned
+# per-head factor on the kernelized part (``window_factor``).
+WINDOW_OPTIONS = {"window": None, "window_factor": False}
 
 
 class KernelizedAttention(RandomizedAttention):
@@ -34,6 +40,12 @@ class KernelizedAttention(RandomizedAttention):
     The core takes a gate (B, H, N) in [0, 1] (gated attention, a causal recurrence): a method
     that declares the call input ``gate`` in its spec gets it in ``_attend``, ``_step`` and
     ``_prefill``.
+
+    ``window=W`` makes it the window hybrid of :mod:`effattn.kernelized.hybrid`: exact softmax
+    over each query's last W keys (non-causal: |i - j| <= W // 2) and the feature-map estimate
+    over the others, in one normaliser; decoding keeps a W-key ring buffer beside the state;
+    queries and keys must be aligned (no cross-attention). ``window_factor`` adds a learned
+    per-head factor α_h = exp(window_log_factor_h) (initially 1) on the estimate.
     """
 
     # Buffers of random features that redraw() replaces with _draw()'s values.
@@ -52,6 +64,8 @@ class KernelizedAttention(RandomizedAttention):
         redraw_interval: int | None = None,
         chunk_size: int = 32,
         eps: float = 1e-6,
+        window: int | None = None,
+        window_factor: bool = False,
     ) -> None:
         super().__init__(head_dim, heads, max_len, seed, scale)
         if redraw_interval is not None:
@@ -59,6 +73,29 @@ class KernelizedAttention(RandomizedAttention):
         self.redraw_interval = redraw_interval
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
         self.eps = eps
+        self.window = None if window is None else check_positive_int("window", window)
+        if check_bool("window_factor", window_factor) and window is None:
+            raise ValueError("window_factor=True needs a window: it weighs the estimate beside "
+                             "the window's exact softmax")
+        self.window_factor = window_factor
+        self.window_log_factor = nn.Parameter(torch.zeros(heads)) if window_factor else None
+
+    def extra_repr(self) -> str:
+        if self.window is None:
+            return super().extra_repr()
+        return (f"{super().extra_repr()}, window={self.window}, "
+                f"window_factor={self.window_factor}")
+
+    def window_logits(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, float, Tensor | None]:
+        """What the window's exact softmax is taken of: (q', k', scale, shift) with logits
+        ``scale q'·k' + shift`` (shift (H,) or None), the log of the kernel the features
+        estimate: ``scale q·k`` here; RFA's Gaussian kernel overrides it."""
+        return q, k, self.scale, None
+
+    def _refuse_window(self, what: str) -> None:
+        if self.window is not None:
+            raise ValueError(f"{self.spec.name} with window={self.window} cannot do {what}: the "
+                             "window needs aligned query and key positions (N == M)")
 
     @property
     def feature_dim(self) -> int:
@@ -134,6 +171,15 @@ class KernelizedAttention(RandomizedAttention):
         gate: Tensor | None = None,
     ) -> Tensor:
         dt = compute_dtype(q.dtype)
+        if self.window is not None:
+            if q.shape[2] != k.shape[2]:
+                self._refuse_window(f"cross-attention (N={q.shape[2]} != M={k.shape[2]})")
+            try:
+                return hybrid_attention(self, q.to(dt), k.to(dt), v.to(dt), causal=causal,
+                                        key_padding_mask=key_padding_mask,
+                                        gate=None if gate is None else gate.to(dt))
+            except DenominatorUnderflowError as err:
+                raise self._underflow(err, q, k) from None
         try:
             return kernelized_attention(
                 q.to(dt),
@@ -155,6 +201,7 @@ class KernelizedAttention(RandomizedAttention):
     def _memory(
         self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None
     ) -> RecurrentState:
+        self._refuse_window("cross-attention over a memory")
         dt = compute_dtype(k.dtype)
         return key_state(k.to(dt), v.to(dt), self.features, feature_dim=self.feature_dim,
                          key_padding_mask=key_padding_mask, slice_elements=self.slice_elements,
@@ -182,10 +229,13 @@ class KernelizedAttention(RandomizedAttention):
         q: Tensor,
         k: Tensor,
         v: Tensor,
-        state: RecurrentState | None,
+        state: RecurrentState | WindowState | None,
         gate: Tensor | None = None,
-    ) -> tuple[Tensor, RecurrentState]:
+    ) -> tuple[Tensor, RecurrentState | WindowState]:
         dt = compute_dtype(q.dtype)
+        if self.window is not None:
+            return hybrid_step(self, q.to(dt), k.to(dt), v.to(dt), state,
+                               None if gate is None else gate.to(dt))
         phi_q, _ = self.features(q.to(dt), is_query=True)
         phi_k, log_scale = self.features(k.to(dt), is_query=False)
         return linear_attention_step(
@@ -203,11 +253,14 @@ class KernelizedAttention(RandomizedAttention):
         q: Tensor,
         k: Tensor,
         v: Tensor,
-        state: RecurrentState | None,
+        state: RecurrentState | WindowState | None,
         gate: Tensor | None = None,
-    ) -> tuple[Tensor, RecurrentState]:
+    ) -> tuple[Tensor, RecurrentState | WindowState]:
         dt = compute_dtype(q.dtype)
         try:
+            if self.window is not None:
+                return hybrid_prefill(self, q.to(dt), k.to(dt), v.to(dt), state,
+                                      None if gate is None else gate.to(dt))
             return kernelized_causal(
                 q.to(dt),
                 k.to(dt),

@@ -1091,6 +1091,62 @@ def kernelized_causal(
     Recording gradients, it keeps q, k, v, the gate, the output and the state entering each
     slice (:class:`_Causal`).
     """
+    out, state, _ = _causal(q, k, v, features, state, feature_dim, key_padding_mask, gate,
+                            chunk_size, eps, slice_elements, feature_tensors, False)
+    return out, state
+
+
+def kernelized_causal_normalised(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    features: FeatureFn,
+    state: RecurrentState | None = None,
+    *,
+    feature_dim: int,
+    key_padding_mask: Tensor | None = None,
+    gate: Tensor | None = None,
+    chunk_size: int = 32,
+    eps: float = 1e-6,
+    slice_elements: int = SLICE_ELEMENTS,
+    feature_tensors: Sequence[Tensor] | None = None,
+) -> tuple[Tensor, RecurrentState, Normaliser]:
+    """:func:`kernelized_causal` that also returns each query's normaliser (:class:`Normaliser`),
+    differentiable: what a sum with other attention terms over other keys needs (the window
+    hybrid, ``effattn.kernelized.hybrid``)."""
+    out, state, norm = _causal(q, k, v, features, state, feature_dim, key_padding_mask, gate,
+                               chunk_size, eps, slice_elements, feature_tensors, True)
+    assert norm is not None
+    return out, state, norm
+
+
+@dataclass
+class Normaliser:
+    """Σ_j w_ij φ(q_i)·φ(k_j) at the true scale (the query's log-scale included: see
+    kernelized.features) as ``sign · exp(log_abs)``, each (B, H, N). log_abs carries the
+    gradient; sign is -1, 0 (no key, or all terms 0: log_abs = -inf) or 1. Where the core's
+    eps floor replaced the denominator (signed features that cancel), it is the floor: then
+    out · normaliser is what the output was divided by, not the exact numerator."""
+
+    log_abs: Tensor
+    sign: Tensor
+
+
+def _causal(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    features: FeatureFn,
+    state: RecurrentState | None,
+    feature_dim: int,
+    key_padding_mask: Tensor | None,
+    gate: Tensor | None,
+    chunk_size: int,
+    eps: float,
+    slice_elements: int,
+    feature_tensors: Sequence[Tensor] | None,
+    normaliser: bool,
+) -> tuple[Tensor, RecurrentState, Normaliser | None]:
     b, h, n = q.shape[:3]
     if k.shape[2] != n:
         raise ValueError(f"causal needs N == M, got {n} and {k.shape[2]}")
@@ -1106,12 +1162,15 @@ def kernelized_causal(
             tensors = _unique(tensors + _feature_inputs(features, k, False, None))
         if _needs_grad(q, k, v, gate, None if state is None else state.kv, *tensors):
             kv, scale = (None, None) if state is None else (state.kv, state.log_scale)
-            out, kv, scale = _Causal.apply(q, k, v, gate, key_padding_mask, kv, scale, features,
-                                           chunk_size, eps, step, *tensors)
-            return out, RecurrentState(kv, scale, n + (0 if state is None else state.position))
-    out, state, _, _ = _causal_forward(q, k, v, gate, key_padding_mask, state, features,
-                                       chunk_size, eps, step, None)
-    return out, state
+            out, kv, scale, log_abs, sign = _Causal.apply(
+                q, k, v, gate, key_padding_mask, kv, scale, features, chunk_size, eps, step,
+                normaliser, *tensors,
+            )
+            return (out, RecurrentState(kv, scale, n + (0 if state is None else state.position)),
+                    Normaliser(log_abs, sign) if normaliser else None)
+    out, state, _, _, norm = _causal_forward(q, k, v, gate, key_padding_mask, state, features,
+                                             chunk_size, eps, step, None, normaliser)
+    return out, state, norm
 
 
 def _causal_forward(
@@ -1126,11 +1185,13 @@ def _causal_forward(
     eps: float,
     step: int,
     entering: list[Tensor] | None,
-) -> tuple[Tensor, RecurrentState, Tensor | None, Tensor | None]:
+    normaliser: bool,
+) -> tuple[Tensor, RecurrentState, Tensor | None, Tensor | None, Normaliser | None]:
     """The slices of :func:`kernelized_causal`: output (B, H, N, Dv) and state after. Without
     autograd the output is written in place, with the divisors and gradient factors of
     :func:`_ratio_into` (B, H, N, 1) when ``entering`` (a list) is given, which then receives
-    the state (kv, log_scale) entering each slice; recorded, as autograd needs (None, None)."""
+    the state (kv, log_scale) entering each slice; recorded, as autograd needs (None, None).
+    With ``normaliser``, also each query's :class:`Normaliser` (recorded: differentiable)."""
     b, h, n = q.shape[:3]
     recorded = torch.is_grad_enabled() or torch.compiler.is_compiling()
     outs, lost = [], []
@@ -1138,8 +1199,9 @@ def _causal_forward(
     div = sign = None
     if entering is not None:
         div, sign = q.new_empty(b, h, n, 1), q.new_empty(b, h, n, 1)
+    norms = []
     for a, e in _spans(n, step):
-        phi_q, _ = _chunk_features(features, q[:, :, a:e], chunk, True)
+        phi_q, query_log_scale = _chunk_features(features, q[:, :, a:e], chunk, True)
         phi_k, key_log_scale = _chunk_features(features, k[:, :, a:e], chunk, False)
         _check_shapes(phi_q, phi_k, None, key_log_scale)
         state = _state_of(state, b, h, phi_k.shape[-1], v.shape[-1], phi_k)
@@ -1157,12 +1219,34 @@ def _causal_forward(
             d, s = _ratio_into(out[:, :, a:e], raw, eps, out_scale)
             if div is not None and sign is not None:
                 div[:, :, a:e], sign[:, :, a:e] = d, s
+        if normaliser:
+            norms.append(_normaliser(
+                raw[..., -1:], eps, out_scale,
+                None if query_log_scale is None else _from_chunks(query_log_scale, e - a),
+            ))
         # A gate can decay what a query sees to a legitimate 0: only ungated rows are checked.
         lost.append(None if gate is not None else _lost_rows(raw, eps, out_scale))
     _raise_if_lost(lost, q.dtype)
     if out is None:
         out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)
-    return out, state, div, sign
+    norm = None
+    if normaliser:
+        log_abs, signs = zip(*norms, strict=True)
+        norm = Normaliser(torch.cat(log_abs, 2), torch.cat(signs, 2))
+    return out, state, div, sign, norm
+
+
+def _normaliser(den: Tensor, eps: float, log_scale: Tensor,
+                query_log_scale: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(log |d|, sign d) (B, H, n) of the divisor d = :func:`_divisor` of ``den`` (B, H, n, 1) at
+    ``log_scale``, moved to the true scale by ``log_scale`` and the queries' log-scales
+    (B, H, n, 1); -inf and 0 where den is 0 (no key: nothing to add). The gradient reaches den
+    where d is den (see :func:`_ratio_into`) and the queries' log-scales."""
+    div = _divisor(den, eps, log_scale)
+    if query_log_scale is not None:
+        log_scale = log_scale + query_log_scale
+    log_abs = torch.where(den == 0, -math.inf, torch.log(div.abs()) + log_scale)
+    return log_abs[..., 0], torch.where(den == 0, 0.0, torch.sign(div)).detach()[..., 0]
 
 
 def _unique(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
@@ -1186,23 +1270,26 @@ class _Causal(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None,
                 key_padding_mask: Tensor | None, kv: Tensor | None, log_scale: Tensor | None,
-                features: FeatureFn, chunk: int, eps: float, step: int, *tensors: Tensor
-                ) -> tuple[Tensor, Tensor, Tensor]:
+                features: FeatureFn, chunk: int, eps: float, step: int, normaliser: bool,
+                *tensors: Tensor) -> tuple[Tensor, ...]:
         entering: list[Tensor] = []
-        out, state, div, sign = _causal_forward(
+        out, state, div, sign, norm = _causal_forward(
             q, k, v, gate, key_padding_mask, None if kv is None else RecurrentState(kv, log_scale),
-            features, chunk, eps, step, entering,
+            features, chunk, eps, step, entering, normaliser,
         )
         ctx.features, ctx.chunk, ctx.step, ctx.slices = features, chunk, step, len(entering) // 2
+        ctx.normaliser = normaliser
         ctx.save_for_backward(q, k, v, gate, key_padding_mask, out, div, sign, *entering,
                               *tensors)
-        ctx.mark_non_differentiable(state.log_scale)
-        return out, state.kv, state.log_scale
+        if norm is None:
+            norm = Normaliser(out.new_empty(0), out.new_empty(0))
+        ctx.mark_non_differentiable(state.log_scale, norm.sign)
+        return out, state.kv, state.log_scale, norm.log_abs, norm.sign
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, d_out: Tensor, d_kv: Tensor | None, _: Tensor | None
-                 ) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, d_out: Tensor, d_kv: Tensor | None, _: Tensor | None,
+                 d_log_abs: Tensor | None, __: Tensor | None) -> tuple[Tensor | None, ...]:
         q, k, v, gate, pad, out, div, sign, *rest = ctx.saved_tensors
         entering, tensors = rest[:2 * ctx.slices], rest[2 * ctx.slices:]
         need_q, need_k, need_v, need_gate = ctx.needs_input_grad[:4]
@@ -1217,15 +1304,21 @@ class _Causal(torch.autograd.Function):
                       for t, need in zip((q, k, v, gate), (need_q, need_k, need_v, need_gate),
                                          strict=True)]
             g = _ratio_grad(d_out[:, :, a:e], out[:, :, a:e], div[:, :, a:e], sign[:, :, a:e])
+            d_query_scale = None
+            if ctx.normaliser and d_log_abs is not None:
+                # log |d| + scale: d receives d_log_abs / d where it is the denominator (-back).
+                d_query_scale = d_log_abs[:, :, a:e, None]
+                g[..., -1:].sub_(d_query_scale * sign[:, :, a:e])
             d_kv, got = _causal_slice_backward(
                 ctx.features, *leaves, None if pad is None else pad[:, a:e],
                 entering[2 * i], entering[2 * i + 1], ctx.chunk, g, d_kv, tensors,
+                d_query_scale,
             )
             for total, part in zip(grads, got[:4], strict=True):
                 _put(total, a, e, part)
             d_tensors = [_add(t, part) for t, part in zip(d_tensors, got[4:], strict=True)]
         d_kv = d_kv if ctx.needs_input_grad[5] else None
-        return (*grads, None, d_kv, None, None, None, None, None, *d_tensors)
+        return (*grads, None, d_kv, None, None, None, None, None, None, *d_tensors)
 
 
 def _causal_slice_backward(
@@ -1241,14 +1334,16 @@ def _causal_slice_backward(
     g: Tensor,
     d_final: Tensor | None,
     tensors: Sequence[Tensor],
+    d_query_scale: Tensor | None,
 ) -> tuple[Tensor, list[Tensor | None]]:
     """One slice of :class:`_Causal`'s backward: q, k, v, gate (leaves), the state (kv,
-    log_scale) entering the slice, g = ∂L/∂[num, den] (B, H, n, Dv + 1) and ∂L/∂(state after).
+    log_scale) entering the slice, g = ∂L/∂[num, den] (B, H, n, Dv + 1), ∂L/∂(state after)
+    and ∂L/∂(the queries' log-scales) (B, H, n, 1) (None: not used).
     Returns ∂L/∂kv and the gradients of q, k, v, gate and ``tensors``. The tail after n is
     padded with copies of the last token (see :func:`_chunk_major`): no gradient reaches them
     (their keys are masked and their queries' g is 0)."""
     with torch.enable_grad():
-        phi_q, _ = _chunk_features(features, q, chunk, True)
+        phi_q, query_log_scale = _chunk_features(features, q, chunk, True)
         phi_k, key_log_scale = _chunk_features(features, k, chunk, False)
         fac = _factors(v, key_log_scale, pad, gate, chunk)
         weight = to_end = None
@@ -1264,7 +1359,8 @@ def _causal_slice_backward(
     grads: list[Tensor | None] = [None] * len(inputs)
 
     def query_backward(d_q: Tensor) -> None:
-        grads[:] = _backprop((phi_q,), (d_q,), inputs)
+        d_scale = None if d_query_scale is None else _chunk_major(d_query_scale, chunk)
+        grads[:] = _backprop((phi_q, query_log_scale), (d_q, d_scale), inputs)
 
     d_k, *d_rest, d_kv = _causal_group_backward(
         phi_q.detach(), phi_k.detach(), fac.v.detach(), values[0], values[1], values[2], enter,
@@ -1299,6 +1395,33 @@ def linear_attention_step(
     handed on in the returned state. Copy it (``copy.deepcopy``) to branch from one state.
     """
     _check_shapes(phi_q, phi_k, v, key_log_scale)
+    state = step_state(state, phi_k, v, key_log_scale=key_log_scale, gate=gate,
+                       recording=_needs_grad(phi_q))
+    return _ratio(phi_q @ state.kv, eps, state.log_scale), state
+
+
+def read_normalised(state: RecurrentState, phi_q: Tensor, query_log_scale: Tensor | None,
+                    eps: float) -> tuple[Tensor, Normaliser]:
+    """φ(Q) (B, H, N, F) read out of ``state``: the output (B, H, N, Dv) and its
+    :class:`Normaliser`, with the queries' log-scales (B, H, N, 1) (None: 0)."""
+    raw = phi_q @ state.kv
+    log_abs, sign = _normaliser(raw[..., -1:], eps, state.log_scale, query_log_scale)
+    return _ratio(raw, eps, state.log_scale), Normaliser(log_abs, sign)
+
+
+def step_state(
+    state: RecurrentState | None,
+    phi_k: Tensor,
+    v: Tensor,
+    *,
+    key_log_scale: Tensor | None = None,
+    gate: Tensor | None = None,
+    recording: bool = False,
+) -> RecurrentState:
+    """The state update of :func:`linear_attention_step`: φ(k_t) (B, H, 1, F), v_t (B, H, 1, Dv)
+    (and log-scale, gate (B, H, 1)) into ``state``, in place unless autograd records (a tensor
+    involved requires grad, or ``recording``: the caller's read-out does)."""
+    _check_shapes(phi_k, phi_k, v, key_log_scale)
     state = _state_for(state, phi_k, v)
     v1 = _with_ones(v)
     scale = state.log_scale
@@ -1313,10 +1436,9 @@ def linear_attention_step(
         v1 = v1 * (1.0 - g)
     key_scale = torch.zeros_like(scale) if key_log_scale is None else key_log_scale
     kv = state.kv
-    recording = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad
-        for t in (phi_q, phi_k, v, key_log_scale, gate, kv, state.log_scale)
-    )
+    recording = torch.is_grad_enabled() and (recording or _needs_grad(
+        phi_k, v, key_log_scale, gate, kv, state.log_scale
+    ))
     # Without autograd the step reuses the state's memory: a fresh multi-MiB state per step
     # would be page-faulted in by the allocator, which costs more than the update itself.
     # Compiled, it stays functional (torch.compile cannot trace the inference-mode queries, and
@@ -1338,4 +1460,4 @@ def linear_attention_step(
     # S += φ(k) [v, 1]^T as one elementwise pass over the state (an outer product, no GEMM).
     update = (phi_k.transpose(-2, -1), v1 * torch.exp(key_scale - scale))
     kv = kv.addcmul_(*update) if in_place else torch.addcmul(kv, *update)
-    return _ratio(phi_q @ kv, eps, scale), RecurrentState(kv, scale, state.position + 1)
+    return RecurrentState(kv, scale, state.position + 1)

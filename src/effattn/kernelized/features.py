@@ -1,11 +1,15 @@
 """Feature maps φ of kernelized attention, in the form the core consumes.
 
-Every map returns ``(phi, log_scale)``. For keys, the true features are
-``phi * exp(log_scale)`` with log_scale (..., L, 1) or None. For queries, any factor shared by
-all features of one query cancels between numerator and denominator, so query features are
-returned with such factors dropped (log_scale None): a per-row max for exponential maps, the
-exp(|q|²/2) of trigonometric ones, the 1/sqrt(F) normalisations everywhere. The true,
-unnormalised features are written out in ``effattn.naive.kernelized`` for the tests.
+Every map returns ``(phi, log_scale)``: the true features are ``phi * exp(log_scale)``, with
+log_scale (..., L, 1) or None (0). For queries, any factor shared by all features of one query
+cancels between numerator and denominator, so query features come with such factors dropped
+(a per-row max for exponential maps, the exp(|q|²/2) of trigonometric ones) and their log as
+the log-scale, which the pure method ignores. The query's log-scale also carries the constants
+of both sides (the 1/sqrt(F) of query and key: a key's log-scale leaves them out), so that
+``exp(ls_q + ls_k) phi_q·phi_k`` is the kernel value itself: the window hybrid
+(``effattn.kernelized.hybrid``) adds it to exact exponentials of logits, where no factor
+cancels. The true, unnormalised features are written out in ``effattn.naive.kernelized`` for
+the tests.
 
 x is (B, H, L, D); for softmax-kernel maps it is already multiplied by sqrt(scale), so that
 x̃_q · x̃_k = scale · q · k. w is the (F, D) projection shared by the heads, or, for the learned
@@ -105,18 +109,21 @@ def _half_sq_norm(x: Tensor) -> Tensor:
 def positive(x: Tensor, w: Tensor, *, is_query: bool) -> Features:
     """FAVOR+ positive features: φ(x) = F^(-1/2) exp(w x - |x|²/2)  (Choromanski et al. 2020)."""
     phi, m = _exp_projection(x, w)
-    return (phi, None) if is_query else (phi, m - _half_sq_norm(x))
+    log_scale = m - _half_sq_norm(x)
+    return phi, log_scale - math.log(w.shape[0]) if is_query else log_scale
 
 
 def hyperbolic(x: Tensor, w: Tensor, *, is_query: bool) -> Features:
     """φ(x) = (2F)^(-1/2) exp(-|x|²/2) [exp(w x), exp(-w x)]: antithetic positive features."""
     phi, m = _exp_projection(x, w, pair=True)  # one F-wide GEMM; the antithetic half negates it
-    return (phi, None) if is_query else (phi, m - _half_sq_norm(x))
+    log_scale = m - _half_sq_norm(x)
+    return phi, log_scale - math.log(2 * w.shape[0]) if is_query else log_scale
 
 
 def trig(x: Tensor, w: Tensor, *, is_query: bool) -> Features:
     """φ(x) = F^(-1/2) exp(|x|²/2) [sin(w x), cos(w x)]: the paper's trigonometric features."""
-    return _sin_cos(x, w), None if is_query else _half_sq_norm(x)
+    log_scale = _half_sq_norm(x)
+    return _sin_cos(x, w), log_scale - math.log(w.shape[0]) if is_query else log_scale
 
 
 def relu(x: Tensor, w: Tensor, *, is_query: bool) -> Features:
@@ -129,17 +136,24 @@ def random_phase_cos(x: Tensor, w: Tensor, phase: Tensor, *, is_query: bool) -> 
     """Original FAVOR: φ(x) = sqrt(2/F) exp(|x|²/2) cos(w x + b), b ~ U(0, 2π)."""
     # Not in place: the biased projection is a view of addmm's output (see project).
     phi = project(x, w, phase).cos()
-    return phi, None if is_query else _half_sq_norm(x)
+    log_scale = _half_sq_norm(x)
+    return phi, log_scale + math.log(2.0 / w.shape[0]) if is_query else log_scale
 
 
-def sincos(x_unit: Tensor, w: Tensor) -> Features:
+def sincos(x_unit: Tensor, w: Tensor, *, is_query: bool) -> Features:
     """RFA: φ(x) = F^(-1/2) [sin(w x), cos(w x)] on unit-norm x (Rahimi & Recht 2007)."""
-    return _sin_cos(x_unit, w), None
+    return _sin_cos(x_unit, w), _constant(x_unit, -math.log(w.shape[0])) if is_query else None
 
 
-def arccos(x_unit: Tensor, w: Tensor) -> Features:
+def arccos(x_unit: Tensor, w: Tensor, *, is_query: bool) -> Features:
     """RFA's arc-cosine variant: φ(x) = sqrt(2/F) relu(w x) (arc-cosine kernel of order 1)."""
-    return project(x_unit, w).relu_(), None
+    phi = project(x_unit, w).relu_()
+    return phi, _constant(x_unit, math.log(2.0 / w.shape[0])) if is_query else None
+
+
+def _constant(x: Tensor, value: float) -> Tensor:
+    """A log-scale of ``value`` for every row of x (..., L, D): (..., L, 1)."""
+    return x.new_full((*x.shape[:-1], 1), value)
 
 
 def elu_plus_one(x: Tensor) -> Features:
@@ -217,10 +231,9 @@ def learned_exp(x: Tensor, w: Tensor, b: Tensor, *, is_query: bool) -> Features:
     """Hedgehog (Zhang et al. 2024): φ(x) = [exp(x W_h + b_h), exp(-(x W_h + b_h))] per head h.
 
     x (B, H, L, D), w (H, D, F), b (H, F) -> (B, H, L, 2F). Returned over the row max of the 2F
-    exponents (so every value is <= 1), which keys give back as their log-scale.
+    exponents (so every value is <= 1), which queries and keys give back as their log-scale.
     """
-    phi, m = _Exp2HeadProjection.apply(x, w, b, False)
-    return (phi, None) if is_query else (phi, m)
+    return _Exp2HeadProjection.apply(x, w, b, False)
 
 
 def learned_softmax(x: Tensor, w: Tensor, b: Tensor) -> Features:

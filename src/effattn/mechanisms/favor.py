@@ -26,7 +26,7 @@ from torch import Tensor
 
 from effattn.base import check_bool, check_positive_int
 from effattn.kernelized import features as fm
-from effattn.kernelized.base import KernelizedAttention
+from effattn.kernelized.base import WINDOW_OPTIONS, KernelizedAttention
 from effattn.kernelized.flops import kernelized_flops
 from effattn.kernelized.parallel import StateExchange
 from effattn.kernelized.projections import gaussian_projection
@@ -51,9 +51,12 @@ class FavorAttention(KernelizedAttention):
         orthogonal: bool = True,
         redraw_interval: int | None = 1000,
         chunk_size: int = 32,
+        window: int | None = None,
+        window_factor: bool = False,
     ) -> None:
         super().__init__(head_dim, heads, max_len, seed, scale,
-                         redraw_interval=redraw_interval, chunk_size=chunk_size)
+                         redraw_interval=redraw_interval, chunk_size=chunk_size,
+                         window=window, window_factor=window_factor)
         self.num_features = check_positive_int("num_features", num_features)
         self.orthogonal = check_bool("orthogonal", orthogonal)
         w, b = self._draw(self._train_generator())
@@ -90,15 +93,18 @@ def _reference(
     """The explicit kernel matrix of the module's random-phase cosine features."""
     from effattn import naive  # imported here: the references stay off the runtime path
 
+    logits = module.scale * q @ k.transpose(-2, -1)
     return naive.favor_attention(
         q, k, v, module.projection, module.phase, causal=causal,
         key_padding_mask=key_padding_mask, scale=module.scale,
+        hybrid=naive.window_hybrid(module, logits),
     )
 
 
 def _flops(options: Mapping[str, Any], problem: Problem) -> float:
     return kernelized_flops(problem, projections=options["num_features"],
-                      feature_dim=options["num_features"], chunk_size=options["chunk_size"])
+                      feature_dim=options["num_features"], chunk_size=options["chunk_size"],
+                      window=options["window"])
 
 
 register(
@@ -117,6 +123,7 @@ register(
             "orthogonal": True,
             "redraw_interval": 1000,
             "chunk_size": 32,
+            **WINDOW_OPTIONS,
         },
         flops=_flops,
         budget=Budget("num_features", (16, 32, 64, 128, 256, 512, 1024)),

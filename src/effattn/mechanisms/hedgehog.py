@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from effattn.base import check_choice, check_positive_int
 from effattn.kernelized import features as fm
-from effattn.kernelized.base import KernelizedAttention
+from effattn.kernelized.base import WINDOW_OPTIONS, KernelizedAttention
 from effattn.kernelized.core import DenominatorUnderflowError
 from effattn.kernelized.flops import kernelized_flops
 from effattn.kernelized.parallel import StateExchange
@@ -69,8 +69,11 @@ class HedgehogAttention(KernelizedAttention):
         num_features: int | None = None,
         feature_map: str = "exp",
         chunk_size: int = 32,
+        window: int | None = None,
+        window_factor: bool = False,
     ) -> None:
         super().__init__(head_dim, heads, max_len, seed, scale, chunk_size=chunk_size,
+                         window=window, window_factor=window_factor,
                          eps=fm.denominator_eps(fm.learned_exp))  # both maps: 0, non-negative
         f = head_dim if num_features is None else check_positive_int("num_features", num_features)
         self.num_features = f
@@ -124,15 +127,17 @@ def _reference(
     """The explicit kernel matrix of the module's map φ(q)·φ(k), with its W and b."""
     from effattn import naive  # imported here: the references stay off the runtime path
 
+    logits = module.scale * q @ k.transpose(-2, -1)
     return naive.hedgehog_attention(q, k, v, module.weight, module.bias,
                                     feature_map=module.feature_map, causal=causal,
-                                    key_padding_mask=key_padding_mask)
+                                    key_padding_mask=key_padding_mask,
+                                    hybrid=naive.window_hybrid(module, logits))
 
 
 def _flops(options: Mapping[str, Any], problem: Problem) -> float:
     f = options["num_features"] or problem.head_dim
     return kernelized_flops(problem, projections=f, feature_dim=2 * f,
-                            chunk_size=options["chunk_size"])
+                            chunk_size=options["chunk_size"], window=options["window"])
 
 
 register(
@@ -146,7 +151,8 @@ register(
         padding_mask=True,
         cross=True,
         decoding=True,
-        options={"num_features": None, "feature_map": "exp", "chunk_size": 32},
+        options={"num_features": None, "feature_map": "exp", "chunk_size": 32,
+                 **WINDOW_OPTIONS},
         flops=_flops,
         budget=Budget("num_features", (16, 32, 64, 128, 256),
                       note="the map at its initialisation (identity W, zero b), not trained"),

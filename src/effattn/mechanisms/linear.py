@@ -13,7 +13,7 @@ from typing import Any
 from torch import Tensor
 
 from effattn.kernelized import features as fm
-from effattn.kernelized.base import KernelizedAttention
+from effattn.kernelized.base import WINDOW_OPTIONS, KernelizedAttention
 from effattn.kernelized.flops import kernelized_flops
 from effattn.kernelized.parallel import StateExchange
 from effattn.registry import MethodSpec, Problem, register
@@ -31,8 +31,11 @@ class LinearTransformerAttention(KernelizedAttention):
         scale: float | None = None,
         *,
         chunk_size: int = 32,
+        window: int | None = None,
+        window_factor: bool = False,
     ) -> None:
         super().__init__(head_dim, heads, max_len, seed, scale, chunk_size=chunk_size,
+                         window=window, window_factor=window_factor,
                          eps=fm.denominator_eps(fm.elu_plus_one))
 
     @property
@@ -55,15 +58,17 @@ def _reference(
     """The explicit kernel matrix (elu(q) + 1)·(elu(k) + 1); the module has no parameters."""
     from effattn import naive  # imported here: the references stay off the runtime path
 
+    logits = module.scale * q @ k.transpose(-2, -1)
     return naive.linear_transformer_attention(
-        q, k, v, causal=causal, key_padding_mask=key_padding_mask
+        q, k, v, causal=causal, key_padding_mask=key_padding_mask,
+        hybrid=naive.window_hybrid(module, logits),
     )
 
 
 def _flops(options: Mapping[str, Any], problem: Problem) -> float:
     # The feature map is elementwise: no projection, F = D.
     return kernelized_flops(problem, projections=0, feature_dim=problem.head_dim,
-                      chunk_size=options["chunk_size"])
+                      chunk_size=options["chunk_size"], window=options["window"])
 
 
 register(
@@ -77,7 +82,7 @@ register(
         padding_mask=True,
         cross=True,
         decoding=True,
-        options={"chunk_size": 32},
+        options={"chunk_size": 32, **WINDOW_OPTIONS},
         flops=_flops,
         bench_default=True,
         published={"lra_listops": 16.13},

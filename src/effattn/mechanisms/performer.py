@@ -30,7 +30,7 @@ from torch import Tensor
 
 from effattn.base import check_bool, check_choice, check_positive_int
 from effattn.kernelized import features as fm
-from effattn.kernelized.base import KernelizedAttention
+from effattn.kernelized.base import WINDOW_OPTIONS, KernelizedAttention
 from effattn.kernelized.flops import kernelized_flops
 from effattn.kernelized.parallel import StateExchange
 from effattn.kernelized.projections import gaussian_projection
@@ -63,9 +63,12 @@ class PerformerAttention(KernelizedAttention):
         orthogonal: bool = True,
         redraw_interval: int | None = 1000,
         chunk_size: int = 32,
+        window: int | None = None,
+        window_factor: bool = False,
     ) -> None:
         super().__init__(head_dim, heads, max_len, seed, scale,
-                         redraw_interval=redraw_interval, chunk_size=chunk_size)
+                         redraw_interval=redraw_interval, chunk_size=chunk_size,
+                         window=window, window_factor=window_factor)
         self.num_features = check_positive_int("num_features", num_features)
         self.feature_map = check_choice("feature_map", feature_map, tuple(FEATURE_MAPS))
         self.eps = fm.denominator_eps(FEATURE_MAPS[self.feature_map], self.eps)
@@ -103,9 +106,11 @@ def _reference(
     """The explicit kernel matrix of the module's true features φ(q̃)·φ(k̃)."""
     from effattn import naive  # imported here: the references stay off the runtime path
 
+    logits = module.scale * q @ k.transpose(-2, -1)
     return naive.performer_attention(
         q, k, v, module.projection, feature_map=module.feature_map, causal=causal,
         key_padding_mask=key_padding_mask, scale=module.scale,
+        hybrid=naive.window_hybrid(module, logits),
     )
 
 
@@ -113,7 +118,7 @@ def _flops(options: Mapping[str, Any], problem: Problem) -> float:
     paired = options["feature_map"] in ("hyperbolic", "trig")
     return kernelized_flops(problem, projections=options["num_features"],
                       feature_dim=options["num_features"] * (2 if paired else 1),
-                      chunk_size=options["chunk_size"])
+                      chunk_size=options["chunk_size"], window=options["window"])
 
 
 register(
@@ -132,6 +137,7 @@ register(
             "orthogonal": True,
             "redraw_interval": 1000,
             "chunk_size": 32,
+            **WINDOW_OPTIONS,
         },
         flops=_flops,
         budget=Budget("num_features", (16, 32, 64, 128, 256, 512, 1024)),

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from effattn.base import check_bool, check_choice, check_positive_int
 from effattn.kernelized import features as fm
-from effattn.kernelized.base import KernelizedAttention
+from effattn.kernelized.base import WINDOW_OPTIONS, KernelizedAttention
 from effattn.kernelized.flops import kernelized_flops
 from effattn.kernelized.parallel import StateExchange
 from effattn.kernelized.projections import gaussian_projection
@@ -67,9 +67,12 @@ class RandomFeatureAttention(KernelizedAttention):
         gated: bool = False,
         redraw_interval: int | None = 1,
         chunk_size: int = 32,
+        window: int | None = None,
+        window_factor: bool = False,
     ) -> None:
         super().__init__(head_dim, heads, max_len, seed, scale,
-                         redraw_interval=redraw_interval, chunk_size=chunk_size)
+                         redraw_interval=redraw_interval, chunk_size=chunk_size,
+                         window=window, window_factor=window_factor)
         self.num_features = check_positive_int("num_features", num_features)
         self.feature_map = check_choice("feature_map", feature_map, tuple(FEATURE_MAPS))
         self.eps = fm.denominator_eps(FEATURE_MAPS[self.feature_map], self.eps)
@@ -99,7 +102,13 @@ class RandomFeatureAttention(KernelizedAttention):
     def features(self, x: Tensor, *, is_query: bool) -> fm.Features:
         """φ of unit(x) with w = projection / σ_h (σ per head, broadcast over (B, H, L, F))."""
         xs = unit(x) / self.sigma.to(x.dtype)[:, None, None]
-        return FEATURE_MAPS[self.feature_map](xs, self.projection.to(x.dtype))
+        return FEATURE_MAPS[self.feature_map](xs, self.projection.to(x.dtype), is_query=is_query)
+
+    def window_logits(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, float, Tensor | None]:
+        """The log of RFA's kernel exp((q̂·k̂ - 1)/σ²): q̂/σ², k̂ at scale 1, shifted by -1/σ²
+        (per head; ``scale`` has no effect, as in the pure method)."""
+        inverse = self.sigma.to(q.dtype).pow(-2)  # (H,)
+        return unit(q) * inverse[:, None, None], unit(k), 1.0, -inverse
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, num_features={self.num_features}, "
@@ -110,7 +119,7 @@ def _flops(options: Mapping[str, Any], problem: Problem) -> float:
     paired = options["feature_map"] == "sincos"
     return kernelized_flops(problem, projections=options["num_features"],
                       feature_dim=options["num_features"] * (2 if paired else 1),
-                      chunk_size=options["chunk_size"])
+                      chunk_size=options["chunk_size"], window=options["window"])
 
 
 def _target(q: Tensor, k: Tensor, v: Tensor, scale: float, options: Mapping[str, Any]) -> Tensor:
@@ -135,9 +144,12 @@ def _reference(
     recurrence weights (1 - g_j) Π_{j<l<=i} g_l."""
     from effattn import naive  # imported here: the references stay off the runtime path
 
+    hat_q, hat_k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
+    logits = (hat_q @ hat_k.transpose(-2, -1) - 1.0) / module.sigma.to(q.dtype)[:, None, None] ** 2
     return naive.rfa_attention(
         q, k, v, module.projection, module.sigma, feature_map=module.feature_map, causal=causal,
         key_padding_mask=key_padding_mask, gate=gate,
+        hybrid=naive.window_hybrid(module, logits),
     )
 
 
@@ -159,6 +171,7 @@ register(
             "gated": False,
             "redraw_interval": 1,
             "chunk_size": 32,
+            **WINDOW_OPTIONS,
         },
         flops=_flops,
         budget=Budget("num_features", (16, 32, 64, 128, 256, 512, 1024), target=_target),

@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from effattn.base import check_bool, check_positive_int
 from effattn.kernelized import features as fm
-from effattn.kernelized.base import KernelizedAttention
+from effattn.kernelized.base import WINDOW_OPTIONS, KernelizedAttention
 from effattn.kernelized.flops import kernelized_flops
 from effattn.kernelized.parallel import StateExchange
 from effattn.random import TensorGenerator, normal
@@ -84,8 +84,11 @@ class TaylorAttention(KernelizedAttention):
         proj_dim: int = 16,
         learn_projection: bool = True,
         chunk_size: int = 32,
+        window: int | None = None,
+        window_factor: bool = False,
     ) -> None:
         super().__init__(head_dim, heads, max_len, seed, scale, chunk_size=chunk_size,
+                         window=window, window_factor=window_factor,
                          eps=fm.denominator_eps(fm.taylor))
         self.proj_dim = check_positive_int("proj_dim", proj_dim)
         self.learn_projection = check_bool("learn_projection", learn_projection)
@@ -126,15 +129,17 @@ def _reference(
     """The explicit kernel matrix 1 + t + t²/2 of t = scale · qᵀ W_h W_hᵀ k (not the features)."""
     from effattn import naive  # imported here: the references stay off the runtime path
 
+    logits = module.scale * q @ k.transpose(-2, -1)
     return naive.taylor_attention(q, k, v, module.projection, scale=module.scale, causal=causal,
-                                  key_padding_mask=key_padding_mask)
+                                  key_padding_mask=key_padding_mask,
+                                  hybrid=naive.window_hybrid(module, logits))
 
 
 def _flops(options: Mapping[str, Any], problem: Problem) -> float:
     # The projection is a GEMM; the quadratic features are elementwise products.
     p = options["proj_dim"]
     return kernelized_flops(problem, projections=p, feature_dim=taylor_feature_dim(p),
-                            chunk_size=options["chunk_size"])
+                            chunk_size=options["chunk_size"], window=options["window"])
 
 
 register(
@@ -148,7 +153,8 @@ register(
         padding_mask=True,
         cross=True,
         decoding=True,
-        options={"proj_dim": 16, "learn_projection": True, "chunk_size": 32},
+        options={"proj_dim": 16, "learn_projection": True, "chunk_size": 32,
+                 **WINDOW_OPTIONS},
         flops=_flops,
         budget=Budget("proj_dim", (4, 8, 16, 32, 64),
                       note="the projection as drawn (E[W Wᵀ] = I), not trained"),

@@ -18,6 +18,7 @@ from effattn.naive.kernelized import (
     performer_features,
     rfa_attention,
     taylor_attention,
+    window_hybrid,
 )
 from effattn.naive.lowrank import linformer_attention, nystrom_attention
 from effattn.naive.lsh import reformer_attention, reformer_candidates
@@ -54,4 +55,5 @@ __all__ = [
     "sparse_fixed_attention",
     "sparse_strided_attention",
     "taylor_attention",
+    "window_hybrid",
 ]

@@ -4,6 +4,7 @@ explicit N x M kernel matrix, with gates through their unrolled recurrence weigh
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -68,18 +69,57 @@ def kernel_attention(
     return (a @ v) / den
 
 
-def _explicit(phi_q: Tensor, phi_k: Tensor, v: Tensor, causal: bool, key_padding_mask, gate=None):
+@dataclass
+class WindowHybrid:
+    """The window hybrid of a kernelized method (effattn.kernelized.hybrid): exact exponentials of
+    ``logits`` (B, H, N, N) over each query's window of ``window`` keys, the kernel elsewhere,
+    times exp(``log_factor``) (H,) when given."""
+
+    window: int
+    logits: Tensor
+    log_factor: Tensor | None = None
+
+
+def window_hybrid(module, logits: Tensor) -> WindowHybrid | None:
+    """The :class:`WindowHybrid` of a kernelized module built with ``window`` (None without), for
+    the exact ``logits`` (B, H, N, N) its features estimate the exponential of."""
+    if module.window is None:
+        return None
+    factor = module.window_log_factor
+    return WindowHybrid(module.window, logits,
+                        None if factor is None else factor.to(logits.dtype))
+
+
+def _explicit(phi_q: Tensor, phi_k: Tensor, v: Tensor, causal: bool, key_padding_mask, gate=None,
+              hybrid: WindowHybrid | None = None):
     """Normalised kernel attention with true (unstabilised) features and no eps tricks."""
-    return _normalised(phi_q @ phi_k.transpose(-2, -1), v, causal, key_padding_mask, gate)
+    return _normalised(phi_q @ phi_k.transpose(-2, -1), v, causal, key_padding_mask, gate, hybrid)
 
 
-def _normalised(a: Tensor, v: Tensor, causal: bool, key_padding_mask, gate=None) -> Tensor:
+def _normalised(a: Tensor, v: Tensor, causal: bool, key_padding_mask, gate=None,
+                hybrid: WindowHybrid | None = None) -> Tensor:
     """The kernel matrix a (B, H, N, M) weighted by :func:`kernel_weights`, normalised per query,
-    times v; a query that sees no key at all gets 0."""
+    times v; a query that sees no key at all gets 0. With ``hybrid``, inside each query's window
+    (causal: 0 <= i - j < W; else |i - j| <= W // 2) exp(logit) replaces the weighted kernel."""
     a = a * kernel_weights(
         a.shape[2], a.shape[3], causal=causal, key_padding_mask=key_padding_mask,
         gate=gate, dtype=a.dtype, device=a.device,
     )
+    if hybrid is not None:
+        n, m = a.shape[2], a.shape[3]
+        offset = (torch.arange(n, device=a.device)[:, None]
+                  - torch.arange(m, device=a.device)[None, :])
+        w = hybrid.window
+        inside = (offset >= 0) & (offset < w) if causal else offset.abs() <= w // 2
+        if key_padding_mask is not None:
+            inside = inside & ~key_padding_mask[:, None, None, :]
+        logits = hybrid.logits.masked_fill(~inside, -math.inf)
+        top = logits.amax(-1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, 0.0)
+        if hybrid.log_factor is not None:
+            a = a * hybrid.log_factor.exp()[:, None, None]
+        # Everything at the scale of the window's largest logit.
+        a = torch.where(inside, torch.exp(logits - top), a * torch.exp(-top))
     den = a.sum(-1, keepdim=True)
     sees_a_key = kernel_weights(
         a.shape[2], a.shape[3], causal=causal, key_padding_mask=key_padding_mask,
@@ -115,6 +155,7 @@ def performer_attention(
     causal: bool = False,
     key_padding_mask: Tensor | None = None,
     scale: float | None = None,
+    hybrid: WindowHybrid | None = None,
 ) -> Tensor:
     """Performer (FAVOR+) with the (F, D) ``projection``: the explicit kernel matrix of the true
     features φ(q̃)·φ(k̃), q̃ = q·sqrt(scale) (see :func:`performer_features`)."""
@@ -122,7 +163,7 @@ def performer_attention(
     w = projection.to(q.dtype)
     return _explicit(
         performer_features(q * root, w, feature_map), performer_features(k * root, w, feature_map),
-        v, causal, key_padding_mask,
+        v, causal, key_padding_mask, hybrid=hybrid,
     )
 
 
@@ -136,6 +177,7 @@ def favor_attention(
     causal: bool = False,
     key_padding_mask: Tensor | None = None,
     scale: float | None = None,
+    hybrid: WindowHybrid | None = None,
 ) -> Tensor:
     """Original FAVOR with the (F, D) ``projection`` and (F,) ``phase``: the explicit kernel
     matrix of φ(x) = sqrt(2/F) exp(|x|²/2) cos(w x + b), x = q·sqrt(scale) or k·sqrt(scale)."""
@@ -147,7 +189,7 @@ def favor_attention(
         sq = (x * x).sum(-1, keepdim=True) / 2
         return math.sqrt(2 / w.shape[0]) * torch.exp(sq) * torch.cos(x @ w.T + b)
 
-    return _explicit(phi(q), phi(k), v, causal, key_padding_mask)
+    return _explicit(phi(q), phi(k), v, causal, key_padding_mask, hybrid=hybrid)
 
 
 def rfa_attention(
@@ -161,6 +203,7 @@ def rfa_attention(
     causal: bool = False,
     key_padding_mask: Tensor | None = None,
     gate: Tensor | None = None,
+    hybrid: WindowHybrid | None = None,
 ) -> Tensor:
     """RFA with the (F, D) ``projection`` and per-head ``sigma`` (H,): the explicit kernel matrix
     of φ(x̂) = F^(-1/2) [sin(w x̂ / σ), cos(w x̂ / σ)] (or sqrt(2/F) relu(w x̂ / σ), "arccos") on
@@ -174,7 +217,7 @@ def rfa_attention(
             return torch.cat([torch.sin(u), torch.cos(u)], -1) / math.sqrt(f)
         return math.sqrt(2 / f) * torch.relu(u)
 
-    return _explicit(phi(q), phi(k), v, causal, key_padding_mask, gate)
+    return _explicit(phi(q), phi(k), v, causal, key_padding_mask, gate, hybrid=hybrid)
 
 
 def linear_transformer_attention(
@@ -184,10 +227,12 @@ def linear_transformer_attention(
     *,
     causal: bool = False,
     key_padding_mask: Tensor | None = None,
+    hybrid: WindowHybrid | None = None,
 ) -> Tensor:
     """Linear transformer: the explicit kernel matrix (elu(q) + 1)·(elu(k) + 1)."""
     return _explicit(
-        torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1, v, causal, key_padding_mask
+        torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1, v, causal, key_padding_mask,
+        hybrid=hybrid,
     )
 
 
@@ -201,6 +246,7 @@ def hedgehog_attention(
     feature_map: str = "exp",
     causal: bool = False,
     key_padding_mask: Tensor | None = None,
+    hybrid: WindowHybrid | None = None,
 ) -> Tensor:
     """Hedgehog with per-head ``weight`` (H, D, F) and ``bias`` (H, F): the explicit kernel
     matrix of φ(x) = [exp(u), exp(-u)] (or, ``feature_map="softmax_dim"``,
@@ -215,7 +261,7 @@ def hedgehog_attention(
             return torch.cat([torch.softmax(u, -1), torch.softmax(-u, -1)], -1)
         raise ValueError(f"unknown feature_map {feature_map!r}")
 
-    return _explicit(phi(q), phi(k), v, causal, key_padding_mask)
+    return _explicit(phi(q), phi(k), v, causal, key_padding_mask, hybrid=hybrid)
 
 
 def taylor_attention(
@@ -227,6 +273,7 @@ def taylor_attention(
     scale: float | None = None,
     causal: bool = False,
     key_padding_mask: Tensor | None = None,
+    hybrid: WindowHybrid | None = None,
 ) -> Tensor:
     """Based's Taylor kernel from its formula, not its features: the kernel matrix
     1 + t + t²/2 of t = q̃·k̃, x̃ = sqrt(scale) · x W_h, with the per-head ``projection``
@@ -236,4 +283,4 @@ def taylor_attention(
     q_t = torch.einsum("bhld,hdp->bhlp", q, w)
     k_t = torch.einsum("bhld,hdp->bhlp", k, w)
     t = q_t @ k_t.transpose(-2, -1)
-    return _normalised(1 + t + t * t / 2, v, causal, key_padding_mask)
+    return _normalised(1 + t + t * t / 2, v, causal, key_padding_mask, hybrid=hybrid)

@@ -58,9 +58,9 @@ class Halo(SequenceStrategy):
         before = after = kv[:, :, :0]
         mask_before = mask_after = None if mask is None else mask[:, :0]
         if left + right:
-            before, after = _halos(kv, group, left, right)
+            before, after = halos(kv, group, left, right)
             if mask is not None:
-                mask_before, mask_after = _halos(mask[:, None, :, None], group, left, right)
+                mask_before, mask_after = halos(mask[:, None, :, None], group, left, right)
                 mask_before, mask_after = mask_before[:, 0, :, 0], mask_after[:, 0, :, 0]
         k_ext = torch.cat([before, kv, after], 2)
         q_ext = F.pad(q, (0, 0, before.shape[2], after.shape[2]))
@@ -72,7 +72,7 @@ class Halo(SequenceStrategy):
         return out[:, :, before.shape[2] : before.shape[2] + n]
 
 
-def _halos(x: Tensor, group: SequenceGroup, left: int, right: int) -> tuple[Tensor, Tensor]:
+def halos(x: Tensor, group: SequenceGroup, left: int, right: int) -> tuple[Tensor, Tensor]:
     """The ``left`` tokens before this rank's slice and the ``right`` after it (fewer at the
     ends of the sequence), from one all-gather of every slice's last ``left`` and first
     ``right`` tokens. x: (B, H, n_r, X); returns (B, H, <= left, X), (B, H, <= right, X)."""

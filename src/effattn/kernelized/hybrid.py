@@ -1,0 +1,347 @@
+"""The window hybrid of a kernelized method: exact softmax over each query's window of keys, the
+method's feature-map estimate over every other key, in one normaliser.
+
+With s_ij the method's exact logits (``scale q_i·k_j``; RFA: the log of its Gaussian kernel),
+κ(q, k) = φ(q)·φ(k) its kernel at the true scale (the query's log-scale included, see
+kernelized.features), w_ij the weights of the pure method (causality, padding, gate) and α_h an
+optional per-head factor (LoLCATs, Zhang et al. 2024; Based, Arora et al. 2024 for the
+window + linear split)::
+
+    out_i = (Σ_{j ∈ W(i)} e^{s_ij} v_j + α_h Σ_{j ∉ W(i)} w_ij κ(q_i, k_j) v_j)
+            / (Σ_{j ∈ W(i)} e^{s_ij}   + α_h Σ_{j ∉ W(i)} w_ij κ(q_i, k_j))
+
+W(i) is the window of ``local``: causal, the last ``window`` keys 0 <= i - j < window (the
+query's own included); non-causal, |i - j| <= window // 2. For random features (performer,
+favor, rfa) κ estimates e^{s}, so the window is exact where attention is peaked and the
+estimate fills in the rest; for maps that do not estimate e^{s} (linear, hedgehog, taylor) the
+factor lets training set the balance. A window that covers every key is exact softmax.
+
+Computed as two (non-causal: three) normalised partial attentions merged by their normalisers,
+as FlashAttention merges blocks: the banded engine (``effattn.sparse``) gives the window's
+output and log-sum-exp; the causal kernelized core gives the rest's output and normaliser
+(:func:`effattn.kernelized.core.kernelized_causal_normalised`) from keys lagged by the window:
+query i of the lagged sequence sees keys up to i - window, exactly those causal attention leaves
+outside the window. Non-causal, the keys before i - window // 2 are one lagged causal pass and
+those after i + window // 2 the same pass over the reversed sequence. Both engines keep only
+their inputs, outputs and normalisers for the backward (no N x window or N x F tensor).
+
+Gated (RFA's gate): key j outside the window carries (1 - g_j) Π_{j<l<=i} g_l, the lagged
+state's weight times the gates of the window, Π_{i-window<l<=i} g_l, added to its log.
+
+Decoding: :class:`WindowState` holds a ring buffer of the last ``window`` keys and values (and
+gates) and the fixed-size state of every key before them: memory independent of the position.
+A key leaving the window enters the state.
+
+Shapes: B batch, H heads, N tokens, D head dim, Dv value dim, W window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from effattn.kernelized.core import (
+    LOG_GATE_FLOOR,
+    Normaliser,
+    RecurrentState,
+    kernelized_causal_normalised,
+    read_normalised,
+    step_state,
+)
+from effattn.sparse import banded_attention
+
+if TYPE_CHECKING:
+    from effattn.kernelized.base import KernelizedAttention
+
+
+@dataclass
+class Partial:
+    """Attention over a subset of the keys: its normalised output (B, H, N, Dv) and normaliser
+    Σ_j (weight of j) as ``sign · exp(log_abs)`` (B, H, N); sign None: positive."""
+
+    out: Tensor
+    log_abs: Tensor
+    sign: Tensor | None = None
+
+
+def merge(parts: list[Partial], eps: float) -> Tensor:
+    """Σ_p n_p out_p / Σ_p n_p for the parts' normalisers n_p: attention over the union of their
+    (disjoint) key sets. Held at the largest log |n_p| of each row (no overflow); a row that no
+    part reaches gives 0. ``eps`` floors |Σ_p n_p| at ``eps`` times the largest |n_p|, keeping
+    its sign (0: no floor): only signed features' estimates can cancel the sum, and relative to
+    its parts, since the window's exact softmax can be legitimately tiny at the true scale
+    (logits of -400), where the core's absolute floor would replace it."""
+    top = torch.stack([p.log_abs for p in parts]).amax(0).detach()
+    top = torch.where(torch.isfinite(top), top, 0.0)
+    num = den = None
+    for p in parts:
+        weight = torch.exp(p.log_abs - top)
+        if p.sign is not None:
+            weight = weight * p.sign
+        term = p.out * weight[..., None]
+        num = term if num is None else num + term
+        den = weight if den is None else den + weight
+    assert num is not None and den is not None
+    if eps > 0:
+        den = torch.where(den >= 0, den.clamp_min(eps), den.clamp_max(-eps))
+    den = torch.where(den == 0, 1.0, den)
+    return num / den[..., None]
+
+
+def _window_part(attn: KernelizedAttention, q: Tensor, k: Tensor, v: Tensor, causal: bool,
+                 key_padding_mask: Tensor | None) -> Partial:
+    """Exact softmax over each query's window, by the banded engine."""
+    wq, wk, scale, shift = attn.window_logits(q, k)
+    window = attn.window
+    assert window is not None
+    left, right = (window - 1, 0) if causal else (window // 2, window // 2)
+    out, lse = banded_attention(wq, wk, v, left=left, right=right, scale=scale,
+                                key_mask=key_padding_mask)
+    return Partial(out, lse if shift is None else lse + shift[:, None])
+
+
+def _lag(x: Tensor, lag: int, fill: float | bool, dim: int) -> Tensor:
+    """x moved ``lag`` positions later along ``dim`` (its last ``lag`` dropped), ``fill`` in
+    front."""
+    shape = list(x.shape)
+    shape[dim] = lag
+    front = torch.full(shape, fill, dtype=x.dtype, device=x.device)
+    return torch.cat([front, x.narrow(dim, 0, x.shape[dim] - lag)], dim)
+
+
+def _lagged_part(attn: KernelizedAttention, q: Tensor, k: Tensor, v: Tensor, lag: int,
+                 key_padding_mask: Tensor | None, gate: Tensor | None) -> Partial:
+    """The kernelized estimate over keys j <= i - lag, causal, from the lagged sequence."""
+    b, n = q.shape[0], q.shape[2]
+    pad = torch.zeros(b, n, dtype=torch.bool, device=q.device) if key_padding_mask is None \
+        else key_padding_mask
+    out, _, norm = kernelized_causal_normalised(
+        q, _lag(k, lag, 0.0, 2), _lag(v, lag, 0.0, 2), attn.features,
+        feature_dim=attn.feature_dim, key_padding_mask=_lag(pad, lag, True, 1),
+        gate=None if gate is None else _lag(gate, lag, 1.0, 2), chunk_size=attn.chunk_size,
+        eps=attn.eps, slice_elements=attn.slice_elements, feature_tensors=attn.feature_tensors(),
+    )
+    log_abs = norm.log_abs
+    if gate is not None:
+        log_abs = log_abs + _window_log_gate(gate, key_padding_mask, lag, None)
+    return _linear(attn, out, Normaliser(log_abs, norm.sign))
+
+
+def _window_log_gate(gate: Tensor, key_padding_mask: Tensor | None, window: int,
+                     earlier: Tensor | None) -> Tensor:
+    """Σ_{i-window<l<=i} log g_l (B, H, N): the decay of the lagged state over the window, padded
+    tokens leaving it alone as in the core. ``earlier`` (B, H, window): the log-gates of the
+    ``window`` tokens before these (a decoder's ring buffer), None: none. Summed in float64 as
+    a difference of cumulative sums (a window of any length costs one pass)."""
+    log_gate = torch.log(gate).clamp_min(LOG_GATE_FLOOR)
+    if key_padding_mask is not None:
+        log_gate = log_gate.masked_fill(key_padding_mask[:, None, :], 0.0)
+    if earlier is None:
+        earlier = log_gate.new_zeros(*log_gate.shape[:2], window)
+    total = torch.cat([earlier, log_gate], -1).double().cumsum(-1)
+    return (total[..., window:] - total[..., :-window]).to(gate.dtype)
+
+
+def _linear(attn: KernelizedAttention, out: Tensor, norm: Normaliser) -> Partial:
+    """The kernelized part as a :class:`Partial`, times the per-head factor when there is one."""
+    log_abs = norm.log_abs
+    factor = attn.window_log_factor
+    if factor is not None:
+        log_abs = log_abs + factor.to(log_abs.dtype)[:, None]
+    return Partial(out, log_abs, norm.sign)
+
+
+def hybrid_attention(
+    attn: KernelizedAttention,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool,
+    key_padding_mask: Tensor | None,
+    gate: Tensor | None = None,
+) -> Tensor:
+    """The window hybrid of ``attn`` (see the module docstring): q, k (B, H, N, D), v (B, H, N,
+    Dv), key_padding_mask (B, N), gate (B, H, N) (causal) -> (B, H, N, Dv)."""
+    window = attn.window
+    assert window is not None
+    n = q.shape[2]
+    parts = [_window_part(attn, q, k, v, causal, key_padding_mask)]
+    lag = window if causal else window // 2 + 1
+    if lag < n:  # else every key is in every window: exact softmax
+        parts.append(_lagged_part(attn, q, k, v, lag, key_padding_mask, gate))
+        if not causal:
+            flip = None if key_padding_mask is None else key_padding_mask.flip(1)
+            later = _lagged_part(attn, q.flip(2), k.flip(2), v.flip(2), lag, flip, None)
+            parts.append(Partial(later.out.flip(2), later.log_abs.flip(2),
+                                 None if later.sign is None else later.sign.flip(2)))
+    return merge(parts, attn.eps)
+
+
+@dataclass
+class WindowState:
+    """Decoding state of a window hybrid: the last W keys, values (and gates) in a ring buffer
+    (position p in slot p % W) and the kernelized state of every key before them.
+
+    k: (B, H, W, D), v: (B, H, W, Dv), gate: (B, H, W) or None; linear: the
+    :class:`RecurrentState` of the keys before the window (None until one leaves it);
+    length: tokens seen. Its size does not depend on the position.
+    """
+
+    k: Tensor
+    v: Tensor
+    gate: Tensor | None
+    linear: RecurrentState | None
+    length: int
+
+    def nbytes(self) -> int:
+        tensors = [self.k, self.v] + [t for t in (self.gate,) if t is not None]
+        ring = sum(t.numel() * t.element_size() for t in tensors)
+        return ring + (0 if self.linear is None else self.linear.nbytes())
+
+    def nbytes_in_use(self) -> int:
+        return self.nbytes()
+
+
+def _ordered(x: Tensor, length: int) -> Tensor:
+    """A ring buffer's (B, H, W, ...) slots in position order, oldest first."""
+    return torch.roll(x, -(length % x.shape[2]), 2)
+
+
+def _slots(x: Tensor, length: int) -> Tensor:
+    """The inverse of :func:`_ordered`: the last W positions (oldest first) -> ring slots."""
+    return torch.roll(x, length % x.shape[2], 2)
+
+
+def hybrid_prefill(
+    attn: KernelizedAttention,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    state: WindowState | None,
+    gate: Tensor | None = None,
+) -> tuple[Tensor, WindowState]:
+    """Causal window hybrid over a block of L tokens after ``state`` (None: the start): q, k
+    (B, H, L, D), v (B, H, L, Dv), gate (B, H, L) -> (B, H, L, Dv) and the state after.
+
+    The W keys before the block (the ring, in order) go in front of it: the window part runs on
+    those W + L positions (their queries unused), the kernelized part on the first L of them,
+    the lagged keys, after the state of everything older."""
+    window = attn.window
+    assert window is not None
+    b, h, n = q.shape[:3]
+    state = _check_state(attn, state, k, v, gate)
+    front = torch.arange(state.length - window, state.length, device=q.device) < 0
+    k_ext = torch.cat([_ordered(state.k, state.length), k], 2)
+    v_ext = torch.cat([_ordered(state.v, state.length), v], 2)
+    pad = torch.cat([front, front.new_zeros(n)])[None].expand(b, -1)
+    g_ext = None
+    if gate is not None:
+        assert state.gate is not None
+        g_ext = torch.cat([_ordered(state.gate, state.length), gate], 2)
+    q_ext = torch.cat([q.new_zeros(b, h, window, q.shape[3]), q], 2)
+    window_part = _window_part(attn, q_ext, k_ext, v_ext, True, pad)
+    parts = [Partial(window_part.out[:, :, window:], window_part.log_abs[:, :, window:])]
+    out, linear, norm = kernelized_causal_normalised(
+        q, k_ext[:, :, :n], v_ext[:, :, :n], attn.features, state.linear,
+        feature_dim=attn.feature_dim, key_padding_mask=pad[:, :n],
+        gate=None if g_ext is None else g_ext[:, :, :n], chunk_size=attn.chunk_size,
+        eps=attn.eps, slice_elements=attn.slice_elements, feature_tensors=attn.feature_tensors(),
+    )
+    if g_ext is not None:
+        norm = Normaliser(norm.log_abs + _window_log_gate(g_ext[:, :, window:], None, window,
+                                                          _masked_log(g_ext[:, :, :window],
+                                                                      front)), norm.sign)
+    parts.append(_linear(attn, out, norm))
+    length = state.length + n
+    return merge(parts, attn.eps), WindowState(
+        _slots(k_ext[:, :, -window:], length), _slots(v_ext[:, :, -window:], length),
+        None if g_ext is None else _slots(g_ext[:, :, -window:], length), linear, length,
+    )
+
+
+def _masked_log(gate: Tensor, empty: Tensor) -> Tensor:
+    """log g (clamped as the core clamps it), 0 at the ring's empty slots (``empty`` (W,))."""
+    return torch.log(gate).clamp_min(LOG_GATE_FLOOR).masked_fill(empty, 0.0)
+
+
+def _check_state(attn: KernelizedAttention, state: WindowState | None, k: Tensor, v: Tensor,
+                 gate: Tensor | None) -> WindowState:
+    """``state``, checked against the module and the block, or an empty one."""
+    window = attn.window
+    assert window is not None
+    b, h = k.shape[:2]
+    if state is None:
+        return WindowState(
+            k.new_zeros(b, h, window, k.shape[3]), v.new_zeros(b, h, window, v.shape[3]),
+            None if gate is None else gate.new_ones(b, h, window), None, 0,
+        )
+    if not isinstance(state, WindowState) or state.k.shape != (b, h, window, k.shape[3]):
+        got = (f"a WindowState of keys {tuple(state.k.shape)}" if isinstance(state, WindowState)
+               else type(state).__name__)
+        raise ValueError(
+            f"{attn.spec.name} with window={window}: state must be the WindowState of its "
+            f"step/prefill, keys (B={b}, H={h}, W={window}, D={k.shape[3]}), got {got}"
+        )
+    if (state.gate is None) != (gate is None):
+        made = "with" if gate is None else "without"
+        raise ValueError(f"{attn.spec.name}: the state was made {made} a gate; every step and "
+                         "prefill of a sequence must agree")
+    return WindowState(state.k.to(k.dtype), state.v.to(v.dtype),
+                       None if state.gate is None else state.gate.to(k.dtype), state.linear,
+                       state.length)
+
+
+def hybrid_step(
+    attn: KernelizedAttention,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    state: WindowState | None,
+    gate: Tensor | None = None,
+) -> tuple[Tensor, WindowState]:
+    """One decoding token (B, H, 1, ·) of the causal window hybrid: the key leaving the window
+    enters the kernelized state, the new one takes its slot, then softmax over the ring and the
+    state's read-out are merged. Updates the ring in place unless autograd records."""
+    window = attn.window
+    assert window is not None
+    state = _check_state(attn, state, k, v, gate)
+    t, slot = state.length, state.length % window
+    linear = state.linear
+    if t >= window:
+        phi_k, log_scale = attn.features(state.k[:, :, slot:slot + 1], is_query=False)
+        linear = step_state(linear, phi_k, state.v[:, :, slot:slot + 1], key_log_scale=log_scale,
+                            gate=None if state.gate is None else state.gate[:, :, slot:slot + 1],
+                            recording=q.requires_grad)
+    in_place = not torch.compiler.is_compiling() and not (
+        torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, state.k, state.v)))
+    ring_k, ring_v, ring_g = state.k, state.v, state.gate
+    if in_place:
+        ring_k[:, :, slot] = k[:, :, 0]
+        ring_v[:, :, slot] = v[:, :, 0]
+        if ring_g is not None and gate is not None:
+            ring_g[:, :, slot] = gate[:, :, 0]
+    else:
+        at = F.one_hot(torch.tensor(slot), window).to(device=k.device, dtype=torch.bool)
+        ring_k = torch.where(at[:, None], k, ring_k)
+        ring_v = torch.where(at[:, None], v, ring_v)
+        if ring_g is not None and gate is not None:
+            ring_g = torch.where(at, gate, ring_g)
+    # Slots written so far: all of them from the window's end on.
+    empty = torch.arange(window, device=q.device) > t
+    wq, wk, scale, shift = attn.window_logits(q, ring_k)
+    scores = (wq @ wk.transpose(-2, -1) * scale).masked_fill(empty, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    parts = [Partial(torch.softmax(scores, -1) @ ring_v,
+                     lse if shift is None else lse + shift[:, None])]
+    if linear is not None:
+        out, norm = read_normalised(linear, *attn.features(q, is_query=True), attn.eps)
+        if ring_g is not None:
+            norm = Normaliser(norm.log_abs + _masked_log(ring_g, empty).sum(-1, keepdim=True),
+                              norm.sign)
+        parts.append(_linear(attn, out, norm))
+    return merge(parts, attn.eps), WindowState(ring_k, ring_v, ring_g, linear, t + 1)

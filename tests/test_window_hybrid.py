@@ -1,0 +1,263 @@
+"""The window hybrid of the kernelized methods (``window=W``, effattn.kernelized.hybrid): exact
+softmax over each query's window plus the feature-map estimate over every other key.
+
+Against the dense reference (effattn.naive.kernelized, ``hybrid=``) in float64 with gradients of
+q, k, v, the gate and the per-head factor, on N = 63, D = 21, Dv = 10 with windows smaller,
+equal and larger than a chunk (C = 8) and padding; exact limits (a window over every key is
+softmax; ``window=None`` is the pure method); decoding (ring buffer + state) and prefill equal
+the causal forward; torch.compile; the errors.
+"""
+
+import copy
+
+import pytest
+import torch
+from conftest import padding, qkv
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import effattn
+from effattn import naive
+from effattn.kernelized.hybrid import WindowState
+
+B, H, N, D, DV = 2, 3, 63, 21, 10
+CHUNK = 8
+# Every kernelized method (and RFA's gate), with small budgets.
+METHODS = [
+    ("performer", {"num_features": 24}),
+    ("performer-trig", {"num_features": 24, "feature_map": "trig"}),
+    ("favor", {"num_features": 24}),
+    ("rfa", {"num_features": 24}),
+    ("rfa-gated", {"num_features": 24, "gated": True}),
+    ("linear", {}),
+    ("hedgehog", {}),
+    ("taylor", {"proj_dim": 5}),
+]
+# Signed features cancel in the normaliser: rounding is amplified (see kernelized.core).
+TOLERANCE = {"favor": 1e-7, "performer-trig": 1e-8}
+
+
+def _method(label):
+    return label.split("-")[0]
+
+
+def _build(label, options, window, *, factor=True, device="cpu"):
+    module = effattn.build(_method(label), head_dim=D, heads=H, seed=0, chunk_size=CHUNK,
+                           window=window, window_factor=factor and window is not None,
+                           **options)
+    module.slice_elements = 500  # a few chunks per slice of the sequence
+    module = module.double().eval().to(device)
+    if module.window_log_factor is not None:
+        with torch.no_grad():
+            module.window_log_factor.copy_(torch.linspace(-0.7, 0.9, H))
+    return module
+
+
+def _inputs(device, gated, seed=0, n=N):
+    q, k, v = (t.to(device) for t in qkv(b=B, h=H, n=n, d=D, dv=DV, seed=seed))
+    call = {}
+    if gated:
+        g = torch.Generator().manual_seed(seed + 7)
+        call["gate"] = (0.2 + 0.7 * torch.rand(B, H, n, dtype=torch.float64, generator=g)).to(
+            device)
+    return q, k, v, call
+
+
+# Windows smaller than, equal to and larger than a chunk, each causal and not, with and without
+# padding (tests/test_references.py runs every mode at window 9 as well).
+SETTINGS = [(3, True, True), (CHUNK, True, False), (13, True, True), (3, False, False),
+            (CHUNK, False, True), (13, False, True)]
+
+
+@pytest.mark.parametrize("window, causal, padded", SETTINGS,
+                         ids=[f"window={w}-{'causal' if c else 'full'}-{'padded' if p else 'dense'}"
+                              for w, c, p in SETTINGS])
+@pytest.mark.parametrize("label, options", METHODS, ids=[m for m, _ in METHODS])
+def test_matches_the_reference_with_gradients(label, options, window, causal, padded, device):
+    gated = options.get("gated", False)
+    if gated and not causal:
+        pytest.skip("the gate is a causal recurrence")
+    module = _build(label, options, window, device=device)
+    q, k, v, call = _inputs(device, gated)
+    mask = padding(B, N, seed=3).to(device) if padded else None
+    leaves = [q, k, v, *call.values(), module.window_log_factor]
+    for t in leaves:
+        t.requires_grad_(True)
+    out = module(q, k, v, causal=causal, key_padding_mask=mask, **call)
+    ref = module.spec.reference(module, q, k, v, causal=causal, key_padding_mask=mask, **call)
+    tol = TOLERANCE.get(label, 1e-10)
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    g = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1)).to(
+        device)
+    got = torch.autograd.grad((out * g).sum(), leaves)
+    want = torch.autograd.grad((ref * g).sum(), leaves)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=100 * tol, atol=100 * tol)
+
+
+def _softmax(label, module, q, k, v, causal, mask):
+    """Exact softmax of the logits the features estimate the exponential of."""
+    if _method(label) == "rfa":
+        unit = [x / x.norm(dim=-1, keepdim=True) for x in (q, k)]
+        return naive.softmax_attention(*unit, v, causal=causal, key_padding_mask=mask,
+                                       scale=float(module.sigma[0]) ** -2)
+    return naive.softmax_attention(q, k, v, causal=causal, key_padding_mask=mask,
+                                   scale=module.scale)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("label, options", METHODS, ids=[m for m, _ in METHODS])
+def test_a_window_over_every_key_is_exact_softmax(label, options, causal):
+    if options.get("gated") and not causal:
+        pytest.skip("the gate is a causal recurrence")
+    # Causal: the last N keys; non-causal: N - 1 to each side.
+    module = _build(label, options, N if causal else 2 * (N - 1))
+    q, k, v, call = _inputs("cpu", options.get("gated", False))
+    mask = padding(B, N, seed=3)
+    out = module(q, k, v, causal=causal, key_padding_mask=mask, **call)
+    want = _softmax(label, module, q, k, v, causal, mask)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("label, options", METHODS, ids=[m for m, _ in METHODS])
+def test_window_none_is_the_pure_method(label, options):
+    q, k, v, call = _inputs("cpu", options.get("gated", False))
+    pure = effattn.build(_method(label), head_dim=D, heads=H, seed=0, chunk_size=CHUNK,
+                         **options).double().eval()
+    default = _build(label, options, None)
+    assert default.window is None and default.window_log_factor is None
+    assert "window_log_factor" not in default.state_dict()
+    causal = True
+    out = default(q, k, v, causal=causal, **call)
+    torch.testing.assert_close(out, pure(q, k, v, causal=causal, **call), rtol=0, atol=0)
+    ref = pure.spec.reference(pure, q, k, v, causal=causal, **call)
+    torch.testing.assert_close(out, ref, rtol=TOLERANCE.get(label, 1e-10),
+                               atol=TOLERANCE.get(label, 1e-10))
+
+
+def test_the_window_is_exact_where_attention_is_local():
+    """Peaked, local attention (each query's logits large on its own recent keys): the hybrid's
+    error against softmax is far below the pure random-feature estimate's."""
+    n = 200
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(1, 2, n, 16, dtype=torch.float64, generator=g)
+    # Keys drift slowly: neighbours are similar, so a query's largest logits are near it.
+    k = torch.cumsum(base, 2) / 4
+    q, v = k.clone(), torch.randn(1, 2, n, 16, dtype=torch.float64, generator=g)
+    exact = naive.softmax_attention(q, k, v, causal=True)
+    errors = {}
+    for window in (None, 64):
+        module = effattn.build("performer", head_dim=16, heads=2, seed=0, num_features=64,
+                               window=window).double().eval()
+        out = module(q, k, v, causal=True)
+        errors[window] = ((out - exact).norm() / exact.norm()).item()
+    assert errors[64] < errors[None] / 10, errors  # measured: 1.02 -> 0.015
+
+
+@pytest.mark.parametrize("window", [1, 5, CHUNK, 13, 80], ids=lambda w: f"window={w}")
+@pytest.mark.parametrize("label, options", METHODS, ids=[m for m, _ in METHODS])
+def test_step_and_prefill_equal_the_causal_forward(label, options, window):
+    """Token by token from nothing, and a prompt prefilled in two blocks (the second continues
+    the ring buffer and the state), then steps: each equals the causal forward."""
+    module = _build(label, options, window)
+    q, k, v, call = _inputs("cpu", options.get("gated", False), n=40)
+    tol = TOLERANCE.get(label, 1e-10)
+    with torch.no_grad():
+        full = module(q, k, v, causal=True, **call)
+
+        def at(a, b):
+            return [x[:, :, a:b] for x in (q, k, v)], {n: x[:, :, a:b] for n, x in call.items()}
+
+        state, outs = None, []
+        for t in range(40):
+            (qt, kt, vt), ct = at(t, t + 1)
+            out, state = module.step(qt, kt, vt, state, **ct)
+            outs.append(out)
+        torch.testing.assert_close(torch.cat(outs, 2), full, rtol=tol, atol=tol)
+        outs, state = [], None
+        for a, b in ((0, 11), (11, 23)):
+            (qs, ks, vs), cs = at(a, b)
+            out, state = module.prefill(qs, ks, vs, state, **cs)
+            outs.append(out)
+        for t in range(23, 40):
+            (qt, kt, vt), ct = at(t, t + 1)
+            out, state = module.step(qt, kt, vt, state, **ct)
+            outs.append(out)
+    torch.testing.assert_close(torch.cat(outs, 2), full, rtol=tol, atol=tol)
+    assert isinstance(state, WindowState) and state.length == 40
+    assert state.k.shape[2] == window  # the ring holds W keys whatever the length
+
+
+def test_decoding_state_does_not_grow():
+    module = effattn.build("performer", head_dim=8, heads=2, seed=0, num_features=16,
+                           window=4).eval()
+    q, k, v = qkv(b=1, h=2, n=30, d=8, dtype=torch.float32)
+    state, sizes = None, []
+    with torch.no_grad():
+        for t in range(30):
+            _, state = module.step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state)
+            sizes.append(state.nbytes())
+    assert len(set(sizes[4:])) == 1  # the kernelized state exists once a key left the window
+
+
+def test_fp32_step_matches_the_forward():
+    module = effattn.build("hedgehog", head_dim=16, heads=2, seed=0, window=6).eval()
+    q, k, v = qkv(b=2, h=2, n=50, d=16, dtype=torch.float32)
+    with torch.no_grad():
+        full = module(q, k, v, causal=True)
+        state, outs = None, []
+        for t in range(50):
+            out, state = module.step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state)
+            outs.append(out)
+    torch.testing.assert_close(torch.cat(outs, 2), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("label, options, training",
+                         [(*METHODS[0], False), (*METHODS[0], True), (*METHODS[4], True)],
+                         ids=["performer-eval", "performer-train", "rfa-gated-train"])
+def test_compiles_fullgraph_and_matches_eager(label, options, training, one_thread):
+    torch._dynamo.reset()
+    eager = _build(label, options, 5).train(training)
+    compiled = torch.compile(copy.deepcopy(eager), backend=CompileCounterWithBackend("aot_eager"),
+                             fullgraph=True)
+    gated = options.get("gated", False)
+    for causal in ([True] if gated else [False, True]):
+        q, k, v, call = _inputs("cpu", gated, n=30)
+        mask = padding(B, 30, seed=1)
+        want = eager(q, k, v, causal=causal, key_padding_mask=mask, **call)
+        got = compiled(q, k, v, causal=causal, key_padding_mask=mask, **call)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch._dynamo.reset()
+
+
+def test_the_factor_is_a_trained_parameter_in_the_state_dict():
+    module = _build("hedgehog", {}, 5)
+    assert "window_log_factor" in module.state_dict()
+    assert any(p is module.window_log_factor for p in module.parameters())
+    copy_ = _build("hedgehog", {}, 5, factor=True)
+    with torch.no_grad():
+        copy_.window_log_factor.zero_()
+    copy_.load_state_dict(module.state_dict())
+    torch.testing.assert_close(copy_.window_log_factor, module.window_log_factor)
+
+
+def test_errors_name_the_argument():
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        effattn.build("performer", window=0)
+    with pytest.raises(ValueError, match="window_factor=True needs a window"):
+        effattn.build("performer", window_factor=True)
+    with pytest.raises(ValueError, match="window_factor must be a bool"):
+        effattn.build("performer", window=4, window_factor=1)
+    module = effattn.build("performer", head_dim=8, heads=2, window=4)
+    q, _, _ = qkv(b=1, h=2, n=6, d=8, dtype=torch.float32)
+    k, v, _ = qkv(b=1, h=2, n=9, d=8, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"window=4 cannot do cross-attention \(N=6 != M=9\)"):
+        module(q, k, v)
+    with pytest.raises(ValueError, match="window=4 cannot do cross-attention over a memory"):
+        module.memory(k, v)
+    one = q[:, :, :1]
+    with pytest.raises(ValueError, match="state must be the WindowState"):
+        module.step(one, one, one, state=torch.zeros(1))
+    _, state = module.step(one, one, one)
+    other = effattn.build("performer", head_dim=8, heads=2, window=5)
+    with pytest.raises(ValueError, match="W=5"):
+        other.step(one, one, one, state)
