@@ -86,7 +86,6 @@ def test_method_compiles_fullgraph_and_matches_eager(name, training):
 def test_decoding_step_compiles_fullgraph_and_matches_eager(name, options):
     """The lazy rescale is branch-free when compiled: keys whose log-scale jumps past the
     margin (small keys after large ones, for positive features) must still match eager."""
-    s = spec(name)
     options = {**small_options(name, SMALL), **options}
     module = effattn.build(name, head_dim=D, heads=H, seed=0, **options).double().eval()
     backend = CompileCounterWithBackend("aot_eager")

@@ -32,7 +32,8 @@ B, H, D, DV = 2, 2, 7, 5
 # (id, method, options, dtype): every method that can be split, with the variants that change
 # the strategy (log-scale stabiliser or none, eps of sign-changing features, learned sigma or
 # feature maps, gate, softmax's soft cap, sliding window and sinks, window within or beyond a
-# slice). Checked in fp32 to 1e-5, except FAVOR's trigonometric maps: their denominators cancel
+# slice; the kernelized window hybrid, its window within or beyond a slice, gated, with its
+# factor). Checked in fp32 to 1e-5, except FAVOR's trigonometric maps: their denominators cancel
 # (unbounded variance), so one process's fp32 result is itself uncertain beyond 1e-5; they are
 # checked in float64 to 1e-10. rfa needs F = 128 for the same reason in fp32.
 METHODS = [
@@ -48,6 +49,11 @@ METHODS = [
     ("softmax", "softmax", {}, torch.float32),
     ("softmax-softcap", "softmax", {"softcap": 2.0}, torch.float32),
     ("softmax-window-sinks", "softmax", {}, torch.float32),
+    ("performer-window", "performer", {"num_features": 16, "window": 4}, torch.float32),
+    ("rfa-gated-window", "rfa", {"num_features": 128, "gated": True, "window": 9},
+     torch.float32),
+    ("hedgehog-window-factor", "hedgehog", {"num_features": 9, "window": 9,
+                                            "window_factor": True}, torch.float32),
     ("local", "local", {"window": 5}, torch.float32),
     ("local-wide-dilated", "local", {"window": 17, "dilation": 2}, torch.float32),
 ]

@@ -92,7 +92,7 @@ def merge(parts: list[Partial], eps: float) -> Tensor:
     return num / den[..., None]
 
 
-def _window_part(attn: KernelizedAttention, q: Tensor, k: Tensor, v: Tensor, causal: bool,
+def window_part(attn: KernelizedAttention, q: Tensor, k: Tensor, v: Tensor, causal: bool,
                  key_padding_mask: Tensor | None) -> Partial:
     """Exact softmax over each query's window, by the banded engine."""
     wq, wk, scale, shift = attn.window_logits(q, k)
@@ -127,11 +127,11 @@ def _lagged_part(attn: KernelizedAttention, q: Tensor, k: Tensor, v: Tensor, lag
     )
     log_abs = norm.log_abs
     if gate is not None:
-        log_abs = log_abs + _window_log_gate(gate, key_padding_mask, lag, None)
-    return _linear(attn, out, Normaliser(log_abs, norm.sign))
+        log_abs = log_abs + window_log_gate(gate, key_padding_mask, lag, None)
+    return linear_part(attn, out, Normaliser(log_abs, norm.sign))
 
 
-def _window_log_gate(gate: Tensor, key_padding_mask: Tensor | None, window: int,
+def window_log_gate(gate: Tensor, key_padding_mask: Tensor | None, window: int,
                      earlier: Tensor | None) -> Tensor:
     """Σ_{i-window<l<=i} log g_l (B, H, N): the decay of the lagged state over the window, padded
     tokens leaving it alone as in the core. ``earlier`` (B, H, window): the log-gates of the
@@ -146,7 +146,7 @@ def _window_log_gate(gate: Tensor, key_padding_mask: Tensor | None, window: int,
     return (total[..., window:] - total[..., :-window]).to(gate.dtype)
 
 
-def _linear(attn: KernelizedAttention, out: Tensor, norm: Normaliser) -> Partial:
+def linear_part(attn: KernelizedAttention, out: Tensor, norm: Normaliser) -> Partial:
     """The kernelized part as a :class:`Partial`, times the per-head factor when there is one."""
     log_abs = norm.log_abs
     factor = attn.window_log_factor
@@ -170,7 +170,7 @@ def hybrid_attention(
     window = attn.window
     assert window is not None
     n = q.shape[2]
-    parts = [_window_part(attn, q, k, v, causal, key_padding_mask)]
+    parts = [window_part(attn, q, k, v, causal, key_padding_mask)]
     lag = window if causal else window // 2 + 1
     if lag < n:  # else every key is in every window: exact softmax
         parts.append(_lagged_part(attn, q, k, v, lag, key_padding_mask, gate))
@@ -244,8 +244,8 @@ def hybrid_prefill(
         assert state.gate is not None
         g_ext = torch.cat([_ordered(state.gate, state.length), gate], 2)
     q_ext = torch.cat([q.new_zeros(b, h, window, q.shape[3]), q], 2)
-    window_part = _window_part(attn, q_ext, k_ext, v_ext, True, pad)
-    parts = [Partial(window_part.out[:, :, window:], window_part.log_abs[:, :, window:])]
+    seen = window_part(attn, q_ext, k_ext, v_ext, True, pad)
+    parts = [Partial(seen.out[:, :, window:], seen.log_abs[:, :, window:])]
     out, linear, norm = kernelized_causal_normalised(
         q, k_ext[:, :, :n], v_ext[:, :, :n], attn.features, state.linear,
         feature_dim=attn.feature_dim, key_padding_mask=pad[:, :n],
@@ -253,10 +253,10 @@ def hybrid_prefill(
         eps=attn.eps, slice_elements=attn.slice_elements, feature_tensors=attn.feature_tensors(),
     )
     if g_ext is not None:
-        norm = Normaliser(norm.log_abs + _window_log_gate(g_ext[:, :, window:], None, window,
+        norm = Normaliser(norm.log_abs + window_log_gate(g_ext[:, :, window:], None, window,
                                                           _masked_log(g_ext[:, :, :window],
                                                                       front)), norm.sign)
-    parts.append(_linear(attn, out, norm))
+    parts.append(linear_part(attn, out, norm))
     length = state.length + n
     return merge(parts, attn.eps), WindowState(
         _slots(k_ext[:, :, -window:], length), _slots(v_ext[:, :, -window:], length),
@@ -343,5 +343,5 @@ def hybrid_step(
         if ring_g is not None:
             norm = Normaliser(norm.log_abs + _masked_log(ring_g, empty).sum(-1, keepdim=True),
                               norm.sign)
-        parts.append(_linear(attn, out, norm))
+        parts.append(linear_part(attn, out, norm))
     return merge(parts, attn.eps), WindowState(ring_k, ring_v, ring_g, linear, t + 1)

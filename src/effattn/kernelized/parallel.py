@@ -14,6 +14,15 @@ Rank r of P holds the contiguous slice r of the sequence, starting at offset o_r
   continues from it over the rank's slice.
 
 Communication is one or P states per call, independent of N.
+
+- The window hybrid (``window=W``, :mod:`effattn.kernelized.hybrid`): each rank all-gathers the
+  W keys, values, padding and gates before its slice (after it too, non-causal: W // 2 + 1
+  each way), a halo as the banded methods' (:mod:`effattn.sparse.parallel`), and computes the
+  window's softmax over [halo, own slice, halo]. The kernelized part runs on the lagged keys
+  (positions o_r - lag ..), whose slices tile the lagged sequence across the ranks: the state
+  exchange above on them gives each rank the state of every key before its lagged slice.
+  Non-causal, the keys after the window are the same exchange over the reversed sequence (the
+  ranks after r, from the leading keys o_r + lag ..).
 """
 
 from __future__ import annotations
@@ -30,10 +39,13 @@ from effattn.kernelized.core import (
     RecurrentState,
     accumulate_keys,
     kernelized_causal,
+    kernelized_causal_normalised,
     key_state,
     read_queries,
 )
+from effattn.kernelized.hybrid import Partial, linear_part, merge, window_log_gate, window_part
 from effattn.parallel import SequenceGroup, SequenceStrategy
+from effattn.sparse.parallel import halos
 
 
 class StateExchange(SequenceStrategy):
@@ -56,6 +68,8 @@ class StateExchange(SequenceStrategy):
         dt = compute_dtype(q.dtype)
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
         gate = None if gate is None else gate.to(dt)
+        if attn.window is not None:
+            return _hybrid(attn, group, q, k, v, causal, key_padding_mask, gate)
         common = {"feature_dim": attn.feature_dim, "slice_elements": attn.slice_elements}
         if not causal:
             local = key_state(k, v, attn.features, key_padding_mask=key_padding_mask, **common)
@@ -67,7 +81,7 @@ class StateExchange(SequenceStrategy):
         b, h, f, dv1 = local.kv.shape
         packed = torch.cat([local.kv.reshape(b, h, f * dv1), local.log_scale.reshape(b, h, 1),
                             decay.reshape(b, h, 1)], -1)
-        incoming = _incoming(group.all_gather(packed), f, dv1, group)
+        incoming = _incoming(group.all_gather(packed), f, dv1, group, reverse=False)
         return kernelized_causal(
             q, k, v, attn.features, incoming, key_padding_mask=key_padding_mask, gate=gate,
             chunk_size=attn.chunk_size, eps=attn.eps, **common,
@@ -104,17 +118,22 @@ def _slice_state(
     return state, log_gate.sum(-1)
 
 
-def _incoming(states: Tensor, f: int, dv1: int, group: SequenceGroup) -> RecurrentState:
+def _incoming(states: Tensor, f: int, dv1: int, group: SequenceGroup,
+              reverse: bool) -> RecurrentState:
     """The state entering this rank r from the gathered states of all P ranks.
 
     S_in = Σ_{r' < r} exp(s_r' + Σ_{r' < l < r} G_l) S_r', held at the largest of those
     exponents (every weight <= 1). Ranks r' >= r get weight 0 rather than being left out, so
     that every rank's output depends on the gather and every rank runs its backward (rank 0
-    gets an empty state).
+    gets an empty state). ``reverse``: the ranks in reverse order (r' > r enter), for a pass
+    over the reversed sequence.
     """
+    rank = group.rank
+    if reverse:
+        states, rank = states.flip(0), group.size - 1 - group.rank
     kv = states[..., :-2].unflatten(-1, (f, dv1))  # (P, B, H, F, Dv + 1)
     scale, decay = states[..., -2].detach(), states[..., -1]  # (P, B, H)
-    earlier = (torch.arange(group.size, device=states.device) < group.rank)[:, None, None]
+    earlier = (torch.arange(group.size, device=states.device) < rank)[:, None, None]
     decay = decay.masked_fill(~earlier, 0.0)
     # Σ_{l > r'} G_l as a reversed cumsum shifted by one: no subtraction of long sums.
     later = torch.cat([decay[1:].flip(0).cumsum(0).flip(0), torch.zeros_like(decay[:1])])
@@ -122,3 +141,80 @@ def _incoming(states: Tensor, f: int, dv1: int, group: SequenceGroup) -> Recurre
     top = exponent.detach().amax(0).clamp_min(LOG_FLOOR)
     weight = torch.exp(exponent - top)[..., None, None]
     return RecurrentState((weight * kv).sum(0), top[..., None, None], group.offset)
+
+
+def _hybrid(
+    attn: KernelizedAttention,
+    group: SequenceGroup,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool,
+    key_padding_mask: Tensor | None,
+    gate: Tensor | None,
+) -> Tensor:
+    """The window hybrid over this rank's slice (see the module docstring)."""
+    window = attn.window
+    assert window is not None
+    b, h, n, d = k.shape
+    dv = v.shape[-1]
+    lag = window if causal else window // 2 + 1
+    pad = (torch.zeros(b, n, dtype=torch.bool, device=q.device) if key_padding_mask is None
+           else key_padding_mask)
+    # One gather for keys, values, padding (1 = padded) and gates; halos filled to ``lag``
+    # rows with padding where the sequence ends.
+    rows = torch.cat([k, v, pad[:, None, :, None].to(k.dtype).expand(b, h, n, 1),
+                      (k.new_ones(b, h, n) if gate is None else gate)[..., None]], -1)
+    before, after = halos(rows, group, lag, 0 if causal else lag)
+    filler = torch.cat([rows.new_zeros(d + dv), rows.new_ones(2)])
+    before = torch.cat([filler.expand(b, h, lag - before.shape[2], -1), before], 2)
+    after = torch.cat([after, filler.expand(b, h, (0 if causal else lag) - after.shape[2], -1)],
+                      2)
+    ext = torch.cat([before, rows, after], 2)
+    k_e, v_e = ext[..., :d], ext[..., d:d + dv]
+    pad_e, gate_e = ext[:, 0, :, d + dv] > 0.5, ext[..., -1]
+    q_e = F.pad(q, (0, 0, lag, after.shape[2]))
+    seen = window_part(attn, q_e, k_e, v_e, causal, pad_e)
+    parts = [Partial(seen.out[:, :, lag:lag + n], seen.log_abs[:, :, lag:lag + n])]
+    lagged = _exchanged_part(attn, group, q, k_e[:, :, :n], v_e[:, :, :n], pad_e[:, :n],
+                             None if gate is None else gate_e[:, :, :n], reverse=False)
+    if gate is not None:
+        earlier = torch.log(gate_e[:, :, :lag]).clamp_min(LOG_GATE_FLOOR).masked_fill(
+            pad_e[:, None, :lag], 0.0)
+        lagged = Partial(lagged.out, lagged.log_abs
+                         + window_log_gate(gate, key_padding_mask, lag, earlier), lagged.sign)
+    parts.append(lagged)
+    if not causal:
+        lead = slice(2 * lag, 2 * lag + n)
+        later = _exchanged_part(attn, group, q.flip(2), k_e[:, :, lead].flip(2),
+                                v_e[:, :, lead].flip(2), pad_e[:, lead].flip(1), None,
+                                reverse=True)
+        parts.append(Partial(later.out.flip(2), later.log_abs.flip(2),
+                             None if later.sign is None else later.sign.flip(2)))
+    return merge(parts, attn.eps)
+
+
+def _exchanged_part(
+    attn: KernelizedAttention,
+    group: SequenceGroup,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pad: Tensor,
+    gate: Tensor | None,
+    reverse: bool,
+) -> Partial:
+    """The kernelized part of the hybrid from this rank's lagged (or, ``reverse``, leading) keys:
+    their slice states exchanged, then the causal pass from the state entering the slice."""
+    local, decay = _slice_state(attn, k, v, pad, gate)
+    b, h, f, dv1 = local.kv.shape
+    packed = torch.cat([local.kv.reshape(b, h, f * dv1), local.log_scale.reshape(b, h, 1),
+                        decay.reshape(b, h, 1)], -1)
+    incoming = _incoming(group.all_gather(packed), f, dv1, group, reverse)
+    out, _, norm = kernelized_causal_normalised(
+        q, k, v, attn.features, incoming, feature_dim=attn.feature_dim, key_padding_mask=pad,
+        gate=gate, chunk_size=attn.chunk_size, eps=attn.eps, slice_elements=attn.slice_elements,
+        feature_tensors=attn.feature_tensors(),
+    )
+    return linear_part(attn, out, norm)
+
