@@ -94,6 +94,26 @@ def test_generate_with_recurrent_cache_keeps_a_fixed_state_and_matches_a_full_fo
         torch.testing.assert_close(model(x).logits, adapted, rtol=1e-5, atol=1e-5)
 
 
+def test_the_window_hybrid_generates_with_a_ring_buffer_and_a_fixed_state():
+    """linearize to hedgehog with window=4 and its factor: generate() keeps the ring of 4 keys
+    and the state (the same bytes after 6 and 24 tokens) and matches a full forward."""
+    model, prompt = _llama(), _tokens(n=5, batch=1)
+    new = linearize(model, "hedgehog", num_features=8, window=4, window_factor=True,
+                    decoding=True)
+    assert sum(name.endswith("window_log_factor") for name in new) == 2
+    sizes = []
+    for count in (6, 24):
+        cache = RecurrentCache()
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=count,
+                             min_new_tokens=count, do_sample=False, past_key_values=cache,
+                             output_logits=True, return_dict_in_generate=True)
+        sizes.append(cache.nbytes())
+        with torch.no_grad():
+            full = model(out.sequences[:, :-1]).logits[:, prompt.shape[1] - 1:]
+        torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=1e-4, atol=1e-4)
+    assert sizes[0] == sizes[1] > 0
+
+
 def test_linearize_errors_name_the_problem():
     with pytest.raises(KeyError, match="no_such_method"):
         linearize(_llama(), "no_such_method")
