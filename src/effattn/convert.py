@@ -204,6 +204,32 @@ def _matching(model: nn.Module, losses: list[Tensor]) -> Iterator[None]:
             handle.remove()
 
 
+def _calibrate(model: nn.Module, layers: list[AttentionMethod], inputs: Any) -> None:
+    """Window hybrids with a factor (``window_factor=True``) start from the factor that gives the
+    estimate softmax's mass outside the window on the first batch
+    (:func:`effattn.kernelized.hybrid.calibrate_factor`): their feature maps' scale is arbitrary,
+    and Adam moves the log-factor by about its step size per step."""
+    from effattn.kernelized.hybrid import calibrate_factor
+
+    hybrids = [attn for attn in layers if getattr(attn, "window_log_factor", None) is not None]
+    if not hybrids:
+        return
+
+    def run(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        q, k = args[:2]
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        calibrate_factor(module, q.to(dtype), k.to(dtype), causal=kwargs.get("causal", False),
+                         key_padding_mask=kwargs.get("key_padding_mask"))
+
+    handles = [attn.register_forward_pre_hook(run, with_kwargs=True) for attn in hybrids]
+    try:
+        with torch.no_grad(), _matching(model, []):  # every layer sees softmax's hidden states
+            _call(model, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def _call(model: nn.Module, inputs: Any) -> Any:
     if isinstance(inputs, Mapping):
         return model(**inputs)
@@ -287,6 +313,8 @@ def transfer(
                     inputs = next(batch_iter)
                 except StopIteration:
                     raise ValueError(f"batches ran out after {step} of {steps} steps") from None
+                if step == 0:
+                    _calibrate(model, layers, inputs)
                 losses: list[Tensor] = []
                 with _matching(model, losses):
                     _call(model, inputs)

@@ -182,6 +182,56 @@ def hybrid_attention(
     return merge(parts, attn.eps)
 
 
+@torch.no_grad()
+def calibrate_factor(attn: KernelizedAttention, q: Tensor, k: Tensor, *, causal: bool,
+                     key_padding_mask: Tensor | None) -> None:
+    """Set the per-head factor α_h (``window_log_factor``) so that the estimate's normaliser over
+    the keys outside each window equals exact softmax's, at the median over the queries::
+
+        log α_h = median_i [log Σ_{j ∉ W(i)} e^{s_ij} - log Σ_{j ∉ W(i)} κ(q_i, k_j)]
+
+    Then the estimate starts with the share of attention softmax gives the keys outside the
+    window. α_h = 1 is right for the maps that estimate e^{s} (random features); a map whose
+    kernel has its own scale (hedgehog's, linear's) can otherwise drown the window, and training
+    moves log α by about the step size per step. Dense N x N logits, ungated: for converting a
+    trained model, once on a batch of its own q, k (q, k (B, H, N, D), key_padding_mask (B, N)).
+    Queries whose estimate is signed or empty are left out; heads without any keep their factor.
+    """
+    window, factor = attn.window, attn.window_log_factor
+    if window is None or factor is None:
+        raise ValueError(f"{attn.spec.name}: calibrate_factor needs window= and "
+                         "window_factor=True")
+    n = q.shape[2]
+    wq, wk, scale, shift = attn.window_logits(q, k)
+    logits = scale * wq @ wk.transpose(-2, -1)
+    if shift is not None:
+        logits = logits + shift[:, None, None]
+    offset = torch.arange(n, device=q.device)[:, None] - torch.arange(n, device=q.device)
+    outside = (offset >= window) if causal else offset.abs() > window // 2
+    if key_padding_mask is not None:
+        outside = outside & ~key_padding_mask[:, None, None, :]
+    exact = torch.logsumexp(logits.masked_fill(~outside, -torch.inf), -1)
+    lag = window if causal else window // 2 + 1
+    if lag >= n:
+        return
+    zeros = q.new_zeros(*q.shape[:3], 1)
+    parts = [_lagged_part(attn, q, k, zeros, lag, key_padding_mask, None)]
+    if not causal:
+        flip = None if key_padding_mask is None else key_padding_mask.flip(1)
+        later = _lagged_part(attn, q.flip(2), k.flip(2), zeros, lag, flip, None)
+        parts.append(Partial(later.out, later.log_abs.flip(2),
+                             None if later.sign is None else later.sign.flip(2)))
+    estimate = torch.logsumexp(torch.stack([p.log_abs for p in parts]), 0)
+    estimate = estimate - factor.to(estimate.dtype)[:, None]
+    keep = torch.isfinite(exact) & torch.isfinite(estimate)
+    for p in parts:
+        if p.sign is not None:
+            keep &= (p.sign > 0) | ~torch.isfinite(p.log_abs)
+    diff = (exact - estimate).masked_fill(~keep, torch.nan)
+    median = diff.transpose(0, 1).flatten(1).nanmedian(-1).values  # (H,)
+    factor.copy_(torch.where(torch.isnan(median), factor, median.to(factor.dtype)))
+
+
 @dataclass
 class WindowState:
     """Decoding state of a window hybrid: the last W keys, values (and gates) in a ring buffer
