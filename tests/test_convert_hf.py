@@ -68,6 +68,22 @@ def test_transfer_lowers_the_layer_error_and_trains_only_the_new_parameters():
         torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0)
 
 
+def _generates_as_the_full_forward_in_a_fixed_state(model, prompt):
+    """Greedy generate() of 6 and of 24 tokens with a RecurrentCache: its logits equal a full
+    forward's over the generated sequence, and the cache holds the same bytes after both."""
+    sizes = []
+    for count in (6, 24):
+        cache = RecurrentCache()
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=count,
+                             min_new_tokens=count, do_sample=False, past_key_values=cache,
+                             output_logits=True, return_dict_in_generate=True)
+        sizes.append(cache.nbytes())
+        with torch.no_grad():
+            full = model(out.sequences[:, :-1]).logits[:, prompt.shape[1] - 1:]
+        torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=1e-4, atol=1e-4)
+    assert sizes[0] == sizes[1] > 0
+
+
 def test_generate_with_recurrent_cache_keeps_a_fixed_state_and_matches_a_full_forward():
     model, prompt = _llama(), _tokens(n=5, batch=1)
     linearize(model, "hedgehog", num_features=8, decoding=True)
@@ -76,17 +92,7 @@ def test_generate_with_recurrent_cache_keeps_a_fixed_state_and_matches_a_full_fo
     with torch.no_grad():
         for p in adapters.values():
             p.normal_(0, 0.2)
-    sizes = []
-    for new in (6, 24):
-        cache = RecurrentCache()
-        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
-                             min_new_tokens=new, do_sample=False, past_key_values=cache,
-                             output_logits=True, return_dict_in_generate=True)
-        sizes.append(cache.nbytes())
-        with torch.no_grad():
-            full = model(out.sequences[:, :-1]).logits[:, prompt.shape[1] - 1:]
-        torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=1e-4, atol=1e-4)
-    assert sizes[0] == sizes[1] > 0
+    _generates_as_the_full_forward_in_a_fixed_state(model, prompt)
     x = _tokens()
     with torch.no_grad():
         adapted = model(x).logits
@@ -101,17 +107,7 @@ def test_the_window_hybrid_generates_with_a_ring_buffer_and_a_fixed_state():
     new = linearize(model, "hedgehog", num_features=8, window=4, window_factor=True,
                     decoding=True)
     assert sum(name.endswith("window_log_factor") for name in new) == 2
-    sizes = []
-    for count in (6, 24):
-        cache = RecurrentCache()
-        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=count,
-                             min_new_tokens=count, do_sample=False, past_key_values=cache,
-                             output_logits=True, return_dict_in_generate=True)
-        sizes.append(cache.nbytes())
-        with torch.no_grad():
-            full = model(out.sequences[:, :-1]).logits[:, prompt.shape[1] - 1:]
-        torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=1e-4, atol=1e-4)
-    assert sizes[0] == sizes[1] > 0
+    _generates_as_the_full_forward_in_a_fixed_state(model, prompt)
 
 
 def test_linearize_errors_name_the_problem():

@@ -77,11 +77,7 @@ class StateExchange(SequenceStrategy):
             kv = group.all_reduce_sum(local.kv * torch.exp(local.log_scale - scale))
             state = RecurrentState(kv, scale, group.total)
             return read_queries(q, state, attn.features, eps=attn.eps, **common)
-        local, decay = _slice_state(attn, k, v, key_padding_mask, gate)
-        b, h, f, dv1 = local.kv.shape
-        packed = torch.cat([local.kv.reshape(b, h, f * dv1), local.log_scale.reshape(b, h, 1),
-                            decay.reshape(b, h, 1)], -1)
-        incoming = _incoming(group.all_gather(packed), f, dv1, group, reverse=False)
+        incoming = _entering(attn, group, k, v, key_padding_mask, gate, reverse=False)
         return kernelized_causal(
             q, k, v, attn.features, incoming, key_padding_mask=key_padding_mask, gate=gate,
             chunk_size=attn.chunk_size, eps=attn.eps, **common,
@@ -116,6 +112,18 @@ def _slice_state(
     state = accumulate_keys(None, phi_k * (1.0 - gate)[..., None], v, key_log_scale=log_scale,
                             key_padding_mask=key_padding_mask)
     return state, log_gate.sum(-1)
+
+
+def _entering(attn: KernelizedAttention, group: SequenceGroup, k: Tensor, v: Tensor,
+              key_padding_mask: Tensor | None, gate: Tensor | None,
+              reverse: bool) -> RecurrentState:
+    """The causal state entering this rank's slice of k, v: every rank's slice state and total
+    log gate in one all-gather, combined by :func:`_incoming`."""
+    local, decay = _slice_state(attn, k, v, key_padding_mask, gate)
+    b, h, f, dv1 = local.kv.shape
+    packed = torch.cat([local.kv.reshape(b, h, f * dv1), local.log_scale.reshape(b, h, 1),
+                        decay.reshape(b, h, 1)], -1)
+    return _incoming(group.all_gather(packed), f, dv1, group, reverse)
 
 
 def _incoming(states: Tensor, f: int, dv1: int, group: SequenceGroup,
@@ -206,11 +214,7 @@ def _exchanged_part(
 ) -> Partial:
     """The kernelized part of the hybrid from this rank's lagged (or, ``reverse``, leading) keys:
     their slice states exchanged, then the causal pass from the state entering the slice."""
-    local, decay = _slice_state(attn, k, v, pad, gate)
-    b, h, f, dv1 = local.kv.shape
-    packed = torch.cat([local.kv.reshape(b, h, f * dv1), local.log_scale.reshape(b, h, 1),
-                        decay.reshape(b, h, 1)], -1)
-    incoming = _incoming(group.all_gather(packed), f, dv1, group, reverse)
+    incoming = _entering(attn, group, k, v, pad, gate, reverse)
     out, _, norm = kernelized_causal_normalised(
         q, k, v, attn.features, incoming, feature_dim=attn.feature_dim, key_padding_mask=pad,
         gate=gate, chunk_size=attn.chunk_size, eps=attn.eps, slice_elements=attn.slice_elements,
