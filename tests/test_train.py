@@ -192,6 +192,10 @@ def test_compare_options_and_resolution():
         assert set(opts) <= set(effattn.spec(method).options)
     if "performer" in effattn.methods():
         assert cmp.scaled_options("performer", 256, 16)["num_features"] == 64
+        assert "window" not in cmp.scaled_options("performer", 256, 16)  # the hybrid is opt-in
+        assert cmp.run_options("performer", {"window": 64}, cmp.TrainConfig())["window"] == 64
+    if "local" in effattn.methods():
+        assert cmp.scaled_options("local", 256, 16)["window"] == 32
     if "linformer" in effattn.methods():
         assert cmp.scaled_options("linformer", 256, 16)["proj_len"] == 64
 

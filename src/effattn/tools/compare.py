@@ -45,13 +45,15 @@ def scaled_options(method: str, seq_len: int, head_dim: int) -> dict[str, Any]:
     L/4, bucket L/16). Random-feature counts become 4 D (64 at D = 16, above the D ln D that
     several implementations use) instead of 256, which at D = 16 would make the kernelized
     methods several times slower than softmax for no accuracy the comparison could show. Only
-    options the method has are set.
+    options the method has are set, and a window that is off by default (the kernelized
+    methods' ``window=W`` hybrid) stays off: it is a different model, asked for by name.
     """
     scaled = {"window": seq_len // 8, "block_size": seq_len // 16,
               "num_landmarks": seq_len // 8, "proj_len": seq_len // 4,
               "bucket_size": seq_len // 16, "num_features": 4 * head_dim}
     known = spec(method).options
-    return {k: max(2, v) for k, v in scaled.items() if k in known}
+    return {k: max(2, v) for k, v in scaled.items()
+            if k in known and not (k == "window" and known[k] is None)}
 
 
 def run_options(method: str, options: dict[str, Any], base: TrainConfig) -> dict[str, Any]:
