@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import padding, qkv
 
 import effattn
@@ -228,10 +229,16 @@ def test_peaked_logits_are_refused_not_zeroed(dtype, n, masked):
 def test_exact_limit_holds_on_peaked_logits(dtype, n, device):
     """Single-token landmarks give S V directly: no pseudo-inverse of the singular S."""
     q, k, v = _peaked(n, dtype, device)
-    exact = R.softmax_attention(q, k, v)
     out = effattn.build("nystrom", head_dim=16, heads=2, num_landmarks=n).to(device)(q, k, v)
     assert (out.abs().amax(-1) > 0).all()
-    torch.testing.assert_close(out, exact)
+    # The limit is SDPA itself on the same device; against the float64 dense reference, a logit
+    # of size L rounds by eps * L, and a fused kernel (CUDA's fp32 SDPA) moves a weight by that
+    # relative amount: the tolerance is that bound.
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
+    logits = q.double() @ k.double().transpose(-2, -1) / 4
+    bound = 4 * torch.finfo(dtype).eps * logits.abs().max().item() * v.abs().max().item()
+    exact = R.softmax_attention(q.double(), k.double(), v.double())
+    torch.testing.assert_close(out.double(), exact, atol=bound, rtol=0)
     if n <= 64:
         # The issue's case: these tokens padded to 143 are exact too, by their own length.
         q2, k2, v2 = (torch.cat([t, torch.zeros_like(t[:, :, :1]).expand(-1, -1, 143 - n, -1)],
@@ -239,7 +246,7 @@ def test_exact_limit_holds_on_peaked_logits(dtype, n, device):
         mask = (torch.arange(143, device=device) >= n).expand(2, -1)
         out = effattn.build("nystrom", head_dim=16, heads=2).to(device)(q2, k2, v2,
                                                                         key_padding_mask=mask)
-        torch.testing.assert_close(out[:, :, :n], exact)
+        torch.testing.assert_close(out[:, :, :n].double(), exact, atol=bound, rtol=0)
 
 
 @pytest.mark.parametrize("cross", [False, True])

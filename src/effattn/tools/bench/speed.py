@@ -12,7 +12,8 @@ only ends that worker). The worker:
    engine and lazily built state exist before the memory baseline;
 3. makes q, k, v (B, H, N, D) with Dv = D; for "fwdbwd" they require grad;
 4. times one call under :class:`~effattn.tools.bench.memory.PeakMemory` (peak over the memory that
-   already held the inputs); if that call exceeded ``max_seconds`` it stops ("too slow");
+   already held the inputs); if that call and a second one both exceeded ``max_seconds`` it stops
+   ("too slow");
 5. otherwise warms up and times ``repeats`` samples (:func:`~effattn.tools.bench.timing.time_fn`);
 6. times a fixed reference GEMM (:func:`~effattn.tools.bench.flops.reference_gemm`) after the first
    call, before every sample and after the last.
@@ -202,6 +203,11 @@ def measure(cfg: Config, settings: Settings) -> dict[str, Any]:
             first = time_once(call, clock)
         result["peak_mib"] = mem.peak_bytes / MiB
         references = result["reference_ms"] = [reference()]
+        if first > settings.max_seconds:
+            # The first call at a new shape can hold one-time set-up (on an H200, SDPA's causal
+            # backward at N = 16384 took over a second once, then milliseconds): a second call
+            # decides.
+            first = min(first, time_once(call, clock))
         if first > settings.max_seconds:
             result["status"] = (
                 f"too slow: one call took {first:.3g} s > --max-seconds {settings.max_seconds:g}"
