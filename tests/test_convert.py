@@ -115,6 +115,31 @@ def test_transfer_lowers_the_layer_output_error_and_trains_only_the_new_paramete
     assert all(p.requires_grad for p in model.parameters())
 
 
+def test_transfer_by_weights_cross_entropy_lowers_it():
+    # Hedgehog's loss: the cross-entropy of the attention weights, past the teacher's entropy.
+    model = _lm()
+    new = linearize(model, LEARNED)
+    probe = _tokens(99, (4, 31))
+    before = layer_errors(model, probe, "ce")
+    losses = transfer(model, (_tokens(s, (4, 31)) for s in range(20)), steps=20,
+                      parameters=new, loss="ce")
+    after = layer_errors(model, probe, "ce")
+    assert len(losses) == 20 and min(before) > 0.0
+    assert sum(after) < 0.8 * sum(before), (before, after)
+
+
+@pytest.mark.parametrize("method", ["local:window=64", "hedgehog:window=64"])
+def test_weights_cross_entropy_is_zero_where_the_method_is_exact(method):
+    # A window covering every key makes both exact softmax: their weights, read through the
+    # method's own forward, match the teacher's, and so do their outputs.
+    name, option = method.split(":")
+    model = _lm()
+    linearize(model, name, window=int(option.split("=")[1]))
+    probe = _tokens(5, (2, 21))
+    assert max(layer_errors(model, probe, "ce")) < 1e-5
+    assert max(layer_errors(model, probe)) < 1e-10
+
+
 def test_transfer_refuses_what_it_cannot_train():
     model = _lm()
     with pytest.raises(ValueError, match="linearize it first"):
@@ -123,6 +148,8 @@ def test_transfer_refuses_what_it_cannot_train():
     with pytest.raises(ValueError, match="nothing to transfer"):
         transfer(model, iter([_tokens(0)]), steps=1)
     linearize(model, LEARNED)
+    with pytest.raises(ValueError, match="loss must be one of mse, ce, got 'kl'"):
+        transfer(model, iter([_tokens(0)]), steps=1, loss="kl")
     with pytest.raises(ValueError, match="ran out after 1 of 2"):
         transfer(model, iter([_tokens(0)]), steps=2)
     with pytest.raises(ValueError, match="steps"):
@@ -207,6 +234,26 @@ def test_convert_writes_every_stage_and_resumes(tmp_path, capsys):
     assert main([*CONVERT, "--methods", FIXED, "--stages", "swap", "--teacher",
                  str(tmp_path / "teacher"), "--out", str(other)]) == 0
     assert [r["stage"] for r in json.loads((other / "results.json").read_text())] == ["swap"]
+
+
+def test_convert_transfer_by_weights_is_its_own_run(tmp_path, capsys):
+    argv = [*CONVERT, "--methods", LEARNED, "--stages", "teacher,transfer,finetune",
+            "--out", str(tmp_path)]
+    assert main(argv) == 0
+    plain = json.loads((tmp_path / "results.json").read_text())
+    assert main([*argv, "--transfer-loss", "ce"]) == 0  # the outputs' transfer is not reused
+    rows = json.loads((tmp_path / "results.json").read_text())
+    got = [(r["stage"], r.get("transfer")) for r in plain + rows if r["stage"] != "teacher"]
+    assert got == [("transfer", None), ("finetune", None), ("transfer", "ce"),
+                   ("finetune", "ce")]
+    label = rows[1]["method"]
+    assert {p.name for p in (tmp_path / label).iterdir()} == {
+        "transfer", "finetune-2", "transfer-ce", "finetune-ce-2"}
+    assert "(transfer ce)" in (tmp_path / "convert.md").read_text()
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main([*argv, "--transfer-loss", "kl"])
+    assert "--transfer-loss" in capsys.readouterr().err
 
 
 def test_convert_usage_errors_exit_2(tmp_path, capsys):

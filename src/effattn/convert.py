@@ -11,7 +11,14 @@ Language Models"; Hedgehog, Zhang et al. 2024, ICLR 2024).
 
        L = Σ_layers mean_{b,h,n,d} (attn_method(q, k, v) - softmax(scale q kᵀ [+ mask]) v)²
 
-   the MSE of outputs, as LoLCATs' attention transfer. The teacher is computed on the fly inside
+   the MSE of outputs, as LoLCATs' attention transfer; or, ``loss="ce"``, Hedgehog's
+   cross-entropy of the attention weights, counted from the teacher's entropy (so 0 at a match):
+
+       L = Σ_layers mean_{b,h,i} Σ_j P_ij (log P_ij - log A_ij),
+
+   P the softmax weights, A the method's normalised weights (its output for the values I_M, so
+   the fast path itself, window hybrids included; O(N M) memory per layer, as Hedgehog's
+   loss). The teacher is computed on the fly inside
    each layer from the q, k, v it receives (no second model in memory), and the layer hands the
    teacher's output on, so that every layer trains on the softmax model's own hidden states and
    the layers do not wait on each other's progress (as LoLCATs does).
@@ -57,6 +64,8 @@ __all__ = ["LoRA", "attention_layers", "layer_errors", "linearize", "lora", "mer
 TRANSFER_LR = 1e-2
 # Gradient-norm clip of each transfer step, as the training loop's.
 GRAD_CLIP = 1.0
+# What attention transfer matches: the layers' outputs (LoLCATs) or their weights (Hedgehog).
+TRANSFER_LOSSES = ("mse", "ce")
 
 
 def attention_layers(model: nn.Module) -> list[tuple[str, MultiheadAttention]]:
@@ -178,11 +187,35 @@ def _converted(model: nn.Module) -> list[AttentionMethod]:
     return layers
 
 
+def _check_loss(loss: str) -> None:
+    if loss not in TRANSFER_LOSSES:
+        raise ValueError(f"loss must be one of {', '.join(TRANSFER_LOSSES)}, got {loss!r}")
+
+
+def _weights_loss(module: nn.Module, teacher: nn.Module, args: tuple,
+                  kwargs: dict[str, Any]) -> Tensor:
+    """Σ_j P_ij (log P_ij - log A_ij) averaged over the queries that see a key: P the exact
+    softmax weights, A ``module``'s, each read as the attention's output for the values I_M."""
+    q, k = args[:2]
+    m = k.shape[2]
+    eye = torch.eye(m, dtype=q.dtype, device=q.device).expand(*k.shape[:2], m, m)
+    with torch.no_grad():
+        p = teacher(q, k, eye, causal=kwargs.get("causal", False),
+                    key_padding_mask=kwargs.get("key_padding_mask")).float()
+    # forward, not __call__: the layer's hooks (this one among them) must not run again.
+    a = module.forward(q, k, eye, *args[3:], **kwargs).float()
+    # A signed map's negative weights have no log: they are clamped (no gradient there).
+    log_a = a.clamp_min(torch.finfo(torch.float32).tiny).log()
+    per_query = (torch.xlogy(p, p) - p * log_a).sum(-1)
+    return per_query[p.sum(-1) > 0.5].mean()
+
+
 @contextmanager
-def _matching(model: nn.Module, losses: list[Tensor]) -> Iterator[None]:
-    """Inside, each non-exact attention layer of ``model`` appends the MSE between its
-    mechanism's output and exact softmax on the same q, k, v to ``losses`` and passes the
-    softmax output on."""
+def _matching(model: nn.Module, losses: list[Tensor], loss: str = "mse") -> Iterator[None]:
+    """Inside, each non-exact attention layer of ``model`` appends its transfer ``loss`` against
+    exact softmax on the same q, k, v (``mse``: of the outputs; ``ce``: of the weights, see the
+    module docstring) to ``losses`` and passes the softmax output on."""
+    _check_loss(loss)
     layers = _converted(model)
 
     def hook(teacher: nn.Module) -> Callable[..., Tensor]:
@@ -191,7 +224,8 @@ def _matching(model: nn.Module, losses: list[Tensor]) -> Iterator[None]:
             with torch.no_grad():
                 target = teacher(q, k, v, causal=kwargs.get("causal", False),
                                  key_padding_mask=kwargs.get("key_padding_mask"))
-            losses.append(F.mse_loss(out.float(), target.float()))
+            losses.append(F.mse_loss(out.float(), target.float()) if loss == "mse"
+                          else _weights_loss(module, teacher, args, kwargs))
             return target
         return run
 
@@ -249,12 +283,13 @@ def _eval_with_grad(model: nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
-def layer_errors(model: nn.Module, inputs: Any) -> list[float]:
-    """The MSE between each converted layer's attention output and exact softmax on the same
-    q, k, v, for one batch ``inputs`` (a tensor, a tuple of positional or a dict of keyword
+def layer_errors(model: nn.Module, inputs: Any, loss: str = "mse") -> list[float]:
+    """Each converted layer's transfer ``loss`` against exact softmax on the same q, k, v (the
+    MSE of its attention output, or ``ce``: the cross-entropy of its weights past the teacher's
+    entropy), for one batch ``inputs`` (a tensor, a tuple of positional or a dict of keyword
     arguments of ``model``); each layer sees the softmax model's hidden states."""
     losses: list[Tensor] = []
-    with _eval_with_grad(model), torch.no_grad(), _matching(model, losses):
+    with _eval_with_grad(model), torch.no_grad(), _matching(model, losses, loss):
         _call(model, inputs)
     return [float(loss) for loss in losses]
 
@@ -266,10 +301,12 @@ def transfer(
     steps: int,
     parameters: Iterable[nn.Parameter] | Mapping[str, nn.Parameter] | None = None,
     lr: float = TRANSFER_LR,
+    loss: str = "mse",
 ) -> list[float]:
     """Attention transfer: train ``parameters`` alone for ``steps`` Adam steps so that each
-    converted layer's output matches exact softmax on the same q, k, v (see the module
-    docstring); returns the loss (summed over layers) of every step.
+    converted layer matches exact softmax on the same q, k, v, by the MSE of its outputs
+    (``loss="mse"``, LoLCATs) or the cross-entropy of its weights (``"ce"``, Hedgehog; see the
+    module docstring); returns the loss (summed over layers) of every step.
 
     ``batches``: model inputs, one per step (a tensor, a tuple of positional or a dict of keyword
     arguments of ``model``); ``parameters``: what :func:`linearize` returned (default: the
@@ -278,12 +315,14 @@ def transfer(
     and its ``requires_grad`` restored afterwards.
 
     ``ValueError`` when there is nothing to train (a method without parameters of its own, such
-    as random features: fine-tune it instead), for ``steps`` < 1, or when ``batches`` runs out.
+    as random features: fine-tune it instead), for ``steps`` < 1, an unknown ``loss``, or when
+    ``batches`` runs out.
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     if not (isinstance(lr, (int, float)) and lr > 0):
         raise ValueError(f"lr must be a positive number, got {lr!r}")
+    _check_loss(loss)
     layers = _converted(model)
     if parameters is None:
         # The mechanisms' own parameters and, in effattn's layers, their call inputs'
@@ -316,14 +355,14 @@ def transfer(
                 if step == 0:
                     _calibrate(model, layers, inputs)
                 losses: list[Tensor] = []
-                with _matching(model, losses):
+                with _matching(model, losses, loss):
                     _call(model, inputs)
-                loss = torch.stack(losses).sum()
+                total = torch.stack(losses).sum()
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                total.backward()
                 nn.utils.clip_grad_norm_(trainable, GRAD_CLIP)
                 optimizer.step()
-                history.append(float(loss.detach()))
+                history.append(float(total.detach()))
     finally:
         for p in frozen:
             p.requires_grad_(True)

@@ -17,6 +17,7 @@ from effattn.cli.common import (
     prepare_out,
     user_input,
 )
+from effattn.convert import TRANSFER_LOSSES
 from effattn.registry import DEFAULT_METHOD
 from effattn.tools.compare import run_options
 from effattn.tools.convert import FINETUNE_KINDS, STAGES, TASKS, ConvertPlan, convert, table
@@ -60,6 +61,7 @@ def _run(args: argparse.Namespace) -> int:
         plan = ConvertPlan(teacher=teacher, methods=methods,
                            teacher_dir=None if args.teacher is None else Path(args.teacher),
                            transfer_steps=args.transfer_steps, transfer_lr=args.transfer_lr,
+                           transfer_loss=args.transfer_loss,
                            finetune_steps=args.finetune_steps, finetune_lr=args.lr,
                            stages=args.stages, finetune=args.finetune,
                            lora_rank=args.lora_rank, lora_alpha=args.lora_alpha)
@@ -96,6 +98,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="attention-transfer steps of the new parameters (default 75; 0 skips)")
     p.add_argument("--transfer-lr", type=positive_float, default=1e-2,
                    help="Adam step size of attention transfer (default 1e-2)")
+    p.add_argument("--transfer-loss", choices=TRANSFER_LOSSES, default="mse",
+                   help="what attention transfer matches: mse, the layers' outputs (LoLCATs), or "
+                   "ce, the cross-entropy of their attention weights (Hedgehog; N x N per layer) "
+                   "(default mse)")
     p.add_argument("--finetune-steps", type=int_list, default=[75], metavar="N[,N...]",
                    help="fine-tuning steps of every weight after the transfer, one run per "
                    "count (default 75)")

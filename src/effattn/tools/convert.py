@@ -7,8 +7,9 @@ Stages, per method (the teacher once):
 - ``swap``: the teacher's weights in a model with the method (:func:`effattn.convert.linearize`),
   no training;
 - ``transfer``: attention transfer of the parameters the method adds
-  (:func:`effattn.convert.transfer`) on training batches the teacher never saw; skipped for a
-  method that adds none (random or fixed feature maps, a window);
+  (:func:`effattn.convert.transfer`) on training batches the teacher never saw, by the MSE of
+  the layers' outputs or (``transfer_loss="ce"``) the cross-entropy of their weights; skipped
+  for a method that adds none (random or fixed feature maps, a window);
 - ``finetune``: trained from there for each of ``finetune_steps`` (a run of
   ``effattn train --init-from``, the task's loop and learning rate), for each kind of
   ``finetune``: ``full`` (every weight) or ``lora`` (rank-``lora_rank`` adapters on the q, k, v
@@ -19,13 +20,15 @@ Stages, per method (the teacher once):
 
 Everything lives under ``out``: ``teacher/`` (a run folder), then per method label
 ``<label>/swap.json``, ``<label>/transfer/`` (``checkpoint.pt`` that the fine-tuning starts from,
-``transfer.json``), ``<label>/finetune-<F>/`` (``finetune-lora-r<R>-<F>/`` with LoRA) and
+``transfer.json``; ``transfer-ce/`` with the weights' loss), ``<label>/finetune-<F>/``
+(``finetune-lora-r<R>-<F>/`` with LoRA, ``finetune-ce-...`` after the weights' loss) and
 ``<label>/scratch/`` (run folders). A stage
 whose result exists is not redone, an interrupted training resumes from its checkpoint, and an
 interrupted transfer is redone (it is short). The rows of every stage done so far are written
 atomically after each one to ``results.json`` (a list of ``{"task", "method", "stage", "steps",
 "bpc" | "accuracy"}``, accuracy in %; a LoRA fine-tuning row adds ``"finetune":
-"lora:rank=R,alpha=A,lr=LR"``, a row without it fine-tuned every weight), ``results.csv``,
+"lora:rank=R,alpha=A,lr=LR"``, a row without it fine-tuned every weight; the transfer and
+fine-tuning rows after the weights' loss add ``"transfer": "ce"``), ``results.csv``,
 ``convert.md`` (the table) and ``convert.png`` (score against conversion steps).
 """
 
@@ -42,7 +45,7 @@ from typing import Any
 
 import torch
 
-from effattn.convert import linearize, transfer
+from effattn.convert import TRANSFER_LOSSES, linearize, transfer
 from effattn.registry import DEFAULT_METHOD
 from effattn.tools.bench.results import atomic_write, write_csv
 from effattn.tools.compare import run_options
@@ -59,7 +62,7 @@ from effattn.tools.train import (
     write_json,
 )
 
-CSV_FIELDS = ("task", "method", "stage", "steps", "bpc", "accuracy", "finetune")
+CSV_FIELDS = ("task", "method", "stage", "steps", "bpc", "accuracy", "finetune", "transfer")
 
 STAGES = ("teacher", "swap", "transfer", "finetune", "scratch")
 # What fine-tuning trains: every weight, or LoRA adapters on the attention projections.
@@ -79,6 +82,7 @@ class ConvertPlan:
     finetune_lr: peak learning rate of fine-tuning and scratch (None: the teacher's).
     finetune: the kinds of fine-tuning to run, each for every ``finetune_steps`` count: ``full``
         (every weight) and ``lora`` (adapters of rank ``lora_rank``, scale ``lora_alpha``).
+    transfer_loss: ``mse`` (the layers' outputs, LoLCATs) or ``ce`` (their weights, Hedgehog).
     """
 
     teacher: TrainConfig
@@ -86,6 +90,7 @@ class ConvertPlan:
     teacher_dir: Path | None = None
     transfer_steps: int = 75
     transfer_lr: float = 1e-2
+    transfer_loss: str = "mse"
     finetune_steps: Sequence[int] = (75,)
     finetune_lr: float | None = None
     stages: Sequence[str] = STAGES
@@ -190,6 +195,9 @@ def convert(plan: ConvertPlan, out: str | Path, *, echo: bool = True) -> list[di
     if unknown or not plan.finetune:
         raise ValueError(f"finetune: got {list(plan.finetune)}; valid kinds: "
                          f"{', '.join(FINETUNE_KINDS)}")
+    if plan.transfer_loss not in TRANSFER_LOSSES:
+        raise ValueError(f"transfer_loss: got {plan.transfer_loss!r}; valid: "
+                         f"{', '.join(TRANSFER_LOSSES)}")
     teacher_dir = out / "teacher" if plan.teacher_dir is None else Path(plan.teacher_dir)
     if plan.teacher_dir is None:
         _say(f"teacher: {DEFAULT_METHOD}, {plan.teacher.resolved().steps} steps", echo)
@@ -225,21 +233,26 @@ def _convert_method(ctx: _Context, out: Path, method: str, options: dict[str, An
     transferred = bool(new) and plan.transfer_steps > 0
     spent = plan.transfer_steps if transferred else 0
     start_from = ctx.teacher_dir
+    # The weights' loss is another transfer, and the fine-tuning from it another run.
+    ce = transferred and plan.transfer_loss == "ce"
+    suffix, marked = ("-ce", {"transfer": "ce"}) if ce else ("", {})
     if transferred and ("transfer" in plan.stages or "finetune" in plan.stages):
-        start_from = folder / "transfer"
+        start_from = folder / f"transfer{suffix}"
         if not (start_from / CHECKPOINT).is_file():
             (start_from / "transfer.json").unlink(missing_ok=True)
         done = _cached(start_from / "transfer.json",
                        lambda: _transfer(ctx, model, new, method, options, start_from))
         if "transfer" in plan.stages:
             ctx.report(label, "transfer", spent, done["score"],
-                       f" (loss {done['losses'][0]:.4g} -> {done['losses'][-1]:.4g})")
+                       f" (loss {done['losses'][0]:.4g} -> {done['losses'][-1]:.4g})",
+                       marked or None)
     tuned = cfg if plan.finetune_lr is None else dataclasses.replace(cfg, lr=plan.finetune_lr)
     if "finetune" in plan.stages:
         for kind in plan.finetune:
             rank = plan.lora_rank if kind == "lora" else 0
-            name = f"finetune-lora-r{rank}" if rank else "finetune"
-            extra = {"finetune": lora_label(rank, plan.lora_alpha, tuned.lr)} if rank else None
+            name = f"finetune{suffix}-lora-r{rank}" if rank else f"finetune{suffix}"
+            extra = {"finetune": lora_label(rank, plan.lora_alpha, tuned.lr)} if rank else {}
+            extra = {**extra, **marked} or None
             for steps in plan.finetune_steps:
                 ft = dataclasses.replace(tuned, method=method, options=options, steps=steps,
                                          init_from=str(start_from), eval_every=0,
@@ -260,7 +273,7 @@ def _transfer(ctx: _Context, model: torch.nn.Module, new: dict[str, torch.nn.Par
     ``--init-from`` reads; its test score, losses and the parameters it trained."""
     plan, cfg = ctx.plan, ctx.cfg
     losses = transfer(model, _batches(cfg, ctx.task, cfg.steps), steps=plan.transfer_steps,
-                      parameters=new, lr=plan.transfer_lr)
+                      parameters=new, lr=plan.transfer_lr, loss=plan.transfer_loss)
     config = dataclasses.replace(cfg, method=method, options=options,
                                  steps=plan.transfer_steps, init_from=str(ctx.teacher_dir))
     state = {"config": dataclasses.asdict(config), "model": model.state_dict(),
@@ -280,6 +293,12 @@ def lora_label(rank: int, alpha: float, lr: float) -> str:
     return f"lora:rank={rank},alpha={alpha:g},lr={lr:g}"
 
 
+def _name(row: dict[str, Any]) -> str:
+    """A row's line in the table and the plot: its method, marked when its transfer matched the
+    weights (``"transfer": "ce"``)."""
+    return row["method"] + (f" (transfer {row['transfer']})" if row.get("transfer") else "")
+
+
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as a Markdown table: one line per method, one column per stage (fine-tuning per
     step count and kind), each score with its change against the teacher's."""
@@ -287,11 +306,11 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         return "(no results yet)"
     key = "accuracy" if "accuracy" in rows[0] else "bpc"
     teacher = next((r[key] for r in rows if r["stage"] == "teacher"), None)
-    transferred = {r["method"]: r["steps"] for r in rows if r["stage"] == "transfer"}
+    transferred = {_name(r): r["steps"] for r in rows if r["stage"] == "transfer"}
 
     def finetuned(r: dict[str, Any]) -> int:
         """The fine-tuning steps of a finetune row (its ``steps`` count the transfer's too)."""
-        return r["steps"] - transferred.get(r["method"], 0)
+        return r["steps"] - transferred.get(_name(r), 0)
 
     columns: list[tuple[str, int | None, str]] = [("swap", None, ""), ("transfer", None, "")]
     columns += sorted({("finetune", finetuned(r), r.get("finetune", ""))
@@ -315,9 +334,9 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
                                              else f"{teacher:.3f}"))
              + "; each cell: score (change against the teacher) @ steps", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    methods = list(dict.fromkeys(r["method"] for r in rows if r["stage"] != "teacher"))
+    methods = list(dict.fromkeys(_name(r) for r in rows if r["stage"] != "teacher"))
     for method in methods:
-        mine = [r for r in rows if r["method"] == method]
+        mine = [r for r in rows if _name(r) == method]
         cells = []
         for stage, n, kind in columns:
             found = [r for r in mine if r["stage"] == stage]
@@ -342,10 +361,10 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
     teacher = next((r for r in rows if r["stage"] == "teacher"), None)
     if teacher is not None:
         ax.axhline(teacher[key], color="black", lw=1.5, label=f"teacher ({teacher['steps']} steps)")
-    methods = list(dict.fromkeys(r["method"] for r in rows if r["stage"] != "teacher"))
+    methods = list(dict.fromkeys(_name(r) for r in rows if r["stage"] != "teacher"))
     for i, method in enumerate(methods):
         color = f"C{i % 10}"
-        mine = [r for r in rows if r["method"] == method]
+        mine = [r for r in rows if _name(r) == method]
         start = [r for r in mine if r["stage"] in ("swap", "transfer")]
         kinds = dict.fromkeys(r.get("finetune", "") for r in mine if r["stage"] == "finetune")
         for kind in kinds or [""]:
@@ -354,8 +373,8 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
             if curve:
                 ax.plot(*zip(*curve, strict=True), marker="o", color=color,
                         ls="--" if kind else "-", label=f"{method} {kind}".strip())
-        for r in rows:
-            if r["method"] == method and r["stage"] == "scratch":
+        for r in mine:
+            if r["stage"] == "scratch":
                 ax.axhline(r[key], color=color, ls=":", lw=1)
     ax.set_xlabel("conversion steps (transfer + fine-tuning)")
     ax.set_ylabel(METRIC_NAMES.get(key, key) + (" (%)" if key == "accuracy" else
