@@ -140,6 +140,19 @@ def test_weights_cross_entropy_is_zero_where_the_method_is_exact(method):
     assert max(layer_errors(model, probe)) < 1e-10
 
 
+@pytest.mark.parametrize(("method", "calibrated"), [("performer", False), ("hedgehog", True)])
+def test_transfer_calibrates_the_factor_only_of_maps_that_do_not_estimate_exp(method,
+                                                                             calibrated):
+    model = _lm()
+    new = linearize(model, method, window=4, window_factor=True)
+    transfer(model, iter([_tokens(0, (4, 31))]), steps=1, parameters=new, lr=1e-9)
+    factors = torch.stack([m.window_log_factor.detach() for m in model.modules()
+                           if getattr(m, "window_log_factor", None) is not None])
+    assert factors.shape == (2, 2)
+    # At most lr away from 0 when left at 1; hedgehog's identity map measured about -3.
+    assert (factors.abs() > 0.5).all() if calibrated else factors.abs().max() < 1e-6
+
+
 def test_transfer_refuses_what_it_cannot_train():
     model = _lm()
     with pytest.raises(ValueError, match="linearize it first"):

@@ -241,11 +241,15 @@ def _matching(model: nn.Module, losses: list[Tensor], loss: str = "mse") -> Iter
 def _calibrate(model: nn.Module, layers: list[AttentionMethod], inputs: Any) -> None:
     """Window hybrids with a factor (``window_factor=True``) start from the factor that gives the
     estimate softmax's mass outside the window on the first batch
-    (:func:`effattn.kernelized.hybrid.calibrate_factor`): their feature maps' scale is arbitrary,
-    and Adam moves the log-factor by about its step size per step."""
+    (:func:`effattn.kernelized.hybrid.calibrate_factor`): the scale of a learned or fixed map's
+    kernel is arbitrary, and Adam moves the log-factor by about its step size per step. Random
+    features that estimate exp of the logits (``estimates_exp``) keep their factor of 1: the
+    median over queries of a skewed estimate's log-ratio is not 0 even where the mean ratio is
+    1 (it gave performer e^1.5 on charlm, and a worse converted model)."""
     from effattn.kernelized.hybrid import calibrate_factor
 
-    hybrids = [attn for attn in layers if getattr(attn, "window_log_factor", None) is not None]
+    hybrids = [attn for attn in layers if getattr(attn, "window_log_factor", None) is not None
+               and not attn.estimates_exp]
     if not hybrids:
         return
 

@@ -98,6 +98,13 @@ class KernelizedAttention(RandomizedAttention):
                              "window needs aligned query and key positions (N == M)")
 
     @property
+    def estimates_exp(self) -> bool:
+        """Whether the kernel is an unbiased estimate of exp of :meth:`window_logits`
+        (``features.UNBIASED_EXP``): then a window hybrid's estimate needs no factor of its own,
+        and conversion leaves its factor at 1."""
+        return False
+
+    @property
     def feature_dim(self) -> int:
         """F of φ(x), the width of the state (B, H, F, Dv + 1)."""
         raise NotImplementedError

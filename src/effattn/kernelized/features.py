@@ -274,6 +274,11 @@ def taylor(x: Tensor) -> Features:
 # every key, softmax still well defined) but never cancels, so an eps floor could only cut it.
 NONNEGATIVE = frozenset({positive, hyperbolic, relu, arccos, elu_plus_one, learned_exp,
                          learned_softmax})
+# Random features whose kernel averages, over the draws, to exactly the exponential of the
+# method's logits (Performer's positive, hyperbolic and trig maps, FAVOR's random-phase cosine,
+# RFA's sin/cos): their estimate needs no scale of its own. Not relu or arccos (other kernels),
+# nor a deterministic or learned map.
+UNBIASED_EXP = frozenset({positive, hyperbolic, trig, random_phase_cos, sincos})
 # Signed features whose kernel is positive: the Taylor kernel 1 + t + t²/2 = ((1 + t)² + 1)/2
 # is >= 1/2 for every t, so its normaliser never cancels to 0 either (a sum of terms >= 1/2).
 POSITIVE_KERNEL = frozenset({taylor})

@@ -71,6 +71,10 @@ class FavorAttention(KernelizedAttention):
         return w, (2 * math.pi * b).float()
 
     @property
+    def estimates_exp(self) -> bool:
+        return True
+
+    @property
     def feature_dim(self) -> int:
         return self.num_features
 

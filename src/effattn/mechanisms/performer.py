@@ -80,6 +80,10 @@ class PerformerAttention(KernelizedAttention):
                                     generator=generator),)
 
     @property
+    def estimates_exp(self) -> bool:
+        return FEATURE_MAPS[self.feature_map] in fm.UNBIASED_EXP
+
+    @property
     def feature_dim(self) -> int:
         paired = self.feature_map in ("hyperbolic", "trig")
         return self.num_features * (2 if paired else 1)

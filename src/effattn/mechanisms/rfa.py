@@ -96,6 +96,10 @@ class RandomFeatureAttention(KernelizedAttention):
         return self.log_sigma.exp()
 
     @property
+    def estimates_exp(self) -> bool:
+        return FEATURE_MAPS[self.feature_map] in fm.UNBIASED_EXP
+
+    @property
     def feature_dim(self) -> int:
         return self.num_features * (2 if self.feature_map == "sincos" else 1)
 
