@@ -40,13 +40,14 @@ import transformers
 from torch import nn
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from effattn.cli.common import parse_entry
 from effattn.convert import layer_errors, linearize, lora, transfer
 from effattn.integrations.hf_cache import RecurrentCache
 from effattn.tools.bench.machine import machine_info
 from effattn.tools.bench.results import write_json
 from effattn.tools.tasks.data import make_task
 from effattn.tools.tasks.synthetic import IGNORE
-from effattn.tools.train import TrainConfig, evaluate, learning_rate
+from effattn.tools.train import TrainConfig, evaluate, label_of, learning_rate
 
 
 class Logits(nn.Module):
@@ -116,7 +117,9 @@ def generate(model: nn.Module, prompt: torch.Tensor, new: int, recurrent: bool) 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--method", default="hedgehog")
+    p.add_argument("--method", default="hedgehog",
+                   help="method with options, as effattn convert's: hedgehog, "
+                        "hedgehog:window=32,window_factor=true (num_features defaults to 4 D)")
     p.add_argument("--teacher-steps", type=int, default=600)
     p.add_argument("--transfer-steps", type=int, default=75)
     p.add_argument("--finetune-steps", type=int, default=75)
@@ -158,8 +161,10 @@ def main(argv: list[str] | None = None) -> None:
     row("teacher", args.teacher_steps, teacher, method="sdpa")
 
     model = copy.deepcopy(teacher)
-    new = linearize(model, args.method, num_features=4 * (args.hidden // args.heads))
-    label = f"{args.method}:num_features={4 * (args.hidden // args.heads)}"
+    method, options = parse_entry(args.method)
+    options = {"num_features": 4 * (args.hidden // args.heads), **options}
+    new = linearize(model, method, **options)
+    label = label_of(method, options)
     stages = args.out.parent / "stages.pt"
     if stages.is_file():
         done = torch.load(stages, weights_only=False)
