@@ -314,8 +314,12 @@ def test_sigint_to_a_training_run_exits_130_and_keeps_its_checkpoint(tmp_path):
 
     argv = [*TINY["train"], "--steps", "100000", "--checkpoint-every", "2", "--out", str(tmp_path)]
     env = {**os.environ, "PYTHONPATH": "src", "OMP_NUM_THREADS": "1"}
+    # A shell that starts the test suite in the background (`cmd &`) hands its children SIGINT
+    # ignored, and Python then installs no KeyboardInterrupt handler: restore the default, as a
+    # terminal's Ctrl-C finds it.
     proc = subprocess.Popen([sys.executable, "-m", "effattn", "train", *argv],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while not (tmp_path / "checkpoint.pt").exists() and proc.poll() is None:
         assert time.monotonic() < deadline, "no checkpoint within 60 s"
