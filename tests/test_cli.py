@@ -13,6 +13,7 @@ from effattn.cli import main
 from effattn.cli.common import parse_entry, parse_options, parse_value
 from effattn.tools import compare as cmp
 from effattn.tools.bench import speed
+from effattn.tools.checkpoints import load_checkpoint
 from effattn.tools.tasks.data import task_options
 
 
@@ -308,8 +309,6 @@ def test_ctrl_c_in_decode_exits_130_with_a_resume_hint(tmp_path, capsys, monkeyp
 
 
 def test_sigint_to_a_training_run_exits_130_and_keeps_its_checkpoint(tmp_path):
-    import torch
-
     from effattn.tools.train import TrainConfig, train
 
     argv = [*TINY["train"], "--steps", "100000", "--checkpoint-every", "2", "--out", str(tmp_path)]
@@ -329,7 +328,7 @@ def test_sigint_to_a_training_run_exits_130_and_keeps_its_checkpoint(tmp_path):
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "run the same command again to resume" in err
     # The checkpoint is whole, and the same configuration resumes from it.
-    step = torch.load(tmp_path / "checkpoint.pt", weights_only=False)["step"]
+    step = load_checkpoint(tmp_path / "checkpoint.pt")["step"]
     assert step >= 2
     cfg = TrainConfig(task="copy", steps=100000, d_model=16, heads=2, layers=1, batch_size=2,
                       seq_len=8, checkpoint_every=2, task_options={"test_size": 2, "valid_size": 2})

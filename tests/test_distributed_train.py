@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from effattn.distributed.training import World, split_sequences
 from effattn.nn import DecoderLM
+from effattn.tools.checkpoints import load_checkpoint
 from effattn.tools.train import TrainConfig, check_parallel, train
 
 pytestmark = [
@@ -99,8 +100,8 @@ def _assert_same_run(out, one, reference):
     torch.testing.assert_close(_grad_norms(out), _grad_norms(one), rtol=1e-5, atol=0)
     for split in ("valid", "test"):
         torch.testing.assert_close(got[split], reference[split], rtol=1e-5, atol=0)
-    a = torch.load(out / "checkpoint.pt", weights_only=False)
-    b = torch.load(one / "checkpoint.pt", weights_only=False)
+    a = load_checkpoint(out / "checkpoint.pt")
+    b = load_checkpoint(one / "checkpoint.pt")
     assert a["step"] == b["step"] == TINY["steps"]
     torch.testing.assert_close(a["model"], b["model"], rtol=1e-5, atol=1e-6)
     return got

@@ -11,6 +11,7 @@ from effattn.cli import main
 from effattn.cli.common import parse_entry, parse_options
 from effattn.nn import DecoderLM, EncoderClassifier
 from effattn.tools import compare as cmp
+from effattn.tools.checkpoints import load_checkpoint
 from effattn.tools.train import TrainConfig, applicability, learning_rate, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -86,8 +87,8 @@ def test_resume_after_interruption_equals_uninterrupted_run(method, options, tmp
     assert not (tmp_path / "cut" / "results.json").exists()
     resumed = train(cfg, tmp_path / "cut", data_dir=data_dir, resume=True, progress=False)
     _same_results(whole, resumed)
-    a = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=False)["model"]
-    b = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=False)["model"]
+    a = load_checkpoint(tmp_path / "whole" / "checkpoint.pt")["model"]
+    b = load_checkpoint(tmp_path / "cut" / "checkpoint.pt")["model"]
     torch.testing.assert_close(b, a, rtol=0, atol=0)  # parameters, buffers and random state
     log = (tmp_path / "cut" / "train.log").read_text()
     assert "resumed from step 4" in log
@@ -96,7 +97,7 @@ def test_resume_after_interruption_equals_uninterrupted_run(method, options, tmp
 def test_checkpoint_of_an_older_version_is_refused(tmp_path, data_dir):
     cfg = _config()
     assert train(cfg, tmp_path, data_dir=data_dir, stop_after=2, progress=False) is None
-    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    saved = load_checkpoint(tmp_path / "checkpoint.pt")
     torch.save({**saved, "hidden": {}}, tmp_path / "checkpoint.pt")
     with pytest.raises(ValueError, match="older effattn"):
         train(cfg, tmp_path, data_dir=data_dir, progress=False)

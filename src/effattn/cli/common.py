@@ -19,6 +19,10 @@ import torch
 
 from effattn.registry import COMMON_OPTIONS, build, spec
 
+TRUST_HELP = ("also load a checkpoint that holds Python objects other than tensors and data "
+              "(an older effattn's), with the full unpickler: it runs any code the file holds, "
+              "so only for files from a source you trust")
+
 
 class UsageError(Exception):
     """A mistake on the command line; its message is shown as ``effattn CMD: error: ...``."""

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from effattn.cli.common import (
+    TRUST_HELP,
     check_method,
     device_or_auto,
     int_list,
@@ -64,7 +65,8 @@ def _run(args: argparse.Namespace) -> int:
                            transfer_loss=args.transfer_loss,
                            finetune_steps=args.finetune_steps, finetune_lr=args.lr,
                            stages=args.stages, finetune=args.finetune,
-                           lora_rank=args.lora_rank, lora_alpha=args.lora_alpha)
+                           lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                           trust_checkpoint=args.trust_checkpoint)
     args.out = prepare_out(Path(args.out or f"runs/convert-{args.task}"))
     with user_input():
         rows = convert(plan, args.out)
@@ -92,6 +94,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="an effattn train run folder of softmax to convert, whose configuration "
                    "(task, model size, seed, lr) the other stages take; the budget options below "
                    "then only apply to --lr (default: train a teacher in OUT/teacher)")
+    p.add_argument("--trust-checkpoint", action="store_true", help=f"for --teacher: {TRUST_HELP}")
     p.add_argument("--teacher-steps", type=positive_int,
                    help=f"steps of the teacher's training (task default; {defaults})")
     p.add_argument("--transfer-steps", type=nonnegative_int, default=75,

@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from effattn.cli.common import (
+    TRUST_HELP,
     check_method,
     device_or_auto,
     method_defaults,
@@ -93,7 +94,8 @@ def _run_train(args: argparse.Namespace) -> int:
         prepare_out(Path(args.data_dir), "--data-dir")
     with launched(cfg.device, args.sequence_parallel) as world, user_input():
         results = train(cfg, args.out, resume=True if args.resume else None,
-                        data_dir=args.data_dir, progress=None, world=world)
+                        data_dir=args.data_dir, progress=None, world=world,
+                        trust_checkpoint=args.trust_checkpoint)
     if not world.is_main:
         return 0
     metric = results["metric"]
@@ -156,6 +158,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dir", help="cache of generated data sets (default <out>/data)")
     p.add_argument("--resume", action="store_true",
                    help="require a checkpoint in --out (resuming is automatic when one exists)")
+    p.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     p.add_argument("--sequence-parallel", action="store_true",
                    help="under torchrun: split each sequence across the processes instead of "
                    "the batch (causal LM tasks, methods that effattn.distributed splits)")

@@ -48,6 +48,7 @@ import torch
 from effattn.convert import TRANSFER_LOSSES, linearize, transfer
 from effattn.registry import DEFAULT_METHOD
 from effattn.tools.bench.results import atomic_write, write_csv
+from effattn.tools.checkpoints import FORMAT, VERSION, save
 from effattn.tools.compare import run_options
 from effattn.tools.runs import load_run
 from effattn.tools.tasks.data import FRACTION_METRICS, METRIC_NAMES
@@ -83,6 +84,8 @@ class ConvertPlan:
     finetune: the kinds of fine-tuning to run, each for every ``finetune_steps`` count: ``full``
         (every weight) and ``lora`` (adapters of rank ``lora_rank``, scale ``lora_alpha``).
     transfer_loss: ``mse`` (the layers' outputs, LoLCATs) or ``ce`` (their weights, Hedgehog).
+    trust_checkpoint: also load a ``teacher_dir`` checkpoint that holds objects other than
+        tensors and data, with the full unpickler (:mod:`effattn.tools.checkpoints`).
     """
 
     teacher: TrainConfig
@@ -97,6 +100,7 @@ class ConvertPlan:
     finetune: Sequence[str] = ("full",)
     lora_rank: int = 8
     lora_alpha: float = 16.0
+    trust_checkpoint: bool = False
 
 
 def _score_key(metric: str) -> str:
@@ -138,14 +142,15 @@ def _cached(path: Path, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]
     return result
 
 
-def _trained(cfg: TrainConfig, run_dir: Path, echo: bool) -> dict[str, Any]:
+def _trained(cfg: TrainConfig, run_dir: Path, echo: bool, trust: bool = False
+             ) -> dict[str, Any]:
     """The results of training ``cfg`` in ``run_dir`` (resumed or reused when already there)."""
     done = run_dir / RESULTS
     if done.is_file() and (run_dir / CHECKPOINT).is_file():
         results = json.loads(done.read_text())
         if not config_diff(results["config"], dataclasses.asdict(cfg)):
             return results
-    results = train(cfg, run_dir, progress=None if echo else False)
+    results = train(cfg, run_dir, progress=None if echo else False, trust_checkpoint=trust)
     assert results is not None
     return results
 
@@ -202,7 +207,8 @@ def convert(plan: ConvertPlan, out: str | Path, *, echo: bool = True) -> list[di
     if plan.teacher_dir is None:
         _say(f"teacher: {DEFAULT_METHOD}, {plan.teacher.resolved().steps} steps", echo)
         _trained(plan.teacher.resolved(), teacher_dir, echo)
-    loaded = load_run(teacher_dir, device=plan.teacher.device)
+    loaded = load_run(teacher_dir, device=plan.teacher.device,
+                      trust_checkpoint=plan.trust_checkpoint)
     cfg = loaded.config
     if cfg.task not in TASKS:
         raise ValueError(f"the teacher's task is {cfg.task}; convert measures {', '.join(TASKS)}")
@@ -225,7 +231,8 @@ def _convert_method(ctx: _Context, out: Path, method: str, options: dict[str, An
     label = label_of(method, options)
     folder = out / label
     folder.mkdir(exist_ok=True)
-    model = load_run(ctx.teacher_dir, device=cfg.device).model
+    model = load_run(ctx.teacher_dir, device=cfg.device,
+                     trust_checkpoint=ctx.plan.trust_checkpoint).model
     new = linearize(model, method, seed=cfg.seed, **options)
     if "swap" in plan.stages:
         swapped = _cached(folder / "swap.json", lambda: ctx.test_score(model))["score"]
@@ -257,7 +264,8 @@ def _convert_method(ctx: _Context, out: Path, method: str, options: dict[str, An
                 ft = dataclasses.replace(tuned, method=method, options=options, steps=steps,
                                          init_from=str(start_from), eval_every=0,
                                          lora_rank=rank, lora_alpha=plan.lora_alpha)
-                score = _trained(ft, folder / f"{name}-{steps}", ctx.echo)["score"]
+                score = _trained(ft, folder / f"{name}-{steps}", ctx.echo,
+                                 plan.trust_checkpoint)["score"]
                 ctx.report(label, "finetune", spent + steps, score, f" {kind}", extra)
     if "scratch" in plan.stages:
         total = cfg.steps + spent + max(plan.finetune_steps, default=0)
@@ -276,12 +284,10 @@ def _transfer(ctx: _Context, model: torch.nn.Module, new: dict[str, torch.nn.Par
                       parameters=new, lr=plan.transfer_lr, loss=plan.transfer_loss)
     config = dataclasses.replace(cfg, method=method, options=options,
                                  steps=plan.transfer_steps, init_from=str(ctx.teacher_dir))
-    state = {"config": dataclasses.asdict(config), "model": model.state_dict(),
-             "step": plan.transfer_steps}
+    state = {"format": FORMAT, "version": VERSION, "config": dataclasses.asdict(config),
+             "model": model.state_dict(), "step": plan.transfer_steps}
     folder.mkdir(exist_ok=True)
-    tmp = folder / f".{CHECKPOINT}.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, folder / CHECKPOINT)
+    save(folder / CHECKPOINT, state)
     return {**ctx.test_score(model), "losses": losses, "new": list(new)}
 
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 from effattn.convert import lora
+from effattn.tools.checkpoints import load_checkpoint
 from effattn.tools.tasks.data import Task, make_task
 from effattn.tools.train import CHECKPOINT, TrainConfig, build_model
 
@@ -43,19 +43,21 @@ class LoadedRun:
     device: torch.device
 
 
-def load_run(run_dir: str | Path, *, device: str = "cpu",
-             data_dir: str | Path | None = None) -> LoadedRun:
+def load_run(run_dir: str | Path, *, device: str = "cpu", data_dir: str | Path | None = None,
+             trust_checkpoint: bool = False) -> LoadedRun:
     """The model of the run in ``run_dir``, rebuilt and loaded from its ``checkpoint.pt``.
 
     ``data_dir``: where the task's generated data is cached (default ``run_dir/data``; the
     character corpus is read from the Python installation either way). ``ValueError`` when the
-    folder holds no checkpoint or one this effattn cannot rebuild.
+    folder holds no checkpoint or one this effattn cannot rebuild, and when the checkpoint is
+    not data alone (:mod:`effattn.tools.checkpoints`; ``trust_checkpoint=True`` loads such a
+    file with the full unpickler, which runs any code it holds).
     """
     path = Path(run_dir) / CHECKPOINT
     if not path.is_file():
         raise ValueError(f"run_dir {run_dir}: no {CHECKPOINT} (a folder of effattn train is "
                          "expected)")
-    saved: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
+    saved = load_checkpoint(path, trust=trust_checkpoint)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(saved["config"]) - fields)
     if unknown:

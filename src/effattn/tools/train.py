@@ -49,6 +49,7 @@ from effattn.distributed import SequenceParallel
 from effattn.distributed.training import World
 from effattn.nn import DecoderLM, EncoderClassifier, EncoderDecoder, generate
 from effattn.registry import DEFAULT_METHOD, build, spec
+from effattn.tools.checkpoints import FORMAT, VERSION, load_checkpoint, save
 from effattn.tools.tasks.data import (
     TASK_KINDS,
     TASKS,
@@ -383,7 +384,7 @@ class _Run:
 
 
 def _prepare(config: TrainConfig, out: Path, resume: bool | None, data_dir: str | Path | None,
-             world: World) -> _Run:
+             world: World, trust_checkpoint: bool) -> _Run:
     """Check the configuration against ``out``'s checkpoint, make the task and the model."""
     cfg = config.resolved()
     out.mkdir(parents=True, exist_ok=True)
@@ -392,7 +393,7 @@ def _prepare(config: TrainConfig, out: Path, resume: bool | None, data_dir: str 
     if ckpt_path.exists():
         if resume is False:
             raise ValueError(f"{ckpt_path} exists; use another output directory or resume")
-        saved = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        saved = load_checkpoint(ckpt_path, trust=trust_checkpoint)
         if "hidden" in saved:
             # Such checkpoints kept the modules' random state beside the model's state_dict,
             # which now carries it: their model state lacks it, so they cannot resume exactly.
@@ -422,7 +423,7 @@ def _prepare(config: TrainConfig, out: Path, resume: bool | None, data_dir: str 
     model = build_model(task, cfg).to(device)
     init = None
     if saved is None and cfg.init_from is not None:
-        init = initialize_from(model, cfg)
+        init = initialize_from(model, cfg, trust_checkpoint=trust_checkpoint)
     if cfg.lora_rank:
         # After the trained weights are in (their names change under the adapters), before a
         # checkpoint of this run is loaded (it holds the adapters).
@@ -443,7 +444,8 @@ def _prepare(config: TrainConfig, out: Path, resume: bool | None, data_dir: str 
     return _Run(cfg, task, model, optimizer, device, saved, init)
 
 
-def initialize_from(model: nn.Module, cfg: TrainConfig) -> dict[str, Any]:
+def initialize_from(model: nn.Module, cfg: TrainConfig, *,
+                    trust_checkpoint: bool = False) -> dict[str, Any]:
     """Load into ``model`` every weight of ``cfg.init_from``'s checkpoint that it has under the
     same name (another method's run: the projections, embeddings, norms and output layer); the
     report names the new weights (the new method's own) and the unused ones (the old method's).
@@ -451,7 +453,7 @@ def initialize_from(model: nn.Module, cfg: TrainConfig) -> dict[str, Any]:
     ``ValueError`` when the checkpoint's task differs or a weight of the same name has another
     shape (another model size), naming them."""
     path = Path(cfg.init_from) / CHECKPOINT
-    source = torch.load(path, map_location="cpu", weights_only=False)
+    source = load_checkpoint(path, trust=trust_checkpoint)
     if source["config"]["task"] != cfg.task:
         raise ValueError(f"init_from {cfg.init_from}: a run of task {source['config']['task']}, "
                          f"not {cfg.task}")
@@ -510,6 +512,7 @@ def train(
     stop_after: int | None = None,
     progress: bool | None = True,
     world: World | None = None,
+    trust_checkpoint: bool = False,
 ) -> dict[str, Any] | None:
     """Train ``config`` in ``out_dir`` and return the results (also written to results.json).
 
@@ -524,6 +527,9 @@ def train(
         rank calls ``train`` with the same arguments and gets the results; rank 0 alone writes
         the checkpoint, logs and results and shows progress. A checkpoint resumes on any
         number of processes, in either mode.
+    trust_checkpoint: also load a checkpoint (to resume, or ``init_from``'s) that holds objects
+        other than tensors and data, with the full unpickler, which runs any code the file
+        holds (:mod:`effattn.tools.checkpoints`); otherwise such a file is a ``ValueError``.
     """
     world = World() if world is None else world
     echo = progress is not False and world.is_main
@@ -531,7 +537,7 @@ def train(
     ckpt_path = out / CHECKPOINT
     error, run = None, None
     try:
-        run = _prepare(config, out, resume, data_dir, world)
+        run = _prepare(config, out, resume, data_dir, world, trust_checkpoint)
     except Exception as err:  # every rank must hear of it before the first collective
         error = err
     world.agree(error)
@@ -556,12 +562,13 @@ def train(
             f"unused: {', '.join(init['unused']) or 'none'}")
 
     def save_checkpoint() -> None:
-        state = {"config": dataclasses.asdict(cfg), "model": model.state_dict(),
+        state = {"format": FORMAT, "version": VERSION,
+                 "config": dataclasses.asdict(cfg), "model": model.state_dict(),
                  "optimizer": optimizer.state_dict(), "step": step, "train_time": train_time,
                  "peak_bytes": peak, "losses": losses, "torch_rng": torch.get_rng_state(),
                  "python_rng": random.getstate(), "init": run.init,
                  "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
-        _atomic_write(ckpt_path, lambda p: torch.save(state, p))
+        save(ckpt_path, state)
 
     memory = _PeakMemory(device)
     log_every = max(1, cfg.steps // 20)

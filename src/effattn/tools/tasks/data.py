@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from effattn.tools.checkpoints import load_data, save
 from effattn.tools.tasks import charlm, listops, synthetic
 
 # Each task's score.
@@ -85,6 +85,11 @@ class Task:
     model_len: int | None = None
 
 
+def _is_pair(obj: Any) -> bool:
+    return (isinstance(obj, tuple) and len(obj) == 2
+            and all(isinstance(t, torch.Tensor) for t in obj))
+
+
 def _listops(seq_len: int, seed: int, data_dir: Path | None, *, train_size: int = 10_000,
              valid_size: int = 500, test_size: int = 2_000, min_len: int | None = None) -> Task:
     # LRA draws lengths in [500, 2000]: the same ratio of min to max length by default.
@@ -95,16 +100,13 @@ def _listops(seq_len: int, seed: int, data_dir: Path | None, *, train_size: int 
         key = f"listops-L{seq_len}-min{min_len}-seed{seed}-{split}{count}.pt"
         path = None if data_dir is None else Path(data_dir) / key
         if path is not None and path.exists():
-            sets[split] = torch.load(path)
+            sets[split] = load_data(path, _is_pair, "a pair of tensors (inputs, labels)")
             continue
         sets[split] = listops.generate(count, seed=stream_seed(seed, "listops", split),
                                        min_len=min_len, max_len=seq_len)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            # Per process: the ranks of a torchrun launch may write the same file at once.
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            torch.save(sets[split], tmp)
-            tmp.replace(path)
+            save(path, sets[split])
     pool_x, pool_y = sets.pop("train")
 
     def train_batch(step: int, batch_size: int) -> tuple[Tensor, Tensor]:
