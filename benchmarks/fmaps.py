@@ -1,4 +1,4 @@
-"""The learned and Taylor feature maps (issue 21) against performer, timed in one process, paired.
+"""The learned and Taylor feature maps against performer, timed in one process, paired.
 
 B = 1, H = 8, D = 64, fp32, one length (default 4096): ``performer`` with F = 256 positive
 features, ``hedgehog`` with F = 128 learned projections (2F = 256 features: the same feature

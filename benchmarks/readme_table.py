@@ -1,4 +1,4 @@
-"""The README's results table, crossover line and machine line, from an `effattn bench` folder.
+"""The results table, crossover line and machine line of docs/results/cpu.md, from a bench folder.
 
     PYTHONPATH=src python3 benchmarks/readme_table.py benchmarks/bench
 

@@ -1,13 +1,14 @@
 """The window hybrid's cost against its parts, timed in one process, paired and alternating.
 
-Issue 21's speed goal: ``window=W`` adds at most the cost of ``local`` with that window. For
-each base method (performer, hedgehog) and for non-causal and causal attention, the pure method,
-its hybrid (``window=W, window_factor=True``) and ``local`` with the same window run on the same
-q, k, v (B = 1, H = 8, D = 64, fp32, forward in inference mode); each repeat runs all three in an
-order that alternates (``tools.bench.timing.paired``), and the reported numbers are medians of
-per-repeat ratios: hybrid / pure, local / pure and (hybrid - pure) / local, the window's added
-cost in units of ``local``'s. The load of a shared machine slows neighbouring samples alike, so
-the ratios hold where the absolute times do not; run with ``--threads 1`` and say the load.
+What it answers: how much ``window=W`` adds to its pure method's cost, in units of the cost of
+``local`` with that window. For each base method (performer, hedgehog) and for non-causal and
+causal attention, the pure method, its hybrid (``window=W, window_factor=True``) and ``local``
+with the same window run on the same q, k, v (B = 1, H = 8, D = 64, fp32, forward in inference
+mode); each repeat runs all three in an order that alternates (``tools.bench.timing.paired``),
+and the reported numbers are medians of per-repeat ratios: hybrid / pure, local / pure and
+(hybrid - pure) / local, the window's added cost in units of ``local``'s. The load of a shared
+machine slows neighbouring samples alike, so the ratios hold where the absolute times do not;
+run with ``--threads 1`` and say the load.
 
     PYTHONPATH=src python3 benchmarks/window_hybrid.py --threads 1
 """

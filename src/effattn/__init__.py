@@ -11,4 +11,4 @@ from effattn.functional import attention
 from effattn.registry import MethodSpec, build, methods, register, spec
 
 __all__ = ["AttentionMethod", "MethodSpec", "attention", "build", "methods", "register", "spec"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 
 # Constructor arguments every method takes, besides its own options.
 COMMON_OPTIONS = ("scale",)
-# The exact method: the contract's default (README, "The contract") and the baseline every tool
-# compares against. The one place outside its own module that names a method.
+# The exact method: the contract's default (docs/methods.md, "The contract") and the baseline
+# every tool compares against. The one place outside its own module that names a method.
 DEFAULT_METHOD = "softmax"
 
 
