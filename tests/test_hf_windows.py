@@ -1,4 +1,4 @@
-"""Sliding windows, chunks, soft caps and sinks of Hugging Face models (issue 23): tiny random
+"""Sliding windows, chunks, soft caps and sinks of Hugging Face models: tiny random
 models of each family, no download.
 
 effattn-softmax equals transformers' sdpa (eager where sdpa cannot express the feature) on a
@@ -151,7 +151,7 @@ def test_the_window_is_applied():
 
 
 def test_window_crossed_during_generation_with_the_sliding_window_cache():
-    """Issue 23: window 10, prompt 7: after 3 new tokens transformers' cache drops keys."""
+    """Window 10, prompt 7: after 3 new tokens transformers' cache drops keys."""
     ids = batch(n=7, pad=0)[0]
     ours, theirs = model("mistral", "softmax", 10), model("mistral", "sdpa", 10)
     seq, steps = generate(ours, ids, new=16)
@@ -233,7 +233,7 @@ def test_a_window_longer_than_the_input_restricts_nothing(family, method):
                                               ("llama4", 5)])
 def test_recurrent_cache_decodes_windows_and_chunks(family, size, method):
     """A window or chunk of 64 restricts nothing on 7 + 16 tokens: the first decoding step's
-    one-column mask is causal (issue 23); chunks of 5 restart each row's state (left padding
+    one-column mask is causal; chunks of 5 restart each row's state (left padding
     shifts the row's chunks)."""
     m = model(family, method, size, options=KERNELIZED.get(method))
     ids, mask = batch(n=7, pad=2)
