@@ -281,8 +281,14 @@ def test_a_restricting_window_is_refused_at_the_first_forward(method):
     # reference with the window applied, over the generated sequence.
     ids = batch(n=4, pad=0)[0]
     seq, steps = generate(m, ids, new=12)
+    # A cache that keeps every key (made without the config: no sliding layers): each step's
+    # query gets all 4 + t keys and the window is applied to them.
+    seq_all, steps_all = generate(m, ids, new=12, past_key_values=transformers.DynamicCache())
+    assert torch.equal(seq_all, seq)
     m.set_attn_implementation(WINDOWED_REFERENCE)
-    torch.testing.assert_close(steps, logits(m, seq[:, :-1])[:, 3:], atol=1e-5, rtol=1e-5)
+    want = logits(m, seq[:, :-1])[:, 3:]
+    torch.testing.assert_close(steps, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(steps_all, want, atol=1e-5, rtol=1e-5)
     # and a window is not all keys: the reference without it differs
     assert not torch.allclose(steps, logits(m, seq[:, :-1], window_off=True)[:, 3:], atol=1e-3)
 
