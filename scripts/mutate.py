@@ -19,7 +19,7 @@ status 1 (a test failed) is *caught*, 0 is *survived*, anything else (a timeout,
 usage error such as a test id that does not exist) is an *error*. The report is a table on
 stdout and, with ``--json``, a JSON file. Exit status: 0 when every entry was caught, 1 when any
 survived or errored, 2 for a bad list. Not part of the package and not run in CI: run it before
-closing an issue that adds a feature (docs/testing.md).
+calling a feature done (docs/testing.md).
 """
 
 from __future__ import annotations
