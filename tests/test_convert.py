@@ -17,6 +17,7 @@ from effattn.convert import layer_errors, linearize, transfer
 from effattn.nn import DecoderLM, MultiheadAttention, swap
 from effattn.registry import DEFAULT_METHOD
 from effattn.tools import convert as tools_convert
+from effattn.tools.compare import run_options
 from effattn.tools.runs import load_run
 from effattn.tools.train import TASK_DEFAULTS, TrainConfig, evaluate, train
 
@@ -140,17 +141,98 @@ def test_weights_cross_entropy_is_zero_where_the_method_is_exact(method):
     assert max(layer_errors(model, probe)) < 1e-10
 
 
+def _hedgehog_kernel(attn, q, k):
+    """φ(q)·φ(k) (B, H, N, N) of hedgehog's "exp" map written out: φ(x) = [e^u, e^-u], u = x W_h
+    + b_h, in float64."""
+    weight, bias = attn.weight.detach().double(), attn.bias.detach().double()
+
+    def phi(x):
+        u = torch.einsum("bhld,hdf->bhlf", x.double(), weight) + bias[:, None, :]
+        return torch.cat([u.exp(), (-u).exp()], -1)
+
+    return phi(q) @ phi(k).transpose(-2, -1)
+
+
+def _expected_log_factor(attn, q, k, window):
+    """log α_h = median over (b, i) of log Σ_{j ∉ W(i)} e^{s_ij} - log Σ_{j ∉ W(i)} κ(q_i, k_j),
+    causal, from the dense logits and kernel in float64 (queries with no key outside skipped)."""
+    n = q.shape[2]
+    logits = attn.scale * q.double() @ k.double().transpose(-2, -1)
+    offset = torch.arange(n)[:, None] - torch.arange(n)[None, :]
+    outside = offset >= window
+    exact = torch.logsumexp(logits.masked_fill(~outside, -torch.inf), -1)
+    estimate = _hedgehog_kernel(attn, q, k).masked_fill(~outside, 0.0).sum(-1).log()
+    diff = (exact - estimate)[:, :, window:]  # (B, H, N - W): the queries with keys outside
+    return diff.transpose(0, 1).flatten(1).median(-1).values
+
+
 @pytest.mark.parametrize(("method", "calibrated"), [("performer", False), ("hedgehog", True)])
 def test_transfer_calibrates_the_factor_only_of_maps_that_do_not_estimate_exp(method,
                                                                              calibrated):
     model = _lm()
     new = linearize(model, method, window=4, window_factor=True)
+    seen = {}
+
+    def keep(module, args, kwargs):  # the first q, k each layer gets: the calibration batch
+        seen.setdefault(id(module), (args[0].detach(), args[1].detach()))
+
+    layers = [m for m in model.modules() if getattr(m, "window_log_factor", None) is not None]
+    handles = [m.register_forward_pre_hook(keep, with_kwargs=True) for m in layers]
     transfer(model, iter([_tokens(0, (4, 31))]), steps=1, parameters=new, lr=1e-9)
-    factors = torch.stack([m.window_log_factor.detach() for m in model.modules()
-                           if getattr(m, "window_log_factor", None) is not None])
+    for handle in handles:
+        handle.remove()
+    factors = torch.stack([m.window_log_factor.detach() for m in layers])
     assert factors.shape == (2, 2)
-    # At most lr away from 0 when left at 1; hedgehog's identity map measured about -3.
-    assert (factors.abs() > 0.5).all() if calibrated else factors.abs().max() < 1e-6
+    if not calibrated:  # left at 1: at most lr away from log 1 = 0
+        assert factors.abs().max() < 1e-6
+        return
+    # hedgehog's identity map has a kernel far larger than e^s: the factor is negative (about
+    # -3 here), and it is the median log-ratio of softmax's mass outside the window to the
+    # kernel's, on the q, k of the softmax model's hidden states.
+    assert (factors < -0.5).all(), factors
+    for attn, got in zip(layers, factors, strict=True):
+        want = _expected_log_factor(attn, *seen[id(attn)], window=4)
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_transfer_feeds_every_layer_the_softmax_models_hidden_states():
+    """Each converted layer hands the teacher's output on: the second block gets the input it
+    gets in the softmax model, not the one the first layer's method would give."""
+    teacher = _lm().eval()
+    model = _lm()
+    new = linearize(model, LEARNED)
+    x = _tokens(0, (4, 31))
+    inputs = []
+
+    def keep(module, args):
+        inputs.append(args[0].detach().clone())
+
+    handles = [m.blocks[1].register_forward_pre_hook(keep) for m in (teacher, model)]
+    with torch.no_grad():
+        teacher(x)
+    transfer(model, iter([x]), steps=1, parameters=new)
+    with torch.no_grad():  # outside transfer: the method's own hidden states
+        model(x)
+    for handle in handles:
+        handle.remove()
+    assert len(inputs) == 3
+    torch.testing.assert_close(inputs[1], inputs[0], rtol=1e-5, atol=1e-6)
+    # The method's own differ: the comparison above is not vacuous.
+    assert (inputs[2] - inputs[0]).abs().max() > 1e-3
+
+
+def test_transfer_by_default_trains_the_gate_projection_of_gated_rfa():
+    """parameters=None: the mechanisms' own parameters and their call inputs' projections; gated
+    RFA has no parameters of its own, only its gate projection, which is what linearize
+    returned and what transfer trains."""
+    model = _lm()
+    new = linearize(model, "rfa", gated=True, num_features=8)
+    assert sorted(new) == sorted(f"blocks.{i}.self_attn.gate_proj.{p}" for i in (0, 1)
+                                 for p in ("weight", "bias"))
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    transfer(model, (_tokens(s, (4, 31)) for s in range(3)), steps=3)
+    changed = {k for k, p in model.named_parameters() if not torch.equal(p, before[k])}
+    assert changed == set(new)
 
 
 def test_transfer_refuses_what_it_cannot_train():
@@ -267,6 +349,56 @@ def test_convert_transfer_by_weights_is_its_own_run(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*argv, "--transfer-loss", "kl"])
     assert "--transfer-loss" in capsys.readouterr().err
+
+
+def _swapped(teacher_dir):
+    """The teacher of ``teacher_dir`` switched to LEARNED as effattn convert does, with the first
+    batch its transfer trains on (the training data after the teacher's)."""
+    run = load_run(teacher_dir)
+    cfg = run.config
+    linearize(run.model, LEARNED, seed=cfg.seed, **run_options(LEARNED, {}, cfg))
+    return run, run.task.train_batch(cfg.steps, cfg.batch_size)[0]
+
+
+@pytest.mark.parametrize("loss", ["mse", "ce"])
+def test_convert_transfer_optimises_the_loss_it_is_given(softmax_run, tmp_path, loss):
+    """The first transfer loss effattn convert records is the one asked for, computed on the
+    swapped model and the first transfer batch: the outputs' MSE or the weights' cross-entropy
+    (different numbers: the one is not the other under another name)."""
+    teacher_dir, _ = softmax_run
+    plan = tools_convert.ConvertPlan(
+        teacher=TrainConfig(task="recall", **TINY), teacher_dir=teacher_dir,
+        methods=[(LEARNED, {})], transfer_steps=2, transfer_loss=loss, stages=("transfer",))
+    rows = tools_convert.convert(plan, tmp_path, echo=False)
+    folder = tmp_path / rows[0]["method"] / ("transfer-ce" if loss == "ce" else "transfer")
+    recorded = json.loads((folder / "transfer.json").read_text())["losses"]
+    run, first = _swapped(teacher_dir)
+    want = {kind: sum(layer_errors(run.model, first, kind)) for kind in ("mse", "ce")}
+    assert recorded[0] == pytest.approx(want[loss], rel=1e-5)
+    other = want["ce" if loss == "mse" else "mse"]
+    assert abs(other - want[loss]) > 0.1 * want[loss], want
+
+
+def test_convert_finetunes_from_the_transfer_checkpoint(softmax_run, tmp_path):
+    """Fine-tuning at a learning rate of 1e-12 leaves the model where it started: its test loss
+    and score are the transfer checkpoint's (not the swapped teacher's)."""
+    teacher_dir, _ = softmax_run
+    plan = tools_convert.ConvertPlan(
+        teacher=TrainConfig(task="recall", **TINY), teacher_dir=teacher_dir,
+        methods=[(LEARNED, {})], transfer_steps=3, transfer_lr=0.3, finetune_steps=(1,),
+        finetune_lr=1e-12, stages=("transfer", "finetune"))
+    rows = tools_convert.convert(plan, tmp_path, echo=False)
+    assert [r["stage"] for r in rows] == ["transfer", "finetune"]
+    assert rows[1]["accuracy"] == rows[0]["accuracy"]
+    folder = tmp_path / rows[0]["method"]
+    tuned = json.loads((folder / "finetune-1" / "results.json").read_text())
+    assert tuned["init"]["from"] == str(folder / "transfer")
+    transferred = load_run(folder / "transfer")
+    start = evaluate(transferred.model, transferred.task, "test", transferred.device)["loss"]
+    assert tuned["test"]["loss"] == pytest.approx(start, rel=1e-6)
+    run, _ = _swapped(teacher_dir)  # where a start from the teacher would be
+    swapped = evaluate(run.model.eval(), run.task, "test", run.device)["loss"]
+    assert abs(swapped - start) > 1e-4, (swapped, start)  # measured 9e-4
 
 
 def test_convert_usage_errors_exit_2(tmp_path, capsys):

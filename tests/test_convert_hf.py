@@ -9,6 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from effattn.convert import layer_errors, linearize, lora, merge_lora, transfer  # noqa: E402
 from effattn.integrations.hf_cache import RecurrentCache  # noqa: E402
+from effattn.kernelized.hybrid import WindowState  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -70,18 +71,21 @@ def test_transfer_lowers_the_layer_error_and_trains_only_the_new_parameters():
 
 def _generates_as_the_full_forward_in_a_fixed_state(model, prompt):
     """Greedy generate() of 6 and of 24 tokens with a RecurrentCache: its logits equal a full
-    forward's over the generated sequence, and the cache holds the same bytes after both."""
-    sizes = []
+    forward's over the generated sequence, and the cache holds the same bytes after both.
+    Returns the caches."""
+    sizes, caches = [], []
     for count in (6, 24):
         cache = RecurrentCache()
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=count,
                              min_new_tokens=count, do_sample=False, past_key_values=cache,
                              output_logits=True, return_dict_in_generate=True)
         sizes.append(cache.nbytes())
+        caches.append(cache)
         with torch.no_grad():
             full = model(out.sequences[:, :-1]).logits[:, prompt.shape[1] - 1:]
         torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=1e-4, atol=1e-4)
     assert sizes[0] == sizes[1] > 0
+    return caches
 
 
 def test_generate_with_recurrent_cache_keeps_a_fixed_state_and_matches_a_full_forward():
@@ -107,7 +111,15 @@ def test_the_window_hybrid_generates_with_a_ring_buffer_and_a_fixed_state():
     new = linearize(model, "hedgehog", num_features=8, window=4, window_factor=True,
                     decoding=True)
     assert sum(name.endswith("window_log_factor") for name in new) == 2
-    _generates_as_the_full_forward_in_a_fixed_state(model, prompt)
+    for cache in _generates_as_the_full_forward_in_a_fixed_state(model, prompt):
+        assert len(cache.layers) == 2
+        for layer in cache.layers:
+            state = layer.state
+            assert isinstance(state, WindowState)
+            # (B, H, W, D): a ring of 4 keys and values of each of the 4 heads (2 key-value
+            # heads, repeated), after 5 + 6 or 5 + 24 tokens
+            assert state.k.shape == state.v.shape == (1, 4, 4, 6)
+            assert state.linear is not None and state.length == layer.seen
 
 
 def test_linearize_errors_name_the_problem():

@@ -1,4 +1,4 @@
-"""Sliding windows, chunks, soft caps and sinks of Hugging Face models (issue 23): tiny random
+"""Sliding windows, chunks, soft caps and sinks of Hugging Face models: tiny random
 models of each family, no download.
 
 effattn-softmax equals transformers' sdpa (eager where sdpa cannot express the feature) on a
@@ -48,9 +48,33 @@ FAMILIES = {
 KERNELIZED = {"performer": {"num_features": 32}, "linear": {}, "rfa": {"num_features": 32}}
 
 
+WINDOWED_REFERENCE = "effattn-test-windowed-reference"
+
+
+def windowed_reference(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                       sliding_window=None, window_off=False, **kwargs):
+    """Causal attention of the layer's effattn module by its dense reference (the method's
+    spec.reference), one query at a time over the keys of its window (all earlier keys in a
+    layer without one); no padding. For a model whose effattn modules were built."""
+    attn = module.effattn
+    groups = query.shape[1] // key.shape[1]
+    key, value = (x.repeat_interleave(groups, dim=1) for x in (key, value))
+    n, m = query.shape[2], key.shape[2]
+    rows = []
+    for i in range(n):
+        end = m - n + i + 1
+        start = 0 if sliding_window is None or window_off else max(0, end - sliding_window)
+        rows.append(attn.spec.reference(attn, query[:, :, i:i + 1], key[:, :, start:end],
+                                        value[:, :, start:end]))
+    return torch.cat(rows, 2).transpose(1, 2).contiguous(), None
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
     hf.register()
+    transformers.AttentionInterface.register(WINDOWED_REFERENCE, windowed_reference)
+    transformers.masking_utils.AttentionMaskInterface.register(
+        WINDOWED_REFERENCE, transformers.masking_utils.sdpa_mask)
 
 
 @pytest.fixture(autouse=True)
@@ -127,7 +151,7 @@ def test_the_window_is_applied():
 
 
 def test_window_crossed_during_generation_with_the_sliding_window_cache():
-    """Issue 23: window 10, prompt 7: after 3 new tokens transformers' cache drops keys."""
+    """Window 10, prompt 7: after 3 new tokens transformers' cache drops keys."""
     ids = batch(n=7, pad=0)[0]
     ours, theirs = model("mistral", "softmax", 10), model("mistral", "sdpa", 10)
     seq, steps = generate(ours, ids, new=16)
@@ -209,7 +233,7 @@ def test_a_window_longer_than_the_input_restricts_nothing(family, method):
                                               ("llama4", 5)])
 def test_recurrent_cache_decodes_windows_and_chunks(family, size, method):
     """A window or chunk of 64 restricts nothing on 7 + 16 tokens: the first decoding step's
-    one-column mask is causal (issue 23); chunks of 5 restart each row's state (left padding
+    one-column mask is causal; chunks of 5 restart each row's state (left padding
     shifts the row's chunks)."""
     m = model(family, method, size, options=KERNELIZED.get(method))
     ids, mask = batch(n=7, pad=2)
@@ -253,11 +277,20 @@ def test_a_restricting_window_is_refused_at_the_first_forward(method):
         generate(m, *batch())
     assert forwards.done == 0
     # Decoding with transformers' cache from a prompt the window does not restrict: each step's
-    # single query attends to the keys of its window (not to all 16 as with a window of 20).
+    # single query attends to the keys of its window: the logits are those of the method's dense
+    # reference with the window applied, over the generated sequence.
     ids = batch(n=4, pad=0)[0]
-    steps = generate(m, ids, new=12)[1]
-    longer = model("gemma3", method, LENGTH, options=KERNELIZED[method])
-    assert not torch.allclose(steps, generate(longer, ids, new=12)[1])
+    seq, steps = generate(m, ids, new=12)
+    # A cache that keeps every key (made without the config: no sliding layers): each step's
+    # query gets all 4 + t keys and the window is applied to them.
+    seq_all, steps_all = generate(m, ids, new=12, past_key_values=transformers.DynamicCache())
+    assert torch.equal(seq_all, seq)
+    m.set_attn_implementation(WINDOWED_REFERENCE)
+    want = logits(m, seq[:, :-1])[:, 3:]
+    torch.testing.assert_close(steps, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(steps_all, want, atol=1e-5, rtol=1e-5)
+    # and a window is not all keys: the reference without it differs
+    assert not torch.allclose(steps, logits(m, seq[:, :-1], window_off=True)[:, 3:], atol=1e-3)
 
 
 def test_recurrent_cache_refuses_a_window_at_the_prompt_when_told_the_length():

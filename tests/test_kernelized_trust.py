@@ -258,7 +258,7 @@ def _decode(module, q, k, v, gate, prefill=0):
     return torch.cat(outs, 2)
 
 
-# (B, H, N, D, Dv, norm of each q and k row, or None for N(0, 1) entries): issue 19's cases,
+# (B, H, N, D, Dv, norm of each q and k row, or None for N(0, 1) entries): large logits,
 # favor over 33 steps (2112 values) and keys of norm 30 over 200, and small inputs, where even
 # the signed maps' κ is ~1.
 DECODING_CASES = {

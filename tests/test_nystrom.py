@@ -240,7 +240,7 @@ def test_exact_limit_holds_on_peaked_logits(dtype, n, device):
     exact = R.softmax_attention(q.double(), k.double(), v.double())
     torch.testing.assert_close(out.double(), exact, atol=bound, rtol=0)
     if n <= 64:
-        # The case: these tokens padded to 143 are exact too, by their own length.
+        # These tokens padded to 143 are exact too, by their own length.
         q2, k2, v2 = (torch.cat([t, torch.zeros_like(t[:, :, :1]).expand(-1, -1, 143 - n, -1)],
                                 2) for t in (q, k, v))
         mask = (torch.arange(143, device=device) >= n).expand(2, -1)

@@ -239,9 +239,9 @@ def test_fully_padded_rows_are_zero_and_causal_queries_never_empty(shared):
 @pytest.mark.parametrize("bucket_size", [16, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 def test_large_logits_give_no_zero_row_and_match_the_reference(bucket_size, dtype, device):
-    # Issue 19: causal, q and k entries ~50 at D = 16 (logits ~1e4), N = 143, two rounds. A
-    # query whose round had no new candidate reported a row max of 0 to the merge of rounds,
-    # where it outranked real maxima of -1e4: their exp underflowed and the row came out 0.
+    # Causal, q and k entries ~50 at D = 16 (logits ~1e4), N = 143, two rounds. A query whose
+    # round has no new candidate must not report a row max of 0 to the merge of rounds: there
+    # it would outrank real maxima of -1e4, their exp would underflow and the row come out 0.
     q, k, v = (t.to(device) for t in qkv(n=143, d=16, dv=5, scale=50.0))
     attn = effattn.build(
         "reformer", head_dim=16, heads=3, seed=0, n_hashes=2, bucket_size=bucket_size

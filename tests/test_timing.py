@@ -68,7 +68,7 @@ def test_judge_quiet_machine():
 
 
 def test_judge_busy_machine_with_a_small_spread():
-    # The symptom of issue 11: every call 10-25x slower, the samples tight.
+    # A machine busy with other work: every call 10-25x slower, the samples tight.
     v = judge([12.0, 11.0], 1.0, median_ms=400.0, iqr_ms=4.0)
     assert v.disturbed and v.slowdown == 12.0
 

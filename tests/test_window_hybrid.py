@@ -187,6 +187,40 @@ def test_step_and_prefill_equal_the_causal_forward(label, options, window):
     assert state.k.shape[2] == window  # the ring holds W keys whatever the length
 
 
+@pytest.mark.parametrize("label, options", [METHODS[0], METHODS[4], METHODS[6]],
+                         ids=[METHODS[i][0] for i in (0, 4, 6)])
+def test_step_under_autograd_leaves_earlier_states_alone_and_gives_the_forwards_gradients(
+        label, options):
+    """Stepped with q, k, v (and the gate) that require grad, as a training loop or a script
+    may: each step returns a new state and leaves the caller's earlier one as it was, and the
+    gradients through the steps equal those through the causal forward."""
+    window, n = 5, 14  # keys leave the ring and enter the state
+    module = _build(label, options, window)
+    q, k, v, call = _inputs("cpu", options.get("gated", False), n=n)
+    leaves = [q, k, v, *call.values()]
+    for t in leaves:
+        t.requires_grad_(True)
+    state, outs, kept = None, [], []
+    for t in range(n):
+        out, new = module.step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state,
+                               **{name: x[:, :, t:t + 1] for name, x in call.items()})
+        if state is not None:
+            for ring, saved in zip((state.k, state.v), kept[-1], strict=True):
+                assert torch.equal(ring, saved), f"step {t} changed the state it was given"
+        kept.append((new.k.detach().clone(), new.v.detach().clone()))
+        state = new
+        outs.append(out)
+    stepped = torch.cat(outs, 2)
+    full = module(q, k, v, causal=True, **call)
+    tol = TOLERANCE.get(label, 1e-10)
+    torch.testing.assert_close(stepped, full, rtol=tol, atol=tol)
+    g = torch.randn(full.shape, dtype=full.dtype, generator=torch.Generator().manual_seed(2))
+    got = torch.autograd.grad((stepped * g).sum(), leaves)
+    want = torch.autograd.grad((full * g).sum(), leaves)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=100 * tol, atol=100 * tol)
+
+
 def test_decoding_state_does_not_grow():
     module = effattn.build("performer", head_dim=8, heads=2, seed=0, num_features=16,
                            window=4).eval()
@@ -217,15 +251,18 @@ def test_fp32_step_matches_the_forward():
 def test_compiles_fullgraph_and_matches_eager(label, options, training, one_thread):
     torch._dynamo.reset()
     eager = _build(label, options, 5).train(training)
-    compiled = torch.compile(copy.deepcopy(eager), backend=CompileCounterWithBackend("aot_eager"),
-                             fullgraph=True)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(copy.deepcopy(eager), backend=counter, fullgraph=True)
     gated = options.get("gated", False)
-    for causal in ([True] if gated else [False, True]):
+    modes = [True] if gated else [False, True]
+    for causal in modes:
         q, k, v, call = _inputs("cpu", gated, n=30)
         mask = padding(B, 30, seed=1)
         want = eager(q, k, v, causal=causal, key_padding_mask=mask, **call)
         got = compiled(q, k, v, causal=causal, key_padding_mask=mask, **call)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    # One whole graph per mode (causal is a Python bool the graph specialises on), no break.
+    assert counter.frame_count == len(modes), counter.frame_count
     torch._dynamo.reset()
 
 

@@ -201,6 +201,13 @@ class Nystromformer(AttentionMethod):
     ``conv_kernel`` (odd int or None): a learned per-head convolution of V along the sequence,
     added to the output (self-attention only); weights start U(-1/sqrt(kernel), 1/sqrt(kernel)),
     PyTorch's default conv initialisation, drawn from ``seed``.
+
+    Refuses peaked logits (a ValueError "nystrom cannot approximate these q, k: ... numerically
+    singular"): with logits of hundreds or more (q, k entries ~50 at D = 16 give about 1e4),
+    the landmark kernel softmax(Q̃ K̃^T) has columns that underflow to 0, so it is numerically
+    singular in float32 and float64 alike, and the estimate's row sums are far from 1 (see the
+    module doc, "Breakdown on peaked logits"). Only the exact limit (at most ``num_landmarks``
+    unpadded tokens) answers there.
     """
 
     def __init__(
