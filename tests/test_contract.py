@@ -1,4 +1,4 @@
-"""The public contract (README, "The contract"), for every registered method."""
+"""The public contract (docs/methods.md, "The contract"), for every registered method."""
 
 import dataclasses
 
