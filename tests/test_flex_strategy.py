@@ -20,6 +20,7 @@ import torch
 from conftest import padding, qkv
 
 import effattn
+import effattn.sparse
 from effattn import strategy
 from effattn.sparse import Band, Blocks, Globals, sparse_attention
 from effattn.sparse import flex as flex_strategy
@@ -292,3 +293,19 @@ def _check_against_reference(device, module, call, n=129, scale=1.0):
 def test_flex_kernel_matches_the_reference_outputs_and_gradients(device, method, options,
                                                                  causal):
     _check_against_reference(device, _module(method, options), {"causal": causal})
+
+
+def test_flex_takes_half_precision_as_it_is():
+    """FlexAttention keeps the softmax statistics in fp32 itself: banded methods hand it bf16
+    as it is (the CPU engine gets fp32), and the output stays close to the reference."""
+    cpu = torch.device("cpu")
+    assert effattn.sparse.engine_dtype(torch.bfloat16, cpu) == torch.float32
+    with strategy.force(banded="flex"):
+        assert effattn.sparse.engine_dtype(torch.bfloat16, cpu) == torch.bfloat16
+    module = _module("local", {"window": 16})
+    q, k, v = qkv(h=HEADS, n=129, d=HEAD_DIM)
+    with torch.no_grad(), strategy.force(banded="flex"):
+        out = module(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True)
+    assert out.dtype == torch.bfloat16
+    ref = module.spec.reference(module, q, k, v, causal=True)
+    torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)

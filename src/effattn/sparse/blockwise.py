@@ -939,6 +939,16 @@ def _global_plans(tokens: Tensor, ctx: _Context, padding: Tensor | None) -> list
     return [columns, _GlobalRows(ctx.shape, tokens, bias, ctx.step(2 * b * h * tokens.numel()))]
 
 
+def engine_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a banded method hands :func:`sparse_attention` for inputs of ``dtype`` on
+    ``device``: fp32 for half precision on the CPU engine (it merges its pieces in the dtype of
+    its inputs), the input dtype itself for FlexAttention, which keeps the softmax statistics
+    in fp32 as flash attention does (an upcast would double its memory traffic)."""
+    if strategy.choose("banded", device) == "flex":
+        return dtype
+    return torch.promote_types(dtype, torch.float32)
+
+
 def sparse_attention(
     q: Tensor,
     k: Tensor,
