@@ -195,6 +195,13 @@ def sparse_attention(
     """:func:`effattn.sparse.sparse_attention` by FlexAttention (see the module docstring); the
     caller has applied the shared checks (:func:`effattn.sparse.pieces.check_pieces`)."""
     b, h, n, _ = q.shape
+    # One tensor passed twice (q as k, say) after a call with distinct ones makes dynamo's
+    # recompilation report fail inside flex_attention (torch 2.13: IndexError in its tensor
+    # aliasing guard's reason): distinct views of it cost nothing.
+    if k is q:
+        k = k.view_as(k)
+    if v is q or v is k:
+        v = v.view_as(v)
     mask = block_mask(pieces, h, n, q.device)
     modify = score_mod(softcap, None if key_mask is None else key_mask.to(q.device))
     request = AuxRequest(lse=True)
