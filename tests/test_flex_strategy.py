@@ -28,7 +28,7 @@ from effattn.sparse.pieces import Columns, Summary, dense_mask, union
 
 flex_api = pytest.importorskip("torch.nn.attention.flex_attention")
 
-HEADS, HEAD_DIM = 3, 8
+HEADS, HEAD_DIM = 3, 16
 
 # (method, options, causal): every option of every banded method.
 CASES = [
@@ -322,3 +322,16 @@ def test_one_tensor_passed_twice_after_distinct_ones():
         ref = _module("sparse-strided", {"stride": 7}).spec.reference(
             _module("sparse-strided", {"stride": 7}), q, q, q, causal=True)
     torch.testing.assert_close(out, ref)
+
+
+def test_inside_torch_compile_the_blockwise_engine_runs():
+    """An outer torch.compile(fullgraph=True) traces the blockwise engine (the flex strategy's
+    BlockMask cache is host-side work), also where flex is the strategy."""
+    module = _module("local", {"window": 8})
+    q, k, v = qkv(h=HEADS, n=40, d=HEAD_DIM)
+    torch._dynamo.reset()
+    with strategy.force(banded="flex"):
+        compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
+        out = compiled(q, k, v, causal=True)
+    torch._dynamo.reset()
+    torch.testing.assert_close(out, module.spec.reference(module, q, k, v, causal=True))

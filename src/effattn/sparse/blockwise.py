@@ -977,7 +977,10 @@ def sparse_attention(
             f"sparse_attention needs aligned positions (N == M), got N={n}, M={k.shape[2]}"
         )
     check_pieces(pieces, h, n, softcap)
-    if strategy.choose("banded", q.device) == "flex":
+    # Inside an outer torch.compile the blockwise engine runs (it traces without a graph
+    # break): the flex strategy's BlockMask cache is host-side work (hashing the pattern,
+    # a dict) that a graph cannot hold.
+    if strategy.choose("banded", q.device) == "flex" and not torch.compiler.is_compiling():
         # Imported here: importing effattn loads no torch module beyond torch itself, and
         # FlexAttention's only where this strategy runs.
         from effattn.sparse import flex
