@@ -252,6 +252,9 @@ def test_refusals_are_shared_by_the_strategies():
                                  scale=1.0)
             with pytest.raises(TypeError, match="not a piece"):
                 sparse_attention(q, k, v, [Columns(4), "band"], scale=1.0)
+            # Every piece is defined over aligned positions: no cross-attention (M != N).
+            with pytest.raises(ValueError, match="aligned positions"):
+                sparse_attention(q, k[:, :, :20], v[:, :, :20], [Band(2, 2)], scale=1.0)
 
 
 def test_forced_flex_on_the_cpu_refuses_gradients_clearly():
