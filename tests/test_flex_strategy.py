@@ -369,3 +369,30 @@ def test_every_rule_compiles_into_a_flex_kernel():
     # A wrong mask shows as errors of 1e-2 and more (rows of a few tens of keys); the compiled
     # kernel's rounding differed from the reference by up to 1.4e-4 in one of five runs.
     torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)
+
+
+def test_compiled_branch_records_the_first_calls_time(monkeypatch):
+    """The CUDA branch (compiled kernel, first-call timing), run on the CPU with the eager form
+    standing in for the compiled kernel: its first call per shape is timed into
+    COMPILE_SECONDS, later calls are not, and the answer is the eager branch's."""
+    calls = []
+
+    def stand_in(*args, **kwargs):
+        calls.append(kwargs["block_mask"])
+        return flex_api.flex_attention(*args, **kwargs)
+
+    monkeypatch.setattr(flex_strategy, "compiled_on", lambda device: True)
+    monkeypatch.setattr(flex_strategy, "_kernel", lambda: stand_in)
+    monkeypatch.setattr(flex_strategy, "COMPILE_SECONDS", {})
+    q, k, v = qkv(n=63)
+    with torch.no_grad(), strategy.force(banded="flex"):
+        out, lse = sparse_attention(q, k, v, [Band(4, 4, 2)], scale=0.5, softcap=2.0)
+        sparse_attention(q, k, v, [Band(4, 4, 2)], scale=0.5, softcap=2.0)
+        assert len(flex_strategy.COMPILE_SECONDS) == 1
+        sparse_attention(q[:, :, :40], k[:, :, :40], v[:, :, :40], [Band(4, 4, 2)], scale=0.5)
+    assert len(flex_strategy.COMPILE_SECONDS) == 2
+    assert all(seconds > 0 for seconds in flex_strategy.COMPILE_SECONDS.values())
+    assert len(calls) == 3 and calls[0] is calls[1]  # the cached BlockMask
+    ref, ref_lse = sparse_attention(q, k, v, [Band(4, 4, 2)], scale=0.5, softcap=2.0)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)

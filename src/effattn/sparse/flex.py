@@ -172,6 +172,16 @@ def score_mod(softcap: float | None,
     return modify
 
 
+def compiled_on(device: torch.device) -> bool:
+    """Whether flex_attention runs compiled on ``device`` (CUDA), else in its eager form."""
+    return device.type == "cuda"
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _kernel() -> Callable[..., tuple[Tensor, object]]:
     """flex_attention compiled once (per shape, by dynamo's guards)."""
     global _compiled
@@ -205,7 +215,7 @@ def sparse_attention(
     mask = block_mask(pieces, h, n, q.device)
     modify = score_mod(softcap, None if key_mask is None else key_mask.to(q.device))
     request = AuxRequest(lse=True)
-    if q.device.type != "cuda":
+    if not compiled_on(q.device):
         if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
             raise NotImplementedError(
                 f"the banded strategy 'flex' runs on {q.device.type} for inference only: torch "
@@ -227,10 +237,10 @@ def sparse_attention(
         out, aux = kernel(q, k, v, score_mod=modify, block_mask=mask, scale=scale,
                           return_aux=request)
     else:
-        torch.cuda.synchronize(q.device)
+        _synchronize(q.device)
         start = time.perf_counter()
         out, aux = kernel(q, k, v, score_mod=modify, block_mask=mask, scale=scale,
                           return_aux=request)
-        torch.cuda.synchronize(q.device)
+        _synchronize(q.device)
         COMPILE_SECONDS[key] = time.perf_counter() - start
     return out, aux.lse
