@@ -396,3 +396,18 @@ def test_compiled_branch_records_the_first_calls_time(monkeypatch):
     ref, ref_lse = sparse_attention(q, k, v, [Band(4, 4, 2)], scale=0.5, softcap=2.0)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(lse, ref_lse)
+
+
+def test_a_torch_without_flex_attention_keeps_the_blockwise_engine(monkeypatch):
+    find_spec = strategy.importlib.util.find_spec
+    monkeypatch.setattr(strategy.importlib.util, "find_spec",
+                        lambda name: None if "flex_attention" in name else find_spec(name))
+    strategy._runs_here.cache_clear()
+    try:
+        with strategy.force():
+            if not strategy.forced():
+                assert strategy.choose("banded", torch.device("cuda")) == "cpu"
+        with strategy.force(banded="flex"):
+            assert strategy.choose("banded", torch.device("cuda")) == "flex"
+    finally:
+        strategy._runs_here.cache_clear()

@@ -46,7 +46,12 @@ from dataclasses import fields
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+try:
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # torch < 2.9 returns the log-sum-exp by return_lse=True
+    AuxRequest = None
 
 from effattn.sparse.pieces import Blocks, Piece, Rule, union
 
@@ -172,6 +177,11 @@ def score_mod(softcap: float | None,
     return modify
 
 
+def _lse(aux: object) -> Tensor:
+    """The log-sum-exp of flex_attention's second output (AuxOutput, or the tensor itself)."""
+    return aux if isinstance(aux, Tensor) else aux.lse
+
+
 def compiled_on(device: torch.device) -> bool:
     """Whether flex_attention runs compiled on ``device`` (CUDA), else in its eager form."""
     return device.type == "cuda"
@@ -214,7 +224,7 @@ def sparse_attention(
         v = v.view_as(v)
     mask = block_mask(pieces, h, n, q.device)
     modify = score_mod(softcap, None if key_mask is None else key_mask.to(q.device))
-    request = AuxRequest(lse=True)
+    request = {"return_lse": True} if AuxRequest is None else {"return_aux": AuxRequest(lse=True)}
     if not compiled_on(q.device):
         if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
             raise NotImplementedError(
@@ -226,21 +236,19 @@ def sparse_attention(
             # The eager form warns that it is unfused: here it is the point.
             warnings.simplefilter("ignore", UserWarning)
             out, aux = flex_attention(q, k, v, score_mod=modify, block_mask=mask, scale=scale,
-                                      return_aux=request)
-        return out, aux.lse
+                                      **request)
+        return out, _lse(aux)
     kernel = _kernel()
     key = (f"{tuple(q.shape)}x{tuple(v.shape)} {q.dtype} "
            f"{'+'.join(type(p).__name__ for p in pieces)} "
            f"softcap={softcap is not None} padding={key_mask is not None} "
            f"grad={torch.is_grad_enabled() and q.requires_grad}")
     if key in COMPILE_SECONDS:
-        out, aux = kernel(q, k, v, score_mod=modify, block_mask=mask, scale=scale,
-                          return_aux=request)
+        out, aux = kernel(q, k, v, score_mod=modify, block_mask=mask, scale=scale, **request)
     else:
         _synchronize(q.device)
         start = time.perf_counter()
-        out, aux = kernel(q, k, v, score_mod=modify, block_mask=mask, scale=scale,
-                          return_aux=request)
+        out, aux = kernel(q, k, v, score_mod=modify, block_mask=mask, scale=scale, **request)
         _synchronize(q.device)
         COMPILE_SECONDS[key] = time.perf_counter() - start
-    return out, aux.lse
+    return out, _lse(aux)
