@@ -939,12 +939,20 @@ def _global_plans(tokens: Tensor, ctx: _Context, padding: Tensor | None) -> list
     return [columns, _GlobalRows(ctx.shape, tokens, bias, ctx.step(2 * b * h * tokens.numel()))]
 
 
+def _runs_flex(device: torch.device) -> bool:
+    """Whether a call on ``device`` runs the flex strategy: where it is chosen, except inside an
+    outer torch.compile, which traces the blockwise engine (it traces without a graph break;
+    the flex strategy's BlockMask cache is host-side work, hashing the pattern and a dict, that
+    a graph cannot hold)."""
+    return strategy.choose("banded", device) == "flex" and not torch.compiler.is_compiling()
+
+
 def engine_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype a banded method hands :func:`sparse_attention` for inputs of ``dtype`` on
     ``device``: fp32 for half precision on the CPU engine (it merges its pieces in the dtype of
     its inputs), the input dtype itself for FlexAttention, which keeps the softmax statistics
     in fp32 as flash attention does (an upcast would double its memory traffic)."""
-    if strategy.choose("banded", device) == "flex":
+    if _runs_flex(device):
         return dtype
     return torch.promote_types(dtype, torch.float32)
 
@@ -977,10 +985,7 @@ def sparse_attention(
             f"sparse_attention needs aligned positions (N == M), got N={n}, M={k.shape[2]}"
         )
     check_pieces(pieces, h, n, softcap)
-    # Inside an outer torch.compile the blockwise engine runs (it traces without a graph
-    # break): the flex strategy's BlockMask cache is host-side work (hashing the pattern,
-    # a dict) that a graph cannot hold.
-    if strategy.choose("banded", q.device) == "flex" and not torch.compiler.is_compiling():
+    if _runs_flex(q.device):
         # Imported here: importing effattn loads no torch module beyond torch itself, and
         # FlexAttention's only where this strategy runs.
         from effattn.sparse import flex
