@@ -66,7 +66,7 @@ def _read_mask(attend, n, heads=HEADS):
         return attend(q, q.clone(), v)[0] > 0
 
 
-def _pieces_of(module, n, causal):
+def _pieces_of(module, n, causal, **call):
     """The pieces the module hands to the banded engine for N = n."""
     seen = []
     real = flex_strategy.sparse_attention
@@ -78,7 +78,7 @@ def _pieces_of(module, n, causal):
     q = torch.zeros(1, HEADS, n, HEAD_DIM)
     with strategy.force(banded="flex"), torch.no_grad(), pytest.MonkeyPatch.context() as mp:
         mp.setattr(flex_strategy, "sparse_attention", record)
-        module(q, q, q, causal=causal)
+        module(q, q, q, causal=causal, **call)
     assert len(seen) == 1
     return seen[0]
 
@@ -99,6 +99,27 @@ def test_rule_is_the_cpu_engines_and_the_references_pattern(method, options, cau
     mask_mod = flex_strategy.block_mask(pieces, HEADS, n, torch.device("cpu")).mask_mod
     by_vmap = flex_api.create_mask(mask_mod, 1, HEADS, n, n, device="cpu")[0]
     assert torch.equal(by_vmap, rule)
+
+
+@pytest.mark.parametrize("n", [63, 129])
+@pytest.mark.parametrize(("call", "build"), [
+    ({"causal": True, "sliding_window": 9}, {}),
+    ({"causal": True, "sliding_window": 1}, {}),
+    ({"causal": True}, {"softcap": 2.0}),
+    ({"causal": False}, {"softcap": 2.0}),
+])
+def test_softmax_patterns_are_the_cpu_engines_and_the_references(call, build, n):
+    """softmax's sliding window (Mistral's), and the causal or full band a soft cap needs."""
+    module = effattn.build("softmax", head_dim=HEAD_DIM, heads=HEADS, **build)
+    call = dict(call)
+    causal = call.pop("causal")
+    rule = dense_mask(_pieces_of(module, n, causal, **call), HEADS, n)
+    with strategy.force(banded="cpu"):
+        engine = _read_mask(lambda q, k, v: module(q, k, v, causal=causal, **call), n)
+    reference = _read_mask(
+        lambda q, k, v: module.spec.reference(module, q, k, v, causal=causal, **call), n)
+    assert torch.equal(rule, engine)
+    assert torch.equal(rule, reference)
 
 
 @pytest.mark.parametrize("n", [63, 129, 256])
