@@ -21,8 +21,9 @@ The window hybrid (``linear`` with ``window=128``, effattn only) is measured bes
 ``--repeats`` paired samples (CUDA events), the implementations of a point alternating;
 ``peak_mib``: ``torch.cuda.max_memory_allocated`` above the inputs, one more call;
 ``compile_s``: the first call's seconds (compilation and BlockMask included), excluded from
-``ms``. A failure (out of memory, a refusal) is a row with ``ms`` null and ``error``. Rows are
-written atomically to ``--out`` (JSON) after every point, and a PNG beside it at the end.
+``ms``; the file also keeps ``effattn.sparse.flex.COMPILE_SECONDS`` (``flex_compile_seconds``).
+A failure (out of memory, a refusal) is a row with ``ms`` null and ``error``. Rows are written
+atomically to ``--out`` (JSON) after every point, and a PNG beside it at the end.
 
     PYTHONPATH=src python3 benchmarks/gpu_peers_banded.py           # N 4096 16384 65536
     PYTHONPATH=src python3 benchmarks/gpu_peers_banded.py --methods local bigbird \\
@@ -283,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
                             "command": " ".join(["gpu_peers_banded.py",
                                                  *(sys.argv[1:] if argv is None else argv)]),
                             "started_utc": started, "machine": describe(info),
-                            "torch": torch.__version__, "rows": rows})
+                            "torch": torch.__version__, "rows": rows,
+                            # The strategy's own first-call time per compiled shape.
+                            "flex_compile_seconds": dict(flex_strategy.COMPILE_SECONDS)})
     plot(rows, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
