@@ -15,6 +15,16 @@ and keeps the fastest, which evens out a machine shared with other work.
     python3 benchmarks/hf_generate.py --lengths 64 128 --batches 1   # a quick check
     python3 benchmarks/hf_generate.py --window 512 --impls sdpa softmax softmax:hf \
         --lengths 2048 8192 --repeats 3 --out benchmarks/hf-generate-window/results.json
+
+``--prefill T ...`` times the prefill instead: one forward of a prompt of T tokens without a
+cache (``use_cache=False``), milliseconds per call (``--device cuda``: CUDA events' wall time
+after a synchronize, and the peak of ``torch.cuda.max_memory_allocated``). On a GPU
+effattn-softmax computes the window through the banded engine's FlexAttention strategy; sdpa
+through transformers' own window mask:
+
+    python3 benchmarks/hf_generate.py --device cuda --dtype bfloat16 --window 4096 \
+        --prefill 32768 --batches 1 --impls sdpa softmax --repeats 5 \
+        --out benchmarks/gpu/hf-prefill/results.json
 """
 
 from __future__ import annotations
@@ -39,6 +49,9 @@ from effattn.tools.bench.results import write_json
 HF_CACHE = ":hf"
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 def make_model(impl: str, args: argparse.Namespace, max_len: int) -> Any:
     sizes = dict(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
@@ -50,7 +63,8 @@ def make_model(impl: str, args: argparse.Namespace, max_len: int) -> Any:
         **sizes, sliding_window=args.window)
     torch.manual_seed(0)
     name = impl if impl == "sdpa" else hf.name(impl.removesuffix(HF_CACHE))
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation=name).eval()
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=name).eval()
+    return model.to(device=args.device, dtype=DTYPES[args.dtype])
 
 
 def cache_for(impl: str, model: Any) -> Any:
@@ -77,6 +91,50 @@ def run(model: Any, impl: str, prompt: torch.Tensor, new: int) -> tuple[float, i
     return seconds, cache_bytes(cache)
 
 
+def prefill(model: Any, prompt: torch.Tensor) -> tuple[float, int]:
+    """Seconds of one cache-free forward of ``prompt`` and the peak bytes above the model on a
+    GPU (0 on a CPU)."""
+    cuda = prompt.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    with torch.no_grad():
+        model(prompt, use_cache=False)
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return seconds, (torch.cuda.max_memory_allocated() - base) if cuda else 0
+
+
+def main_prefill(args: argparse.Namespace, models: dict[str, Any]) -> list[dict]:
+    """The ``--prefill`` records: ms per forward of each prompt length, the fastest repeat."""
+    records = []
+    print(f"{'impl':>12} {'batch':>5} {'tokens':>6} {'ms':>9} {'peak MiB':>9}")
+    for batch in args.batches:
+        for tokens in args.prefill:
+            prompt = torch.randint(1, args.vocab, (batch, tokens),
+                                   generator=torch.Generator().manual_seed(0)).to(args.device)
+            for model in models.values():
+                prefill(model, prompt)  # warm-up: compilation, block masks
+            times: dict[str, list[float]] = {impl: [] for impl in models}
+            peak: dict[str, int] = {}
+            for _ in range(args.repeats):
+                for impl, model in models.items():
+                    seconds, peak[impl] = prefill(model, prompt)
+                    times[impl].append(seconds)
+            for impl in models:
+                rec = {"impl": impl, "batch": batch, "prefill_tokens": tokens,
+                       "ms": 1e3 * min(times[impl]),
+                       "all_ms": [1e3 * t for t in times[impl]],
+                       "peak_mib": peak[impl] / 2**20}
+                records.append(rec)
+                print(f"{impl:>12} {batch:>5} {tokens:>6} {rec['ms']:>9.2f} "
+                      f"{rec['peak_mib']:>9.1f}", flush=True)
+    return records
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--impls", nargs="+", default=["sdpa", "softmax", "performer", "linear", "rfa",
@@ -96,20 +154,29 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per setting, the implementations in turn; the fastest is kept")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--prefill", nargs="+", type=int, default=None,
+                   help="time a cache-free forward of prompts of these lengths instead of "
+                        "generate()")
     p.add_argument("--out", type=Path, default=Path("benchmarks/hf-generate/results.json"))
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("hf_generate.py: --device cuda, but torch sees no CUDA device", file=sys.stderr)
+        sys.exit(2)
     hf.register()
-    max_len = args.prompt + max(args.lengths)
+    max_len = max(args.prefill) if args.prefill else args.prompt + max(args.lengths)
     models = {impl: make_model(impl, args, max_len) for impl in args.impls}
     load = [os.getloadavg()]
-    records = []
+    records = main_prefill(args, models) if args.prefill else []
     header = f"{'impl':>12} {'batch':>5} {'tokens':>6} {'tokens/s':>9} {'cache KiB':>10}"
-    print(header, "-" * len(header), sep="\n")
-    for batch in args.batches:
+    if not args.prefill:
+        print(header, "-" * len(header), sep="\n")
+    for batch in [] if args.prefill else args.batches:
         prompt = torch.randint(1, args.vocab, (batch, args.prompt),
-                               generator=torch.Generator().manual_seed(0))
+                               generator=torch.Generator().manual_seed(0)).to(args.device)
         for impl, model in models.items():
             run(model, impl, prompt, 8)  # warm-up
         for new in args.lengths:
@@ -131,7 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     write_json(args.out, {
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
         "model": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "vocab", "prompt",
-                                                "window")},
+                                                "window", "device", "dtype", "prefill")},
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
                         "python": platform.python_version(), "machine": machine_info(),
                         "threads": torch.get_num_threads(),

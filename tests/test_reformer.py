@@ -318,3 +318,26 @@ def test_any_length_and_low_precision():
         q, k, v = qkv(n=n, m=m, dv=7, dtype=torch.float32)
         out = attn(q, k, v)
         assert out.shape == (2, 3, n, 7) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("shared, causal", [(False, False), (True, True), (False, True)])
+def test_gpu_sized_groups_compute_the_same(shared, causal, monkeypatch):
+    """On a GPU a round's chunks run as one batched group (GPU_GROUP_ELEMENTS), on a CPU in
+    cache-sized groups: the same result, outputs and gradients, and the reference's."""
+    assert F.group_elements(torch.device("cuda")) == F.GPU_GROUP_ELEMENTS
+    assert F.group_elements(torch.device("cpu")) == F.GROUP_ELEMENTS
+    n, bucket_size = 513, 16
+    q, k, v = _inputs(n, n, shared)
+    rotations = F.draw_rotations(
+        3, 2, 21, F.num_buckets(n, n, bucket_size), generator=torch.Generator().manual_seed(1)
+    ).double()
+    kw = dict(rotations=rotations, bucket_size=bucket_size, causal=causal,
+              key_padding_mask=padding(2, n), shared_qk=shared, scale=0.3)
+    monkeypatch.setattr(F, "GROUP_ELEMENTS", 4096)  # several groups per round
+    grouped = _grads(F.reformer_attention, q, k, v, shared, **kw)
+    monkeypatch.setattr(F, "GROUP_ELEMENTS", F.GPU_GROUP_ELEMENTS)  # one group per round
+    batched = _grads(F.reformer_attention, q, k, v, shared, **kw)
+    ref = _grads(R.reformer_attention, q, k, v, shared, **kw)
+    for a, b, c in zip(grouped, batched, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(b, c, rtol=1e-10, atol=1e-10)

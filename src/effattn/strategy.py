@@ -19,14 +19,17 @@ The default can be overridden, so that CI runs a GPU strategy on the CPU:
 - the environment, read once at import: ``EFFATTN_STRATEGY="kernelized=gpu,banded=flex"``;
 - in code, for a block: ``with effattn.strategy.force(kernelized="gpu"): ...``.
 
-An override names a strategy for an engine and applies on every device.
+An override names a strategy for an engine and applies on every device. A default that this
+torch cannot run (``flex`` before torch 2.5, which has no FlexAttention) gives way to ``cpu``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
 
 import torch
 
@@ -71,13 +74,22 @@ def parse(text: str) -> dict[str, str]:
 _forced: dict[str, str] = parse(os.environ.get(ENV, ""))
 
 
+@cache
+def _runs_here(strategy: str) -> bool:
+    """Whether this torch has what ``strategy`` needs (found without importing it)."""
+    if strategy == "flex":
+        return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+    return True
+
+
 def choose(engine: str, device: torch.device) -> str:
     """The strategy that runs ``engine`` for tensors on ``device``."""
     _check(engine)
     forced = _forced.get(engine)
     if forced is not None:
         return forced
-    return _ON_CUDA[engine] if device.type == "cuda" else "cpu"
+    default = _ON_CUDA[engine] if device.type == "cuda" else "cpu"
+    return default if _runs_here(default) else "cpu"
 
 
 @contextmanager

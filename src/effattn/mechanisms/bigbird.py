@@ -26,10 +26,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from effattn.base import check_positive_int, compute_dtype
+from effattn.base import check_positive_int
 from effattn.random import RandomizedAttention, RandomSource, uniform
 from effattn.registry import Budget, MethodSpec, register
-from effattn.sparse import block_gather_attention
+from effattn.sparse import block_gather_attention, engine_dtype
 
 
 def check_count(name: str, value: object) -> int:
@@ -98,13 +98,16 @@ def bigbird_attention(
         )
     # Global rows and keys are the engine's global tokens: they are merged into the block
     # rows' output in place, with no full-size concatenation or per-piece gradient.
-    a = torch.arange(nb, device=q.device)[:, None]
-    window = a + torch.arange(-1, 2, device=q.device)
+    # The block indices stay on the CPU, where the random blocks are drawn: the engine moves
+    # them once, and the flex strategy keys its cached BlockMask by their contents without a
+    # device sync.
+    a = torch.arange(nb)[:, None]
+    window = a + torch.arange(-1, 2)
     window = window.masked_fill((window < g) | (window >= nb), -1)
-    key_blocks = torch.cat([window.expand(h, -1, -1), random_blocks.to(q.device)], 2)
+    key_blocks = torch.cat([window.expand(h, -1, -1), random_blocks.cpu()], 2)
     # Global query blocks take their dense rows from the global piece alone.
     key_blocks[:, :g] = -1
-    tokens = torch.arange(min(g * block_size, n), device=q.device) if g > 0 else None
+    tokens = torch.arange(min(g * block_size, n)) if g > 0 else None
     out, _ = block_gather_attention(
         q, k, v, key_blocks, block_size=block_size, scale=scale, key_mask=key_padding_mask,
         global_tokens=tokens,
@@ -143,7 +146,7 @@ class BigBirdAttention(RandomizedAttention):
     def _attend(self, q, k, v, *, causal, key_padding_mask):
         nb = -(-q.shape[2] // self.block_size)
         blocks = self._draw(nb, self._call_generator())
-        dtype = compute_dtype(q.dtype)
+        dtype = engine_dtype(q.dtype, q.device)
         return bigbird_attention(
             q.to(dtype), k.to(dtype), v.to(dtype), block_size=self.block_size,
             random_blocks=blocks, num_global_blocks=self.num_global_blocks,

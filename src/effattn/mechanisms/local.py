@@ -29,7 +29,7 @@ from torch import Tensor
 
 from effattn.base import AttentionMethod, check_positive_int, compute_dtype
 from effattn.registry import Budget, CallInput, MethodSpec, register
-from effattn.sparse import Band, banded_attention
+from effattn.sparse import Band, banded_attention, engine_dtype
 from effattn.sparse.parallel import Halo
 
 
@@ -86,7 +86,7 @@ class LocalAttention(AttentionMethod):
             )
 
     def _attend(self, q, k, v, *, causal, key_padding_mask, sliding_window=None):
-        dtype = compute_dtype(q.dtype)
+        dtype = engine_dtype(q.dtype, q.device)
         band = self.band(causal)
         out, _ = banded_attention(
             q.to(dtype), k.to(dtype), v.to(dtype), left=band.left, right=band.right,

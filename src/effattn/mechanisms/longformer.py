@@ -18,9 +18,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from effattn.base import AttentionMethod, check_positive_int, compute_dtype
+from effattn.base import AttentionMethod, check_positive_int
 from effattn.registry import Budget, MethodSpec, register
-from effattn.sparse import banded_attention
+from effattn.sparse import banded_attention, engine_dtype
 
 
 def check_global_tokens(global_tokens: object, n: int | None = None) -> tuple[int, ...]:
@@ -57,7 +57,7 @@ def longformer_attention(
     tokens = check_global_tokens(global_tokens, n)
     out, _ = banded_attention(
         q, k, v, left=window // 2, right=window // 2, key_mask=key_padding_mask, scale=scale,
-        global_tokens=torch.tensor(tokens, device=q.device) if tokens else None,
+        global_tokens=torch.tensor(tokens) if tokens else None,
     )
     return out
 
@@ -76,7 +76,7 @@ class LongformerAttention(AttentionMethod):
         return f"{super().extra_repr()}, window={self.window}, global_tokens={self.global_tokens}"
 
     def _attend(self, q, k, v, *, causal, key_padding_mask):
-        dtype = compute_dtype(q.dtype)
+        dtype = engine_dtype(q.dtype, q.device)
         return longformer_attention(
             q.to(dtype), k.to(dtype), v.to(dtype), window=self.window,
             global_tokens=self.global_tokens, key_padding_mask=key_padding_mask, scale=self.scale,

@@ -70,8 +70,19 @@ from effattn.base import check_bool, check_positive_int, compute_dtype
 from effattn.random import RandomizedAttention, RandomSource, normal
 from effattn.registry import Budget, MethodSpec, register
 
-# Scores per group of chunks (1 MiB in fp32).
+# Scores per group of chunks (1 MiB in fp32): on a CPU a group's masked elementwise passes then
+# run in cache.
 GROUP_ELEMENTS = 1 << 18
+# On a GPU, groups as large as memory allows (128 MiB of fp32 scores, the gathered keys and
+# values about as much again): a round of N = 65536 (B = 1, H = 8, chunks of 64 against windows
+# of 128) is then one group, a few batched launches instead of a loop of 64 or more small ones
+# per round (each launch a fraction of a millisecond of idle GPU).
+GPU_GROUP_ELEMENTS = 1 << 25
+
+
+def group_elements(device: torch.device) -> int:
+    """Scores per group of chunks on ``device`` (see GROUP_ELEMENTS, GPU_GROUP_ELEMENTS)."""
+    return GPU_GROUP_ELEMENTS if device.type == "cuda" else GROUP_ELEMENTS
 
 
 def num_buckets(n: int, m: int, bucket_size: int) -> int:
@@ -403,9 +414,9 @@ def reformer_attention(
         # Query slot u of chunk c holds the same token as window column C + u: the diagonal.
         u = torch.arange(chunk, device=q.device)
         not_self = (u[:, None] + chunk != torch.arange(width, device=q.device))[None]
-    # Chunks are processed in groups of about GROUP_ELEMENTS scores: the masked elementwise
-    # passes over a group's (C, W) blocks then run in cache, not in memory.
-    group = max(1, GROUP_ELEMENTS // (chunk * width))
+    # Chunks are processed in batched groups of about group_elements(device) scores: in cache
+    # on a CPU, one or a few groups per round on a GPU.
+    group = max(1, group_elements(q.device) // (chunk * width))
     nums, dens, tops = [], [], []
     for r in range(rotations.shape[1]):
         rows, cols = layout.rows[:, :, r], layout.cols[:, :, r]

@@ -34,7 +34,7 @@ from torch import Tensor
 from effattn.base import AttentionMethod, compute_dtype
 from effattn.parallel import SequenceGroup, SequenceStrategy
 from effattn.registry import CallInput, MethodSpec, Problem, register
-from effattn.sparse import banded_attention
+from effattn.sparse import banded_attention, engine_dtype
 
 
 def visible_rows(key_padding_mask: Tensor, n: int, causal: bool) -> Tensor:
@@ -140,7 +140,7 @@ def softmax_attention(
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale)
         return out.masked_fill(~visible_rows(key_padding_mask, n, causal), 0.0)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    dtype = compute_dtype(q.dtype)
+    dtype = engine_dtype(q.dtype, q.device) if n == m else compute_dtype(q.dtype)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if n == m:
         # Every pattern of self-attention is a band: causal (n - 1, 0), windowed causal

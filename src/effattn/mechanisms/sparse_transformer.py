@@ -29,9 +29,9 @@ import math
 import torch
 from torch import Tensor
 
-from effattn.base import AttentionMethod, check_positive_int, compute_dtype
+from effattn.base import AttentionMethod, check_positive_int
 from effattn.registry import MethodSpec, register
-from effattn.sparse import Band, Blocks, Columns, Summary, sparse_attention
+from effattn.sparse import Band, Blocks, Columns, Summary, engine_dtype, sparse_attention
 
 
 def default_stride(n: int) -> int:
@@ -73,7 +73,7 @@ def fixed_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     s = min(default_stride(n) if stride is None else stride, n)
     # Causal within the own block: key j <= query a, the same in every block.
-    earlier = torch.ones(s, s, dtype=torch.bool, device=q.device).tril() if causal else None
+    earlier = torch.ones(s, s, dtype=torch.bool).tril() if causal else None
     pieces = [Blocks(None, s, earlier), Summary(s, c, causal)]
     return sparse_attention(q, k, v, pieces, scale=scale, key_mask=key_padding_mask)[0]
 
@@ -91,7 +91,7 @@ class StridedAttention(_SparseTransformerAttention):
     """Strided pattern: a band of s plus every s-th earlier position."""
 
     def _attend(self, q, k, v, *, causal, key_padding_mask):
-        dtype = compute_dtype(q.dtype)
+        dtype = engine_dtype(q.dtype, q.device)
         return strided_attention(
             q.to(dtype), k.to(dtype), v.to(dtype), stride=self.stride, causal=causal,
             key_padding_mask=key_padding_mask, scale=self.scale,
@@ -109,7 +109,7 @@ class FixedAttention(_SparseTransformerAttention):
         return f"{super().extra_repr()}, c={self.c}"
 
     def _attend(self, q, k, v, *, causal, key_padding_mask):
-        dtype = compute_dtype(q.dtype)
+        dtype = engine_dtype(q.dtype, q.device)
         return fixed_attention(
             q.to(dtype), k.to(dtype), v.to(dtype), stride=self.stride, c=self.c, causal=causal,
             key_padding_mask=key_padding_mask, scale=self.scale,

@@ -13,6 +13,7 @@ from effattn.sparse.blockwise import (
     band_block_size,
     banded_attention,
     block_gather_attention,
+    engine_dtype,
     sparse_attention,
 )
 
@@ -25,5 +26,6 @@ __all__ = [
     "band_block_size",
     "banded_attention",
     "block_gather_attention",
+    "engine_dtype",
     "sparse_attention",
 ]

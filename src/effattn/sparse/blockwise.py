@@ -1,5 +1,12 @@
 """The blockwise engine behind the structured sparse patterns (local, Longformer, BigBird, Sparse
-Transformer).
+Transformer): the CPU strategy of the banded engine, and its one dispatch point.
+
+:func:`sparse_attention` is where every banded caller arrives (softmax, local, longformer,
+bigbird, sparse_transformer, the window hybrid, the sequence-parallel halos). It applies the
+refusals every strategy shares (:func:`effattn.sparse.pieces.check_pieces`) and then runs the
+strategy :func:`effattn.strategy.choose` picks for the device: this module's engine (``cpu``)
+or FlexAttention (``flex``, :mod:`effattn.sparse.flex`). The pieces are defined once, in
+:mod:`effattn.sparse.pieces`; this engine keeps them disjoint for its bookkeeping.
 
 A pattern is a disjoint union of pieces, each a set of (query i, key j) pairs of aligned
 positions:
@@ -42,6 +49,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from effattn import strategy
+from effattn.sparse.pieces import Band, Blocks, Columns, Globals, Piece, Summary, check_pieces
+
 # A backward slice's scores, probabilities and copied rows hold about twice this many elements
 # (a forward slice's scores as many, for twice the rows): enough for efficient batched matmuls,
 # few enough that a slice stays in the caches and that forward plus backward need little beyond
@@ -64,62 +74,6 @@ def band_block_size(reach: int) -> int:
     them: measured (paired, fp32, D = 64), 32 is best for reach 64 and 127, 64 for 256 and 511.
     """
     return int(min(128, max(16, 2 ** math.ceil(math.log2(math.sqrt(8.0 * max(1, reach)))))))
-
-
-@dataclass(frozen=True)
-class Band:
-    """``-right <= i - j <= left`` and ``(i - j) % dilation == 0``; ``block_size`` None picks
-    :func:`band_block_size`. A dilated band is computed as ``dilation`` undilated bands over the
-    residue classes mod ``dilation`` (``i - j = d (i' - j')`` there), so the work is
-    O(N (left + right) / dilation D). A banded method describes its pattern by one (see
-    :class:`effattn.sparse.parallel.Halo`)."""
-
-    left: int
-    right: int
-    dilation: int = 1
-    block_size: int | None = None
-
-
-@dataclass(frozen=True)
-class Blocks:
-    """Query block a (positions a C .. a C + C - 1, C = ``block_size``) attends to key blocks
-    ``key_blocks[..., a, :]``: long (nq, K) shared by the heads or (H, nq, K), nq = ceil(N / C),
-    distinct entries or -1 for an unused slot; ``key_blocks=None``: its own block alone.
-    ``pattern`` (bool (C, K C)): query c of a block may see key j of its K blocks only where
-    ``pattern[c, j]``."""
-
-    key_blocks: Tensor | None
-    block_size: int
-    pattern: Tensor | None = None
-
-
-@dataclass(frozen=True)
-class Columns:
-    """``i - j`` a nonzero multiple of ``stride`` (``j < i`` when ``causal``)."""
-
-    stride: int
-    causal: bool = False
-
-
-@dataclass(frozen=True)
-class Summary:
-    """The last ``c`` positions of every block of ``stride`` (``j % stride >= stride - c``) other
-    than the query's own block (an earlier one when ``causal``)."""
-
-    stride: int
-    c: int
-    causal: bool = False
-
-
-@dataclass(frozen=True)
-class Globals:
-    """Distinct positions ``tokens`` (long (G,)): row i attends to every key when i is global,
-    and to key j when j is global; the other pieces skip the global keys. O(N G D) work."""
-
-    tokens: Tensor
-
-
-Piece = Band | Blocks | Columns | Summary | Globals
 
 
 def _scores(out: Tensor, q: Tensor, k: Tensor, scale: float, biases: Sequence[Tensor],
@@ -898,11 +852,6 @@ class _Context:
 
 def _band_plan(piece: Band, ctx: _Context) -> _Blocks:
     b, h, n = ctx.shape
-    if piece.left < 0 or piece.right < 0 or piece.dilation < 1:
-        raise ValueError(
-            f"banded_attention needs left, right >= 0 and dilation >= 1, got left={piece.left}, "
-            f"right={piece.right}, dilation={piece.dilation}"
-        )
     d = min(piece.dilation, n)
     length = -(-n // d)
     left, right = min(piece.left // d, length - 1), min(piece.right // d, length - 1)
@@ -935,11 +884,6 @@ def _blocks_plan(piece: Blocks, ctx: _Context) -> _Blocks:
     key_blocks = piece.key_blocks.to(ctx.device)
     if key_blocks.dim() == 2:
         key_blocks = key_blocks[None]
-    if key_blocks.shape[-2] != nq or key_blocks.shape[0] not in (1, h):
-        raise ValueError(
-            f"key_blocks must have shape (nq, K) or (H, nq, K) with nq={nq}, H={h}, "
-            f"got {tuple(piece.key_blocks.shape)}"
-        )
     slots = key_blocks.shape[-1]
     sequence = torch.arange(b * h, device=ctx.device).view(b, h, 1, 1)
     blocks = key_blocks.expand(b, h, nq, slots)
@@ -995,6 +939,24 @@ def _global_plans(tokens: Tensor, ctx: _Context, padding: Tensor | None) -> list
     return [columns, _GlobalRows(ctx.shape, tokens, bias, ctx.step(2 * b * h * tokens.numel()))]
 
 
+def _runs_flex(device: torch.device) -> bool:
+    """Whether a call on ``device`` runs the flex strategy: where it is chosen, except inside an
+    outer torch.compile, which traces the blockwise engine (it traces without a graph break;
+    the flex strategy's BlockMask cache is host-side work, hashing the pattern and a dict, that
+    a graph cannot hold)."""
+    return strategy.choose("banded", device) == "flex" and not torch.compiler.is_compiling()
+
+
+def engine_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a banded method hands :func:`sparse_attention` for inputs of ``dtype`` on
+    ``device``: fp32 for half precision on the CPU engine (it merges its pieces in the dtype of
+    its inputs), the input dtype itself for FlexAttention, which keeps the softmax statistics
+    in fp32 as flash attention does (an upcast would double its memory traffic)."""
+    if _runs_flex(device):
+        return dtype
+    return torch.promote_types(dtype, torch.float32)
+
+
 def sparse_attention(
     q: Tensor,
     k: Tensor,
@@ -1005,7 +967,8 @@ def sparse_attention(
     key_mask: Tensor | None = None,
     softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Softmax attention over the union of disjoint ``pieces`` (see the module docstring).
+    """Softmax attention over the union of disjoint ``pieces`` (see the module docstring), by
+    the strategy of the banded engine chosen for q's device (:mod:`effattn.strategy`).
 
     q, k, v: (B, H, N, D), (B, H, N, D), (B, H, N, Dv) (aligned positions); key_mask: bool
     (B, N), True = ignore. At most one :class:`Globals`. Returns out (B, H, N, Dv) and
@@ -1021,13 +984,15 @@ def sparse_attention(
         raise ValueError(
             f"sparse_attention needs aligned positions (N == M), got N={n}, M={k.shape[2]}"
         )
+    check_pieces(pieces, h, n, softcap)
+    if _runs_flex(q.device):
+        # Imported here: importing effattn loads no torch module beyond torch itself, and
+        # FlexAttention's only where this strategy runs.
+        from effattn.sparse import flex
+
+        return flex.sparse_attention(q, k, v, pieces, scale=scale, key_mask=key_mask,
+                                     softcap=softcap)
     tokens = [piece.tokens for piece in pieces if isinstance(piece, Globals)]
-    dense = [type(piece).__name__ for piece in pieces if isinstance(piece, Summary | Globals)]
-    if softcap is not None and dense:
-        raise ValueError(f"sparse_attention: softcap={softcap} is not supported with "
-                         f"{' or '.join(dense)} pieces")
-    if len(tokens) > 1:
-        raise ValueError(f"sparse_attention takes at most one Globals piece, got {len(tokens)}")
     skip = key_mask
     if tokens:
         padding = torch.zeros(b, n, dtype=torch.bool, device=q.device) if skip is None else skip
@@ -1043,8 +1008,6 @@ def sparse_attention(
             plans.extend(_columns_plan(piece, ctx))
         elif isinstance(piece, Summary):
             plans.extend(_summary_plan(piece, ctx))
-        elif not isinstance(piece, Globals):
-            raise TypeError(f"not a piece of a sparse pattern: {piece!r}")
     # Global rows replace what the other pieces gave them: last.
     if tokens:
         plans.extend(_global_plans(tokens[0], ctx, key_mask))

@@ -1,0 +1,254 @@
+"""The FlexAttention strategy of the banded engine (``strategy.choose("banded", ...) == "flex"``).
+
+FlexAttention (PyTorch, ``torch.nn.attention.flex_attention``; Dong et al. 2024, "Flex
+Attention: A Programming Model for Generating Optimized Attention Kernels") computes
+
+    out_i = sum_j p_ij v_j,  p_ij = exp(s_ij - lse_i),  lse_i = log sum_{j allowed} exp(s_ij),
+
+with s_ij = score_mod(scale q_i.k_j, b, h, i, j) over the pairs a ``mask_mod`` allows, and a
+BlockMask that lists, per query block, the key blocks holding any allowed pair (those holding
+only allowed pairs as "full", where the mask_mod is not evaluated). The compiled kernel skips
+every other block, which makes it the GPU form of the CPU engine's pieces:
+
+- the pattern: the union of the pieces' rules (:meth:`effattn.sparse.pieces.Band.rule` and
+  siblings: the one definition the CPU engine and the tests use) is the ``mask_mod``; Globals
+  are one more term of the union (``or_masks``, written out); the CPU engine's rule that
+  pieces be disjoint is its own bookkeeping and does not apply;
+- the BlockMask comes from the same rule, evaluated densely over slices of query blocks on the
+  device (no N x N tensor; no compiled ``create_block_mask``, whose compilation took minutes
+  for BigBird's per-head mask), and is cached per (pattern, N, M, device): built once, reused;
+- key padding and the soft cap are a ``score_mod``: ``-inf`` where ``key_mask[b, j]`` (so the
+  cached BlockMask stays valid for every batch), ``c tanh(s / c)`` with a soft cap (Gemma 2);
+- FlexAttention returns lse in natural log, and on a row with no allowed key out = 0 and
+  lse = -inf (its kernel sets the row's normaliser to 1 there), the contract of
+  :func:`effattn.sparse.sparse_attention` that the window hybrid's merge and softmax's sinks
+  rely on; tests/test_flex_strategy.py checks it.
+
+On CUDA the kernel is ``torch.compile(flex_attention, dynamic=False)``: one compilation per shape
+(and per pattern kind), whose first-call time is kept in :data:`COMPILE_SECONDS` for the
+benchmarks. On the CPU, torch (2.13) has no FlexAttention backward and its compiled CPU form
+returns no lse, so the strategy runs FlexAttention's unfused eager form, for inference only
+(no input requiring a gradient): slow, but the same code path, so that a forced
+``EFFATTN_STRATEGY=banded=flex`` can be tested on the CPU.
+
+Shapes: q, k (B, H, N, D), v (B, H, N, Dv); key_mask bool (B, N), True = ignore; returns
+out (B, H, N, Dv) in q's dtype and lse (B, H, N) (fp32 for half-precision inputs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import fields
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+try:
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # torch < 2.9 returns the log-sum-exp by return_lse=True
+    AuxRequest = None
+
+from effattn.sparse.pieces import Blocks, Piece, Rule, union
+
+# FlexAttention's default BlockMask block: its kernels' tiles divide it.
+BLOCK_SIZE = 128
+# BlockMasks kept (least recently used dropped): a training-mode BigBird draws a new pattern
+# per call, which must not grow the cache without bound.
+CACHE_SIZE = 32
+# Scores the BlockMask builder evaluates per slice of query blocks (bool temporaries of this
+# many elements, a few times over).
+SLICE_ELEMENTS = 1 << 26
+# Dynamo's default of 8 compilations per function would be spent by a handful of
+# (shape, pattern kind) pairs, after which flex_attention silently runs unfused.
+RECOMPILE_LIMIT = 64
+
+COMPILE_SECONDS: dict[str, float] = {}
+"""Seconds of the first call of each compiled shape (compilation included), by a key naming
+the shape, dtype, pattern kinds and score_mod: what the benchmarks report as compile time."""
+
+_block_masks: OrderedDict[tuple, BlockMask] = OrderedDict()
+_compiled: Callable[..., tuple[Tensor, object]] | None = None
+
+
+def _fingerprint(value: object) -> object:
+    """A hashable stand-in for a piece's field: tensors by their contents (they are small:
+    tokens, key blocks, patterns), other values as they are."""
+    if isinstance(value, Tensor):
+        data = value.detach().cpu().contiguous()
+        return (tuple(data.shape), str(data.dtype),
+                hashlib.blake2b(data.numpy().tobytes(), digest_size=16).hexdigest())
+    return value
+
+
+def pattern_key(pieces: Sequence[Piece]) -> tuple:
+    """The pattern of ``pieces`` as a hashable key (the cache's)."""
+    return tuple((type(piece).__name__,
+                  tuple(_fingerprint(getattr(piece, f.name)) for f in fields(piece)))
+                 for piece in pieces)
+
+
+def mask_heads(pieces: Sequence[Piece], heads: int) -> int:
+    """Heads of the pattern's BlockMask: H when some piece differs by head (BigBird's random
+    blocks), else 1 (broadcast over the heads)."""
+    per_head = any(isinstance(piece, Blocks) and piece.key_blocks is not None
+                   and piece.key_blocks.dim() == 3 and piece.key_blocks.shape[0] > 1
+                   for piece in pieces)
+    return heads if per_head else 1
+
+
+def build_block_mask(rule: Rule, heads: int, n: int, device: torch.device,
+                     block_size: int = BLOCK_SIZE) -> BlockMask:
+    """The BlockMask of ``rule`` over N x N aligned positions and ``heads`` heads (1: shared).
+
+    Evaluates the rule densely over slices of query blocks (about SLICE_ELEMENTS pairs each)
+    and reduces every (query block, key block) tile to empty, partial or full; the rule is also
+    the BlockMask's mask_mod, applied to the partial tiles. Positions past N (the last tile of
+    a length that is no multiple of the block) count as disallowed, so such tiles are partial
+    and FlexAttention's own bounds check applies there.
+    """
+    nb = -(-n // block_size)
+    padded = nb * block_size
+    per_block = heads * block_size * padded
+    step = max(1, SLICE_ELEMENTS // per_block)
+    h = torch.arange(heads, device=device)[:, None, None]
+    j = torch.arange(n, device=device)[None, None, :]
+    any_parts, all_parts = [], []
+    for a0 in range(0, nb, step):
+        a1 = min(nb, a0 + step)
+        i = torch.arange(a0 * block_size, min(a1 * block_size, n), device=device)
+        ok = torch.zeros(heads, (a1 - a0) * block_size, padded, dtype=torch.bool, device=device)
+        ok[:, : i.numel(), :n] = rule(h, i[None, :, None], j)
+        tiles = ok.view(heads, a1 - a0, block_size, nb, block_size)
+        any_parts.append(tiles.any(4).any(2))
+        all_parts.append(tiles.all(4).all(2))
+    touched, full = torch.cat(any_parts, 1), torch.cat(all_parts, 1)
+    partial = touched & ~full
+
+    def listing(blocks: Tensor) -> tuple[Tensor, Tensor]:
+        # Listed blocks first, in order: a stable sort of "not listed".
+        order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True)
+        return blocks.sum(-1, dtype=torch.int32)[None], order.to(torch.int32)[None]
+
+    num, index = listing(partial)
+    full_num, full_index = listing(full)
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return rule(h, q_idx, kv_idx)
+
+    return BlockMask.from_kv_blocks(num, index, full_num, full_index, BLOCK_SIZE=block_size,
+                                    mask_mod=mask_mod, seq_lengths=(n, n))
+
+
+def block_mask(pieces: Sequence[Piece], heads: int, n: int, device: torch.device) -> BlockMask:
+    """The cached BlockMask of the union of ``pieces`` for ``heads`` heads, N = M = ``n`` on
+    ``device``: built on the first call for that (pattern, N, M, device), then reused."""
+    h = mask_heads(pieces, heads)
+    key = (pattern_key(pieces), h, n, n, str(device))
+    found = _block_masks.get(key)
+    if found is not None:
+        _block_masks.move_to_end(key)
+        return found
+    made = build_block_mask(union(pieces, n, device), h, n, device)
+    _block_masks[key] = made
+    while len(_block_masks) > CACHE_SIZE:
+        _block_masks.popitem(last=False)
+    return made
+
+
+def score_mod(softcap: float | None,
+              key_mask: Tensor | None) -> Callable[..., Tensor] | None:
+    """The score_mod of a call: the soft cap ``c tanh(s / c)`` of the scores s = scale q.k, then
+    -inf at padded keys (``key_mask`` bool (B, N), True = ignore); None when neither applies."""
+    if softcap is None and key_mask is None:
+        return None
+
+    def modify(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        if softcap is not None:
+            score = softcap * torch.tanh(score / softcap)
+        if key_mask is not None:
+            score = torch.where(key_mask[b, kv_idx], float("-inf"), score)
+        return score
+
+    return modify
+
+
+def _lse(aux: object) -> Tensor:
+    """The log-sum-exp of flex_attention's second output (AuxOutput, or the tensor itself)."""
+    return aux if isinstance(aux, Tensor) else aux.lse
+
+
+def compiled_on(device: torch.device) -> bool:
+    """Whether flex_attention runs compiled on ``device`` (CUDA), else in its eager form."""
+    return device.type == "cuda"
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _kernel() -> Callable[..., tuple[Tensor, object]]:
+    """flex_attention compiled once (per shape, by dynamo's guards)."""
+    global _compiled
+    if _compiled is None:
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
+        _compiled = torch.compile(flex_attention, dynamic=False)
+    return _compiled
+
+
+def sparse_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pieces: Sequence[Piece],
+    *,
+    scale: float,
+    key_mask: Tensor | None = None,
+    softcap: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`effattn.sparse.sparse_attention` by FlexAttention (see the module docstring); the
+    caller has applied the shared checks (:func:`effattn.sparse.pieces.check_pieces`)."""
+    b, h, n, _ = q.shape
+    # One tensor passed twice (q as k, say) after a call with distinct ones makes dynamo's
+    # recompilation report fail inside flex_attention (torch 2.13: IndexError in its tensor
+    # aliasing guard's reason): distinct views of it cost nothing.
+    if k is q:
+        k = k.view_as(k)
+    if v is q or v is k:
+        v = v.view_as(v)
+    mask = block_mask(pieces, h, n, q.device)
+    modify = score_mod(softcap, None if key_mask is None else key_mask.to(q.device))
+    request = {"return_lse": True} if AuxRequest is None else {"return_aux": AuxRequest(lse=True)}
+    if not compiled_on(q.device):
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+            raise NotImplementedError(
+                f"the banded strategy 'flex' runs on {q.device.type} for inference only: torch "
+                f"{torch.__version__} has no FlexAttention backward there; use the default "
+                "strategy (EFFATTN_STRATEGY=banded=cpu) or run under torch.no_grad()"
+            )
+        with warnings.catch_warnings():
+            # The eager form warns that it is unfused: here it is the point.
+            warnings.simplefilter("ignore", UserWarning)
+            out, aux = flex_attention(q, k, v, score_mod=modify, block_mask=mask, scale=scale,
+                                      **request)
+        return out, _lse(aux)
+    kernel = _kernel()
+    key = (f"{tuple(q.shape)}x{tuple(v.shape)} {q.dtype} "
+           f"{'+'.join(type(p).__name__ for p in pieces)} "
+           f"softcap={softcap is not None} padding={key_mask is not None} "
+           f"grad={torch.is_grad_enabled() and q.requires_grad}")
+    if key in COMPILE_SECONDS:
+        out, aux = kernel(q, k, v, score_mod=modify, block_mask=mask, scale=scale, **request)
+    else:
+        _synchronize(q.device)
+        start = time.perf_counter()
+        out, aux = kernel(q, k, v, score_mod=modify, block_mask=mask, scale=scale, **request)
+        _synchronize(q.device)
+        COMPILE_SECONDS[key] = time.perf_counter() - start
+    return out, _lse(aux)
