@@ -1,0 +1,283 @@
+"""The GPU strategy of the kernelized engine: chunk-parallel, a few large batched GEMMs per call.
+
+The CPU strategy (:mod:`effattn.kernelized.core`) walks long sequences in cache-sized slices and
+the chunks of a slice in a Python loop: right for a few cores with a cache, thousands of tiny
+kernel launches on a GPU. This strategy computes the same sums under the same conventions
+(:class:`~effattn.kernelized.core.RecurrentState` with z the last column of [V, 1], the key
+log-scales' stabiliser, the eps floor of the divisor, the lost-row check) with launches that do
+not grow with N:
+
+- non-causal (and a decoder's cross-attention memory): all keys in one GEMM, φ(K)^T [V, 1], and
+  all queries in one, φ(Q) [S, z]: the core's recomputing functions with a single slice
+  (:func:`key_state`, :func:`read_queries`);
+- causal (the chunk-parallel form of linear attention; Yang et al. 2024, "Gated Linear Attention
+  Transformers with Hardware-Efficient Training", section 3): the sequence in nc = ceil(N / C)
+  chunks of C = ``chunk_size`` tokens, chunk-major (nc, B, H, C, ·) as in the CPU strategy, and
+
+      ΔS_c   = φ(K_c)^T U_c                       all chunks by one batched GEMM, (nc, B, H, F, E)
+      S_c    = Σ_{c' < c} T_{c,c'} ΔS_{c'} + t_c S_in  an exclusive decayed prefix sum over chunks
+      o_c    = (φ(Q_c) S_c) ⊙ ω_c + ((φ(Q_c) φ(K_c)^T) ⊙ W_c) V'_c
+
+  with E = Dv + 1 and the per-token factors (U, ω, W, V') of the CPU strategy's
+  :func:`~effattn.kernelized.core._factors` (the stabiliser and the gate folded into one log
+  weight a with every exp(a_i - a_j) <= 1). The decays between chunks come from the same
+  running max R_c of the chunks' key log-scales r_c and the chunks' total log-gates d_c:
+
+      T_{c,c'} = exp(r_{c'} - R_c + Σ_{c' < l < c} d_l)  (c' < c),
+      t_c      = exp(R_0 - R_c + Σ_{l < c} d_l)
+
+  every exponent <= 0: nothing overflows, no future key sets a scale, and no partial sums are
+  subtracted. The sums of log-gates are formed in float64 (nc values per (B, H)): as
+  differences of prefix sums over up to N log-gates, they would lose ~ε N of their precision
+  in fp32. Without log-scales, padding or a gate (elu + 1, relu, Taylor maps), every T and t
+  is 1 and the prefix sum is a plain cumulative sum over the chunk axis.
+
+Cost per (B, H): 2 N C (F + E) flops inside the chunks, 2 N F E for the chunk states and as
+much for their read-out, plus, with a decay, 2 nc² F E for the T product (a GEMM over the
+chunk axis; a plain cumsum, O(nc F E), without one). The states (nc + 1, F, E) are held in
+the compute dtype (fp32 for half-precision inputs): (N / C) F E values, as large as φ(K)
+when E ~ C.
+
+``chunk_size`` means the same C on both strategies (the results agree to rounding): the length
+of the blocks whose masked C x C product is formed exactly, and the spacing of the states. On
+the GPU strategy a larger C trades intra-chunk flops (linear in C) for state memory and, with
+a decay, the T product (both ~ 1 / C); which C is fastest on which GPU is not yet measured
+(docs/gpu.md).
+
+Training memory: :class:`_ChunkParallel` keeps q, k, v, the gate, the mask and the entering
+state (and the feature map's tensors, whose in-place redraw between forward and backward then
+raises), not φ(Q), φ(K) or the chunk states: its backward recomputes them under autograd and
+backpropagates (the trade of FlashAttention, Dao et al. 2022), so that between a layer's
+forward and backward only its inputs and output stay alive.
+
+Decoding (``step_state``) is shared with the CPU strategy; on this strategy it takes its
+branch-free form (a rescale by exp(0) = 1 unless a key exceeds the margin), which reads no
+flag back to the host on every token.
+
+Shapes: B batch, H heads, N tokens, D head dim, F features, Dv value dim, E = Dv + 1,
+C chunk, nc chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from effattn.kernelized import core
+from effattn.kernelized.core import (
+    FeatureFn,
+    Normaliser,
+    RecurrentState,
+)
+
+
+def key_state(k: Tensor, v: Tensor, features: FeatureFn, *, key_padding_mask: Tensor | None,
+              feature_tensors: Sequence[Tensor] | None) -> RecurrentState:
+    """[S, z] = φ(K)^T [V, 1] of all keys k (B, H, M, D), v (B, H, M, Dv): one slice, one GEMM
+    (:func:`effattn.kernelized.core.key_state`'s contract)."""
+    m = max(1, k.shape[2])
+    return core.key_state_in_slices(k, v, features, key_padding_mask, feature_tensors, m, m)
+
+
+def read_queries(q: Tensor, state: RecurrentState, features: FeatureFn, *, eps: float,
+                 feature_tensors: Sequence[Tensor] | None) -> Tensor:
+    """All queries q (B, H, N, D) against a finished key state in one GEMM: (B, H, N, Dv)
+    (:func:`effattn.kernelized.core.read_queries`'s contract)."""
+    n = max(1, q.shape[2])
+    return core.read_queries_in_slices(q, state, features, eps, feature_tensors, n, n)
+
+
+def causal(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    features: FeatureFn,
+    state: RecurrentState | None,
+    *,
+    key_padding_mask: Tensor | None,
+    gate: Tensor | None,
+    chunk_size: int,
+    eps: float,
+    feature_tensors: Sequence[Tensor] | None,
+    normaliser: bool,
+) -> tuple[Tensor, RecurrentState, Normaliser | None]:
+    """Causal kernelized attention of q, k (B, H, N, D), v (B, H, N, Dv) after ``state``:
+    the output (B, H, N, Dv), the state after and, with ``normaliser``, each query's
+    :class:`~effattn.kernelized.core.Normaliser` (the contract of
+    :func:`effattn.kernelized.core.kernelized_causal` and its ``_normalised`` form).
+
+    Raises :class:`~effattn.kernelized.core.DenominatorUnderflowError` (eager, one host sync
+    per call) where a query that sees keys gets a zero or subnormal denominator.
+    """
+    position = 0 if state is None else state.position
+    if core._recording():
+        tensors = core._feature_inputs(features, q, True, feature_tensors)
+        if feature_tensors is None:
+            tensors = core._unique(tensors + core._feature_inputs(features, k, False, None))
+        if core._needs_grad(q, k, v, gate, None if state is None else state.kv, *tensors):
+            kv, scale = (None, None) if state is None else (state.kv, state.log_scale)
+            out, kv, scale, log_abs, sign = _ChunkParallel.apply(
+                q, k, v, gate, key_padding_mask, kv, scale, features, chunk_size, eps,
+                normaliser, *tensors,
+            )
+            return (out, RecurrentState(kv, scale, position + q.shape[2]),
+                    Normaliser(log_abs, sign) if normaliser else None)
+    out, state, norm, lost = _forward(q, k, v, gate, key_padding_mask, state, features,
+                                      chunk_size, eps, normaliser)
+    core._raise_if_lost([lost], q.dtype)
+    return out, state, norm
+
+
+def _forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    gate: Tensor | None,
+    key_padding_mask: Tensor | None,
+    state: RecurrentState | None,
+    features: FeatureFn,
+    chunk: int,
+    eps: float,
+    normaliser: bool,
+) -> tuple[Tensor, RecurrentState, Normaliser | None, Tensor | None]:
+    """The causal forward, differentiable where autograd records: output (B, H, N, Dv), the
+    state after, the normaliser (``normaliser``: else None) and the lost-row flag (a 0-d bool
+    tensor, read by the caller; None: not checked)."""
+    b, h, n = q.shape[:3]
+    phi_q, query_log_scale = core._chunk_features(features, q, chunk, True)
+    phi_k, key_log_scale = core._chunk_features(features, k, chunk, False)
+    core._check_shapes(phi_q, phi_k, None, key_log_scale)
+    state = core._state_of(state, b, h, phi_k.shape[-1], v.shape[-1], phi_k)
+    raw, out_scale, state = chunk_parallel(phi_q, phi_k, key_log_scale, v, state,
+                                           key_padding_mask, gate, chunk)
+    raw, out_scale = core._from_chunks(raw, n), core._from_chunks(out_scale, n)
+    norm = None
+    if normaliser:
+        norm = Normaliser(*core._normaliser(
+            raw[..., -1:], eps, out_scale,
+            None if query_log_scale is None else core._from_chunks(query_log_scale, n),
+        ))
+    # A gate can decay what a query sees to a legitimate 0: only ungated rows are checked.
+    lost = None if gate is not None else core._lost_rows(raw, eps, out_scale)
+    return core._ratio(raw, eps, out_scale), state, norm, lost
+
+
+def chunk_parallel(
+    phi_q: Tensor,
+    phi_k: Tensor,
+    key_log_scale: Tensor | None,
+    v: Tensor,
+    state: RecurrentState,
+    key_padding_mask: Tensor | None,
+    gate: Tensor | None,
+    chunk: int,
+) -> tuple[Tensor, Tensor, RecurrentState]:
+    """Causal attention of n tokens after ``state`` in the chunk-parallel form (module
+    docstring), from chunk-major φ(Q), φ(K) (nc, B, H, C, F), key log-scales (nc, B, H, C, 1)
+    or None, v (B, H, n, Dv), the padding mask (B, n) and the gate (B, H, n).
+
+    Returns [num, den] (nc, B, H, C, Dv + 1) at log-scale m (nc, B, H, C, 1), chunk-major,
+    and the state after: what the CPU strategy's ``_causal_group`` returns, without its loop.
+    """
+    fac = core._factors(v, key_log_scale, key_padding_mask, gate, chunk)
+    chunk_max = fac.prefix[..., -1, 0]
+    chunk_decay = None if fac.cum is None else fac.cum[..., -1]
+    running, _, _ = core._scan_factors(state.log_scale, chunk_max, chunk_decay)
+    inter, _, common = core._out_weights(fac, running)
+    scores = phi_q @ phi_k.transpose(-1, -2)  # (nc, B, H, C, C)
+    k_t = phi_k.transpose(-1, -2)
+    if fac.log_weight is None:
+        # Every key at scale 0, the entering state at 0 or empty (see core._causal_group):
+        # T = t = 1, and ω multiplies zeros where it is not 1.
+        states = torch.cat([state.kv[None].to(phi_k.dtype), k_t @ fac.v]).cumsum(0)
+        out = phi_q @ states[:-1] + scores.tril() @ fac.v
+    else:
+        weight = core._intra_weights(fac.log_weight, (fac.prefix - common)[..., 0])
+        deltas = k_t @ (fac.v * core._to_end(fac.log_weight))
+        states = decayed_prefix(state.kv.to(phi_k.dtype), deltas, running, chunk_max, chunk_decay)
+        out = (phi_q @ states[:-1]) * inter + (scores * weight) @ fac.v
+    position = state.position + v.shape[2]
+    return out, common, RecurrentState(states[-1], running[-1, ..., None, None], position)
+
+
+def decayed_prefix(kv: Tensor, deltas: Tensor, running: Tensor, chunk_max: Tensor,
+                   chunk_decay: Tensor | None) -> Tensor:
+    """The states S_0..S_nc (nc + 1, B, H, F, E) before each chunk and after the last, from
+    the entering state kv (B, H, F, E) at scale R_0, the chunks' deltas ΔS_c (nc, B, H, F, E)
+    each at its chunk's scale r_c (``chunk_max`` (nc, B, H)), the running scales R_0..R_nc
+    (``running`` (nc + 1, B, H)) and the chunks' total log-gates d_c (nc, B, H) or None:
+
+        S_c = Σ_{c' < c} exp(r_{c'} - R_c + Σ_{c' < l < c} d_l) ΔS_{c'}
+              + exp(R_0 - R_c + Σ_{l < c} d_l) S_in,
+
+    the unrolled recurrence S_{c+1} = keep_c S_c + enter_c ΔS_c of the CPU strategy's
+    ``_scan_factors``, as one GEMM over the chunk axis ((nc + 1) x nc per (B, H)).
+    """
+    nc = deltas.shape[0]
+    log_t = chunk_max[None] - running[:, None]  # (nc + 1, nc, B, H): r_{c'} - R_c
+    log_first = running[:1] - running  # (nc + 1, B, H): R_0 - R_c
+    if chunk_decay is not None:
+        # G_c = Σ_{l < c} d_l in float64 (module docstring); the gate's gradient flows through.
+        cum = torch.cat([chunk_decay.new_zeros(1, *chunk_decay.shape[1:], dtype=torch.float64),
+                         chunk_decay.to(torch.float64).cumsum(0)])
+        log_t = log_t + (cum[:, None] - cum[None, 1:]).to(log_t.dtype)
+        log_first = log_first + cum.to(log_first.dtype)
+    later = torch.ones(nc + 1, nc, dtype=torch.bool, device=deltas.device).tril_(-1)
+    t = torch.exp(log_t.masked_fill(~later[..., None, None], float("-inf")))
+    states = torch.einsum("cdbh,dbhfe->cbhfe", t, deltas)
+    return states + torch.exp(log_first)[..., None, None] * kv
+
+
+class _ChunkParallel(torch.autograd.Function):
+    """:func:`causal` keeping q, k, v, the gate, the mask, the entering state (kv, log_scale)
+    and the feature map's tensors: O(N (D + Dv)) between forward and backward, not the
+    features' O(N F) or the chunk states' O((N / C) F (Dv + 1)).
+
+    Backward: :func:`_forward` again under autograd, from the saved inputs, then its
+    vector-Jacobian product for the output, the state after and (hybrid) the normaliser's
+    log |d|. The recomputation costs one more forward (the chunk-parallel form has no loop to
+    save a slice's worth of memory with, as the CPU strategy's does).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None,
+                key_padding_mask: Tensor | None, kv: Tensor | None, log_scale: Tensor | None,
+                features: FeatureFn, chunk: int, eps: float, normaliser: bool,
+                *tensors: Tensor) -> tuple[Tensor, ...]:
+        state = None if kv is None else RecurrentState(kv, log_scale)
+        out, state, norm, lost = _forward(q, k, v, gate, key_padding_mask, state, features,
+                                          chunk, eps, normaliser)
+        core._raise_if_lost([lost], q.dtype)
+        ctx.features, ctx.chunk, ctx.eps, ctx.normaliser = features, chunk, eps, normaliser
+        ctx.save_for_backward(q, k, v, gate, key_padding_mask, kv, log_scale, *tensors)
+        if norm is None:
+            norm = Normaliser(out.new_empty(0), out.new_empty(0))
+        ctx.mark_non_differentiable(state.log_scale, norm.sign)
+        return out, state.kv, state.log_scale, norm.log_abs, norm.sign
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, d_out: Tensor, d_kv: Tensor | None, _: Tensor | None,
+                 d_log_abs: Tensor | None, __: Tensor | None) -> tuple[Tensor | None, ...]:
+        q, k, v, gate, pad, kv, log_scale, *tensors = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        leaves = [core._leaf(t, need) for t, need in
+                  zip((q, k, v, gate, kv), (needs[0], needs[1], needs[2], needs[3], needs[5]),
+                      strict=True)]
+        q, k, v, gate, kv = leaves
+        with torch.enable_grad():
+            out, state, norm, _ = _forward(
+                q, k, v, gate, pad, None if kv is None else RecurrentState(kv, log_scale),
+                ctx.features, ctx.chunk, ctx.eps, ctx.normaliser,
+            )
+        inputs = [t for t in (*leaves, *tensors) if t is not None]
+        grads = iter(core._backprop(
+            (out, state.kv, None if norm is None else norm.log_abs), (d_out, d_kv, d_log_abs),
+            inputs,
+        ))
+        d_q, d_k, d_v, d_gate, d_kv_in = [None if t is None else next(grads) for t in leaves]
+        return (d_q, d_k, d_v, d_gate, None, d_kv_in, None, None, None, None, None, *grads)
