@@ -2,12 +2,13 @@
 # Everything effattn measures on a CUDA GPU, in one place: the CUDA cases of the tests, the speed
 # and memory sweep of every method (fp32 and bf16, forward and forward+backward, N up to 65536,
 # SDPA as the exact baseline: its flash kernel in bf16, its memory-efficient kernel in fp32), and
-# FlexAttention as the peer of the windowed and block-sparse methods. Results go to
+# FlexAttention as the peer of the windowed and block-sparse methods, and the kernelized methods
+# beside flash-linear-attention and flash SDPA (benchmarks/gpu_peers.py). Results go to
 # benchmarks/gpu/ (or $EFFATTN_GPU_OUT), each stage in its own folder, with the GPU named in every
 # results file.
 #
 #   benchmarks/gpu.sh                  # every stage (about 20 minutes on one H100)
-#   benchmarks/gpu.sh tests fp32       # some stages: tests, fp32, bf16, causal, flex
+#   benchmarks/gpu.sh tests fp32       # some stages: tests, fp32, bf16, causal, flex, peers
 #
 # Needs torch with CUDA, numpy, matplotlib, tqdm and pytest; it runs effattn from this checkout
 # (PYTHONPATH=src), so no install is needed. A stage that fails is reported and the next one runs;
@@ -19,7 +20,7 @@ export PYTHONUNBUFFERED=1
 OUT=${EFFATTN_GPU_OUT:-benchmarks/gpu}
 mkdir -p "$OUT"
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(tests fp32 bf16 causal flex)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(tests fp32 bf16 causal flex peers)
 
 if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "gpu.sh: no CUDA device visible to torch; nothing measured" >&2
@@ -53,8 +54,12 @@ for stage in "${STAGES[@]}"; do
                     --lengths 1024 4096 16384 --block-sizes 128 \
                     --out "$OUT/flex-${dtype/float32/fp32}" 2>&1 | tee "$OUT/flex-$dtype.txt"
             done ;;
+        peers)
+            # fla-core is pure Python: without a package index, install its wheel beforehand
+            # (pip install fla_core-*.whl); without it the fla rows say "fla: not installed".
+            python3 benchmarks/gpu_peers.py --out "$OUT/peers" 2>&1 | tee "$OUT/peers.txt" ;;
         *)
-            echo "gpu.sh: unknown stage '$stage' (stages: tests fp32 bf16 causal flex)" >&2
+            echo "gpu.sh: unknown stage '$stage' (stages: tests fp32 bf16 causal flex peers)" >&2
             exit 2 ;;
     esac
     rc=$?
