@@ -70,8 +70,8 @@ def _gpu_strategy():
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=_id)
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("n", [63, 257])
+# Non-causal is one slice whatever N: one awkward length; causal crosses 4 and 17 chunks.
+@pytest.mark.parametrize("causal, n", [(False, 63), (True, 63), (True, 257)])
 def test_method_matches_reference_outputs_and_gradients(variant, causal, n, calls):
     name, opts = variant
     module = make(name, opts)

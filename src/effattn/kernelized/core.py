@@ -1428,6 +1428,72 @@ def _causal_slice_backward(
     return d_kv, grads
 
 
+@dataclass(frozen=True)
+class CoreConfig:
+    """The settings every call of one module's core shares, built once per call by
+    :meth:`effattn.kernelized.base.KernelizedAttention.core` and passed whole by every caller
+    (the module, the window hybrid, sequence parallelism), rather than restated at each call
+    site: ``features`` (φ, see kernelized.features) and its width ``feature_dim``, the causal
+    form's ``chunk_size``, the divisor's ``eps``, the CPU strategy's ``slice_elements`` and the
+    ``feature_tensors`` the recomputing backward saves (the redraw guard, see
+    :func:`_feature_inputs`). The strategy is not a setting: :mod:`effattn.strategy` picks it
+    by device, in one place.
+    """
+
+    features: FeatureFn
+    feature_dim: int
+    chunk_size: int = 32
+    eps: float = 1e-6
+    slice_elements: int = SLICE_ELEMENTS
+    feature_tensors: tuple[Tensor, ...] | None = None
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
+                  key_padding_mask: Tensor | None = None, gate: Tensor | None = None) -> Tensor:
+        """:func:`kernelized_attention` with these settings."""
+        return kernelized_attention(
+            q, k, v, self.features, feature_dim=self.feature_dim, causal=causal,
+            key_padding_mask=key_padding_mask, gate=gate, chunk_size=self.chunk_size,
+            eps=self.eps, slice_elements=self.slice_elements,
+            feature_tensors=self.feature_tensors,
+        )
+
+    def key_state(self, k: Tensor, v: Tensor, *,
+                  key_padding_mask: Tensor | None = None) -> RecurrentState:
+        """:func:`key_state` with these settings."""
+        return key_state(k, v, self.features, feature_dim=self.feature_dim,
+                         key_padding_mask=key_padding_mask, slice_elements=self.slice_elements,
+                         feature_tensors=self.feature_tensors)
+
+    def read_queries(self, q: Tensor, state: RecurrentState) -> Tensor:
+        """:func:`read_queries` with these settings."""
+        return read_queries(q, state, self.features, feature_dim=self.feature_dim, eps=self.eps,
+                            slice_elements=self.slice_elements,
+                            feature_tensors=self.feature_tensors)
+
+    def causal(self, q: Tensor, k: Tensor, v: Tensor, state: RecurrentState | None = None, *,
+               key_padding_mask: Tensor | None = None,
+               gate: Tensor | None = None) -> tuple[Tensor, RecurrentState]:
+        """:func:`kernelized_causal` with these settings."""
+        out, state, _ = self._causal(q, k, v, state, key_padding_mask, gate, False)
+        return out, state
+
+    def causal_normalised(
+        self, q: Tensor, k: Tensor, v: Tensor, state: RecurrentState | None = None, *,
+        key_padding_mask: Tensor | None = None, gate: Tensor | None = None,
+    ) -> tuple[Tensor, RecurrentState, Normaliser]:
+        """:func:`kernelized_causal_normalised` with these settings."""
+        out, state, norm = self._causal(q, k, v, state, key_padding_mask, gate, True)
+        assert norm is not None
+        return out, state, norm
+
+    def _causal(self, q: Tensor, k: Tensor, v: Tensor, state: RecurrentState | None,
+                key_padding_mask: Tensor | None, gate: Tensor | None,
+                normaliser: bool) -> tuple[Tensor, RecurrentState, Normaliser | None]:
+        return _causal(q, k, v, self.features, state, self.feature_dim, key_padding_mask, gate,
+                       self.chunk_size, self.eps, self.slice_elements, self.feature_tensors,
+                       normaliser)
+
+
 def linear_attention_step(
     phi_q: Tensor,
     phi_k: Tensor,
