@@ -92,6 +92,47 @@ def test_method_matches_reference_outputs_and_gradients(variant, causal, n, call
         torch.testing.assert_close(a, b, rtol=100 * tol, atol=100 * tol)
 
 
+@pytest.mark.parametrize("variant", [("performer", {}), ("rfa", {"gated": True}),
+                                     ("linear", {}), ("hedgehog", {"window": 5})], ids=_id)
+def test_slices_of_the_causal_form_match_the_reference(variant, calls):
+    """Slices of one chunk each (a small slice budget): the state and its gradient cross
+    slice borders, in the forward, the recomputing backward and the hybrid's normaliser."""
+    name, opts = variant
+    module = make(name, opts)
+    module.slice_elements = 40
+    assert gpu.slice_tokens(6, module.feature_dim, 5, 16, module.slice_elements) == 16
+    q, k, v = (t.requires_grad_(True) for t in qkv(n=63, d=21, dv=5, scale=0.5))
+    mask = padding(2, 63)
+    kw = {}
+    if opts.get("gated"):
+        kw["gate"] = torch.sigmoid(torch.randn(2, 3, 63, dtype=torch.float64)).requires_grad_()
+    out = module(q, k, v, causal=True, key_padding_mask=mask, **kw)
+    assert calls["causal"] == 1
+    ref = module.spec.reference(module, q, k, v, causal=True, key_padding_mask=mask, **kw)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    params = [q, k, v, *kw.values(), *module.parameters()]
+    probe = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad((out * probe).sum(), params),
+                    torch.autograd.grad((ref * probe).sum(), params), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-7)
+
+
+def test_prefill_from_a_state_that_carries_gradients():
+    """The entering state's gradient (a state from an earlier prefill) flows back through
+    every slice of the next."""
+    module = make("performer", {})
+    module.slice_elements = 40
+    q, k, v = (t.requires_grad_(True) for t in qkv(n=50, d=21, dv=5, scale=0.5))
+    first, state = module.prefill(q[:, :, :20], k[:, :, :20], v[:, :, :20])
+    second, _ = module.prefill(q[:, :, 20:], k[:, :, 20:], v[:, :, 20:], state)
+    out = torch.cat([first, second], 2)
+    ref = module.spec.reference(module, q, k, v, causal=True)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    for a, b in zip(torch.autograd.grad(out.square().sum(), (q, k, v)),
+                    torch.autograd.grad(ref.square().sum(), (q, k, v)), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-7)
+
+
 @pytest.mark.parametrize("variant", VARIANTS, ids=_id)
 def test_cross_attention_matches_reference(variant, calls):
     name, opts = variant

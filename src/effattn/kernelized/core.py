@@ -1206,9 +1206,10 @@ def _causal(
     if _strategy(q) == "gpu":
         from effattn.kernelized import gpu
 
-        return gpu.causal(q, k, v, features, state, key_padding_mask=key_padding_mask, gate=gate,
-                          chunk_size=chunk_size, eps=eps, feature_tensors=feature_tensors,
-                          normaliser=normaliser)
+        return gpu.causal(q, k, v, features, state, feature_dim=feature_dim,
+                          key_padding_mask=key_padding_mask, gate=gate, chunk_size=chunk_size,
+                          eps=eps, slice_elements=slice_elements,
+                          feature_tensors=feature_tensors, normaliser=normaliser)
     step = causal_slice_tokens(b * h, feature_dim, v.shape[-1], chunk_size, slice_elements)
     if _recording():
         tensors = _feature_inputs(features, q, True, feature_tensors)

@@ -44,11 +44,15 @@ the GPU strategy a larger C trades intra-chunk flops (linear in C) for state mem
 a decay, the T product (both ~ 1 / C); which C is fastest on which GPU is not yet measured
 (docs/gpu.md).
 
-Training memory: :class:`_ChunkParallel` keeps q, k, v, the gate, the mask and the entering
-state (and the feature map's tensors, whose in-place redraw between forward and backward then
-raises), not φ(Q), φ(K) or the chunk states: its backward recomputes them under autograd and
-backpropagates (the trade of FlashAttention, Dao et al. 2022), so that between a layer's
-forward and backward only its inputs and output stay alive.
+Memory: the causal form runs in slices of S tokens (:func:`slice_tokens`, ``SLICE_SCALE``
+times the CPU strategy's: thousands of chunks each), each chunk-parallel, each handing its
+state to the next, so that φ of S tokens and the S / C chunk states of one slice are alive at
+a time, at any N. Training: :class:`_ChunkParallel` keeps q, k, v, the gate, the mask, the
+state entering each slice (and the feature map's tensors, whose in-place redraw between
+forward and backward then raises), not φ(Q), φ(K) or the chunk states: its backward
+recomputes one slice at a time under autograd and backpropagates (the trade of
+FlashAttention, Dao et al. 2022), so that between a layer's forward and backward only its
+inputs, output and (N / S) states stay alive, and the backward holds one slice's graph.
 
 Decoding (``step_state``) is shared with the CPU strategy; on this strategy it takes its
 branch-free form (a rescale by exp(0) = 1 unless a key exceeds the margin), which reads no
@@ -91,6 +95,13 @@ def read_queries(q: Tensor, state: RecurrentState, features: FeatureFn, *, eps: 
     return core.read_queries_in_slices(q, state, features, eps, feature_tensors, n, n)
 
 
+# A causal slice of the GPU strategy holds about SLICE_SCALE times the CPU strategy's values of
+# φ and [V, 1] (B·H·S·(F + Dv + 1); 64 Mi values, 256 MiB in fp32, at the default
+# slice_elements): thousands of chunks per slice, so a few launches more per call, while the
+# memory of the forward and of each slice's recomputed backward stays bounded at any N.
+SLICE_SCALE = 64
+
+
 def causal(
     q: Tensor,
     k: Tensor,
@@ -98,21 +109,26 @@ def causal(
     features: FeatureFn,
     state: RecurrentState | None,
     *,
+    feature_dim: int,
     key_padding_mask: Tensor | None,
     gate: Tensor | None,
     chunk_size: int,
     eps: float,
+    slice_elements: int,
     feature_tensors: Sequence[Tensor] | None,
     normaliser: bool,
 ) -> tuple[Tensor, RecurrentState, Normaliser | None]:
     """Causal kernelized attention of q, k (B, H, N, D), v (B, H, N, Dv) after ``state``:
     the output (B, H, N, Dv), the state after and, with ``normaliser``, each query's
     :class:`~effattn.kernelized.core.Normaliser` (the contract of
-    :func:`effattn.kernelized.core.kernelized_causal` and its ``_normalised`` form).
+    :func:`effattn.kernelized.core.kernelized_causal` and its ``_normalised`` form), in
+    slices of :func:`slice_tokens` tokens, each chunk-parallel.
 
     Raises :class:`~effattn.kernelized.core.DenominatorUnderflowError` (eager, one host sync
     per call) where a query that sees keys gets a zero or subnormal denominator.
     """
+    b, h, n = q.shape[:3]
+    step = slice_tokens(b * h, feature_dim, v.shape[-1], chunk_size, slice_elements)
     position = 0 if state is None else state.position
     if core._recording():
         tensors = core._feature_inputs(features, q, True, feature_tensors)
@@ -121,15 +137,59 @@ def causal(
         if core._needs_grad(q, k, v, gate, None if state is None else state.kv, *tensors):
             kv, scale = (None, None) if state is None else (state.kv, state.log_scale)
             out, kv, scale, log_abs, sign = _ChunkParallel.apply(
-                q, k, v, gate, key_padding_mask, kv, scale, features, chunk_size, eps,
+                q, k, v, gate, key_padding_mask, kv, scale, features, chunk_size, eps, step,
                 normaliser, *tensors,
             )
-            return (out, RecurrentState(kv, scale, position + q.shape[2]),
+            return (out, RecurrentState(kv, scale, position + n),
                     Normaliser(log_abs, sign) if normaliser else None)
-    out, state, norm, lost = _forward(q, k, v, gate, key_padding_mask, state, features,
-                                      chunk_size, eps, normaliser)
-    core._raise_if_lost([lost], q.dtype)
+    out, state, norm = _sliced(q, k, v, gate, key_padding_mask, state, features, chunk_size, eps,
+                               step, normaliser, None)
     return out, state, norm
+
+
+def slice_tokens(batch_heads: int, feature_dim: int, value_dim: int, chunk_size: int,
+                 slice_elements: int) -> int:
+    """Tokens per causal slice of the GPU strategy, a multiple of the chunk: ``SLICE_SCALE``
+    times the CPU strategy's (:func:`effattn.kernelized.core.causal_slice_tokens`)."""
+    return core.causal_slice_tokens(batch_heads, feature_dim, value_dim, chunk_size,
+                                    slice_elements * SLICE_SCALE)
+
+
+def _sliced(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    gate: Tensor | None,
+    key_padding_mask: Tensor | None,
+    state: RecurrentState | None,
+    features: FeatureFn,
+    chunk: int,
+    eps: float,
+    step: int,
+    normaliser: bool,
+    entering: list[RecurrentState | None] | None,
+) -> tuple[Tensor, RecurrentState, Normaliser | None]:
+    """:func:`_forward` slice after slice of ``step`` tokens, each handing its state to the
+    next; ``entering`` (a list), when given, receives the state entering each slice. Raises
+    on lost rows after the last slice (one host sync)."""
+    outs, norms, lost = [], [], []
+    for a, e in core._spans(q.shape[2], step):
+        if entering is not None:
+            entering.append(state)
+        out, state, norm, flag = _forward(
+            q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], None if gate is None else gate[:, :, a:e],
+            None if key_padding_mask is None else key_padding_mask[:, a:e], state, features,
+            chunk, eps, normaliser,
+        )
+        outs.append(out)
+        norms.append(norm)
+        lost.append(flag)
+    core._raise_if_lost(lost, q.dtype)
+    norm = None
+    if normaliser:
+        norm = Normaliser(torch.cat([x.log_abs for x in norms], 2),
+                          torch.cat([x.sign for x in norms], 2))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 2), state, norm
 
 
 def _forward(
@@ -233,27 +293,31 @@ def decayed_prefix(kv: Tensor, deltas: Tensor, running: Tensor, chunk_max: Tenso
 
 
 class _ChunkParallel(torch.autograd.Function):
-    """:func:`causal` keeping q, k, v, the gate, the mask, the entering state (kv, log_scale)
-    and the feature map's tensors: O(N (D + Dv)) between forward and backward, not the
-    features' O(N F) or the chunk states' O((N / C) F (Dv + 1)).
+    """:func:`causal` keeping q, k, v, the gate, the mask, the state entering each slice
+    ((N / S) F (Dv + 1)) and the feature map's tensors: O(N (D + Dv)) between forward and
+    backward, not the features' O(N F) or the chunk states' O((N / C) F (Dv + 1)).
 
-    Backward: :func:`_forward` again under autograd, from the saved inputs, then its
-    vector-Jacobian product for the output, the state after and (hybrid) the normaliser's
-    log |d|. The recomputation costs one more forward (the chunk-parallel form has no loop to
-    save a slice's worth of memory with, as the CPU strategy's does).
+    Backward, slice by slice from the last: :func:`_forward` of the slice again under autograd,
+    from its saved inputs and entering state, then its vector-Jacobian product for the output,
+    the state after (the gradient coming from the next slice) and (hybrid) the normaliser's
+    log |d|; the entering state's gradient goes on to the previous slice. Memory: one slice's
+    autograd graph at a time. Cost: one more forward.
     """
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None,
                 key_padding_mask: Tensor | None, kv: Tensor | None, log_scale: Tensor | None,
-                features: FeatureFn, chunk: int, eps: float, normaliser: bool,
+                features: FeatureFn, chunk: int, eps: float, step: int, normaliser: bool,
                 *tensors: Tensor) -> tuple[Tensor, ...]:
-        state = None if kv is None else RecurrentState(kv, log_scale)
-        out, state, norm, lost = _forward(q, k, v, gate, key_padding_mask, state, features,
-                                          chunk, eps, normaliser)
-        core._raise_if_lost([lost], q.dtype)
-        ctx.features, ctx.chunk, ctx.eps, ctx.normaliser = features, chunk, eps, normaliser
-        ctx.save_for_backward(q, k, v, gate, key_padding_mask, kv, log_scale, *tensors)
+        entering: list[RecurrentState | None] = []
+        out, state, norm = _sliced(
+            q, k, v, gate, key_padding_mask, None if kv is None else RecurrentState(kv, log_scale),
+            features, chunk, eps, step, normaliser, entering,
+        )
+        ctx.features, ctx.chunk, ctx.eps, ctx.step = features, chunk, eps, step
+        ctx.normaliser, ctx.slices = normaliser, len(entering)
+        states = [t for s in entering for t in ((None, None) if s is None else (s.kv, s.log_scale))]
+        ctx.save_for_backward(q, k, v, gate, key_padding_mask, *states, *tensors)
         if norm is None:
             norm = Normaliser(out.new_empty(0), out.new_empty(0))
         ctx.mark_non_differentiable(state.log_scale, norm.sign)
@@ -263,21 +327,38 @@ class _ChunkParallel(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, d_out: Tensor, d_kv: Tensor | None, _: Tensor | None,
                  d_log_abs: Tensor | None, __: Tensor | None) -> tuple[Tensor | None, ...]:
-        q, k, v, gate, pad, kv, log_scale, *tensors = ctx.saved_tensors
+        q, k, v, gate, pad, *rest = ctx.saved_tensors
+        states, tensors = rest[:2 * ctx.slices], rest[2 * ctx.slices:]
         needs = ctx.needs_input_grad
-        leaves = [core._leaf(t, need) for t, need in
-                  zip((q, k, v, gate, kv), (needs[0], needs[1], needs[2], needs[3], needs[5]),
-                      strict=True)]
-        q, k, v, gate, kv = leaves
-        with torch.enable_grad():
-            out, state, norm, _ = _forward(
-                q, k, v, gate, pad, None if kv is None else RecurrentState(kv, log_scale),
-                ctx.features, ctx.chunk, ctx.eps, ctx.normaliser,
-            )
-        inputs = [t for t in (*leaves, *tensors) if t is not None]
-        grads = iter(core._backprop(
-            (out, state.kv, None if norm is None else norm.log_abs), (d_out, d_kv, d_log_abs),
-            inputs,
-        ))
-        d_q, d_k, d_v, d_gate, d_kv_in = [None if t is None else next(grads) for t in leaves]
-        return (d_q, d_k, d_v, d_gate, None, d_kv_in, None, None, None, None, None, *grads)
+        full = (q, k, v, gate)
+        grads = [torch.empty_like(t) if t is not None and need else None
+                 for t, need in zip(full, needs[:4], strict=True)]
+        d_tensors: list[Tensor | None] = [None] * len(tensors)
+        spans = core._spans(q.shape[2], ctx.step)
+        for i in range(len(spans) - 1, -1, -1):
+            a, e = spans[i]
+            parts = [core._leaf(None if t is None else t[:, :, a:e], need)
+                     for t, need in zip(full, needs[:4], strict=True)]
+            kv, log_scale = states[2 * i], states[2 * i + 1]
+            # The entering state needs its gradient for the slice before, or for the caller.
+            kv = core._leaf(kv, i > 0 or needs[5])
+            with torch.enable_grad():
+                out, state, norm, _ = _forward(
+                    *parts, None if pad is None else pad[:, a:e],
+                    None if kv is None else RecurrentState(kv, log_scale), ctx.features,
+                    ctx.chunk, ctx.eps, ctx.normaliser,
+                )
+            leaves = [*parts, kv]
+            got = iter(core._backprop(
+                (out, state.kv, None if norm is None else norm.log_abs),
+                (d_out[:, :, a:e], d_kv,
+                 None if d_log_abs is None or norm is None else d_log_abs[:, :, a:e]),
+                [t for t in (*leaves, *tensors) if t is not None],
+            ))
+            part_grads = [None if t is None else next(got) for t in leaves]
+            for total, part in zip(grads, part_grads[:4], strict=True):
+                core._put(total, a, e, part)
+            d_kv = part_grads[4]
+            d_tensors = [core._add(t, g) for t, g in zip(d_tensors, got, strict=True)]
+        return (*grads, None, d_kv if needs[5] else None, None, None, None, None, None, None,
+                *d_tensors)
