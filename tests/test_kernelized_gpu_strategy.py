@@ -176,14 +176,18 @@ def test_gated_rfa_matches_reference_and_decoding(calls):
     torch.testing.assert_close(torch.cat(outs, 2), full, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("empty", [False, True], ids=["state", "empty"])
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("scaled", [False, True])
-def test_decayed_prefix_equals_the_cpu_strategys_recurrence(scaled, gated):
-    """States before every chunk and after the last: GPU strategy (one GEMM over the chunk
-    axis) against the CPU strategy (a loop over the chunks), from a non-empty entering state,
-    with log-scales that jump by tens and gates that nearly reset the state."""
+@pytest.mark.parametrize("n", [100, 9])
+def test_decayed_prefix_equals_the_cpu_strategys_recurrence(n, scaled, gated, empty):
+    """States before every chunk and after the last: GPU strategy (GEMMs over the chunk axis,
+    in blocks: 13 chunks are 4 blocks of 4, the last padded; 2 chunks are 2 blocks of 1)
+    against the CPU strategy (a loop over the chunks), from a non-empty or an empty entering
+    state (at LOG_FLOOR), with log-scales that jump by tens and gates that nearly reset the
+    state."""
     g = torch.Generator().manual_seed(0)
-    b, h, n, f, dv, chunk = 2, 3, 100, 7, 4, 8
+    b, h, f, dv, chunk = 2, 3, 7, 4, 8
     phi_q, phi_k = (torch.rand(b, h, n, f, generator=g, dtype=torch.float64) for _ in range(2))
     v = torch.randn(b, h, n, dv, generator=g, dtype=torch.float64)
     ls = 20 * torch.randn(b, h, n, 1, generator=g, dtype=torch.float64) if scaled else None
@@ -191,6 +195,9 @@ def test_decayed_prefix_equals_the_cpu_strategys_recurrence(scaled, gated):
     mask = padding(b, n)
     state = core.RecurrentState(torch.rand(b, h, f, dv + 1, generator=g, dtype=torch.float64),
                                 torch.full((b, h, 1, 1), 3.0, dtype=torch.float64), 5)
+    if empty:
+        state = core.RecurrentState.empty(b, h, f, dv, v)
+        state.position = 5
     q_c, k_c = core._chunk_major(phi_q, chunk), core._chunk_major(phi_k, chunk)
     ls_c = None if ls is None else core._chunk_major(ls, chunk)
     args = (q_c, k_c, ls_c, v, state, mask, gate, chunk)
@@ -200,7 +207,7 @@ def test_decayed_prefix_equals_the_cpu_strategys_recurrence(scaled, gated):
     torch.testing.assert_close(out, out_cpu, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(after.kv, after_cpu.kv, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(after.log_scale, after_cpu.log_scale, rtol=0, atol=0)
-    assert after.position == after_cpu.position == 105
+    assert after.position == after_cpu.position == n + 5
 
 
 def test_strategy_follows_the_override(calls):

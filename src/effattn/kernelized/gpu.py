@@ -64,6 +64,7 @@ C chunk, nc chunks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -254,42 +255,77 @@ def chunk_parallel(
         # Every key at scale 0, the entering state at 0 or empty (see core._causal_group):
         # T = t = 1, and ω multiplies zeros where it is not 1.
         states = torch.cat([state.kv[None].to(phi_k.dtype), k_t @ fac.v]).cumsum(0)
-        out = phi_q @ states[:-1] + scores.tril() @ fac.v
+        before, after = states[:-1], states[-1]
+        out = phi_q @ before + scores.tril() @ fac.v
     else:
         weight = core._intra_weights(fac.log_weight, (fac.prefix - common)[..., 0])
         deltas = k_t @ (fac.v * core._to_end(fac.log_weight))
-        states = decayed_prefix(state.kv.to(phi_k.dtype), deltas, running, chunk_max, chunk_decay)
-        out = (phi_q @ states[:-1]) * inter + (scores * weight) @ fac.v
+        before, after = decayed_prefix(state.kv.to(phi_k.dtype), deltas, running, chunk_max,
+                                       chunk_decay)
+        out = (phi_q @ before) * inter + (scores * weight) @ fac.v
     position = state.position + v.shape[2]
-    return out, common, RecurrentState(states[-1], running[-1, ..., None, None], position)
+    return out, common, RecurrentState(after, running[-1, ..., None, None], position)
 
 
 def decayed_prefix(kv: Tensor, deltas: Tensor, running: Tensor, chunk_max: Tensor,
-                   chunk_decay: Tensor | None) -> Tensor:
-    """The states S_0..S_nc (nc + 1, B, H, F, E) before each chunk and after the last, from
-    the entering state kv (B, H, F, E) at scale R_0, the chunks' deltas ΔS_c (nc, B, H, F, E)
-    each at its chunk's scale r_c (``chunk_max`` (nc, B, H)), the running scales R_0..R_nc
-    (``running`` (nc + 1, B, H)) and the chunks' total log-gates d_c (nc, B, H) or None:
+                   chunk_decay: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The states S_c before each chunk (nc, B, H, F, E) and the state after the last
+    (B, H, F, E), from the entering state kv (B, H, F, E) at scale R_0, the chunks' deltas ΔS_c
+    (nc, B, H, F, E) each at its chunk's scale r_c (``chunk_max`` (nc, B, H)), the running
+    scales R_0..R_nc (``running`` (nc + 1, B, H)) and the chunks' total log-gates d_c
+    (nc, B, H) or None:
 
-        S_c = Σ_{c' < c} exp(r_{c'} - R_c + Σ_{c' < l < c} d_l) ΔS_{c'}
-              + exp(R_0 - R_c + Σ_{l < c} d_l) S_in,
+        S_c = Σ_{c' < c} exp(w(c, c')) ΔS_{c'} + exp(w_in(c)) S_in,
+        w(c, c') = r_{c'} - R_c + Σ_{c' < l < c} d_l,   w_in(c) = R_0 - R_c + Σ_{l < c} d_l,
 
     the unrolled recurrence S_{c+1} = keep_c S_c + enter_c ΔS_c of the CPU strategy's
-    ``_scan_factors``, as one GEMM over the chunk axis ((nc + 1) x nc per (B, H)).
+    ``_scan_factors``. In two levels, so that the work is 2 nc^1.5 F E rather than one
+    (nc + 1) x nc GEMM's nc² F E: the chunks in blocks of m = ⌈√nc⌉, the states at the blocks'
+    starts (and after the last chunk) by one (nc / m + 1) x nc GEMM over the chunk axis, and
+    each chunk's state as its block's starting state moved to it, exp(w_in(c) - w_in(bm)),
+    plus the deltas of the earlier chunks of its block, by an m x m GEMM per block. Every
+    weight is <= 1.
     """
     nc = deltas.shape[0]
-    log_t = chunk_max[None] - running[:, None]  # (nc + 1, nc, B, H): r_{c'} - R_c
-    log_first = running[:1] - running  # (nc + 1, B, H): R_0 - R_c
+    m = math.ceil(math.sqrt(nc))
+    nb = -(-nc // m)
+    cum = None
     if chunk_decay is not None:
         # G_c = Σ_{l < c} d_l in float64 (module docstring); the gate's gradient flows through.
         cum = torch.cat([chunk_decay.new_zeros(1, *chunk_decay.shape[1:], dtype=torch.float64),
                          chunk_decay.to(torch.float64).cumsum(0)])
-        log_t = log_t + (cum[:, None] - cum[None, 1:]).to(log_t.dtype)
-        log_first = log_first + cum.to(log_first.dtype)
-    later = torch.ones(nc + 1, nc, dtype=torch.bool, device=deltas.device).tril_(-1)
-    t = torch.exp(log_t.masked_fill(~later[..., None, None], float("-inf")))
-    states = torch.einsum("cdbh,dbhfe->cbhfe", t, deltas)
-    return states + torch.exp(log_first)[..., None, None] * kv
+
+    def log_weight(rows: Tensor, cols: Tensor) -> Tensor:
+        """w(c, c') for rows c and columns c' of any broadcastable index shapes (clamped into
+        range where padded: such rows are dropped, such columns carry zero deltas), -inf where
+        c' >= c: (*shape, B, H)."""
+        c, c_ = rows.clamp_max(nc), cols.clamp_max(nc - 1)
+        w = chunk_max[c_] - running[c]
+        if cum is not None:
+            w = w + (cum[c] - cum[c_ + 1]).to(w.dtype)
+        return w.masked_fill((cols >= rows)[..., None, None], float("-inf"))
+
+    def log_move(rows: Tensor, starts: Tensor) -> Tensor:
+        """w_in(c) - w_in(s) = R_s - R_c + Σ_{s <= l < c} d_l for rows c and starts s (clamped
+        into range), formed without R_0 (LOG_FLOOR for an empty state, whose difference would
+        cancel): (*shape, B, H)."""
+        c, s = rows.clamp_max(nc), starts.clamp_max(nc)
+        w = running[s] - running[c]
+        return w if cum is None else w + (cum[c] - cum[s]).to(w.dtype)
+
+    index = torch.arange(nb * m, device=deltas.device)
+    starts = torch.cat([index[::m], index.new_full((1,), nc)])  # bm for each block, and nc
+    at_starts = torch.einsum("idbh,dbhfe->ibhfe", torch.exp(log_weight(starts[:, None],
+                                                                         index[None, :nc])),
+                             deltas) + torch.exp(log_move(starts, starts[:1]))[..., None, None] * kv
+    blocks = index.view(nb, m)
+    padded = torch.cat([deltas, deltas.new_zeros(nb * m - nc, *deltas.shape[1:])])
+    inner = torch.einsum("kijbh,kjbhfe->kibhfe",
+                         torch.exp(log_weight(blocks[:, :, None], blocks[:, None, :])),
+                         padded.view(nb, m, *deltas.shape[1:]))
+    moved = torch.exp(log_move(blocks, blocks[:, :1]))[..., None, None]
+    before = (inner + moved * at_starts[:-1, None]).flatten(0, 1)[:nc]
+    return before, at_starts[-1]
 
 
 class _ChunkParallel(torch.autograd.Function):
