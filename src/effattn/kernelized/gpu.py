@@ -32,16 +32,16 @@ not grow with N:
   in fp32. Without log-scales, padding or a gate (elu + 1, relu, Taylor maps), every T and t
   is 1 and the prefix sum is a plain cumulative sum over the chunk axis.
 
-Cost per (B, H): 2 N C (F + E) flops inside the chunks, 2 N F E for the chunk states and as
-much for their read-out, plus, with a decay, 2 nc² F E for the T product (a GEMM over the
-chunk axis; a plain cumsum, O(nc F E), without one). The states (nc + 1, F, E) are held in
-the compute dtype (fp32 for half-precision inputs): (N / C) F E values, as large as φ(K)
-when E ~ C.
+Cost per (B, H) of a slice of n tokens, nc = n / C chunks: 2 n C (F + E) flops inside the
+chunks, 2 n F E for the chunk states and as much for their read-out, plus, with a decay,
+about 4 nc^1.5 F E for the prefix (:func:`decayed_prefix`, two levels of GEMMs over the chunk
+axis; a plain cumsum, O(nc F E), without one). The states (nc, F, E) are held in the compute
+dtype (fp32 for half-precision inputs): (n / C) F E values, as large as φ(K) when E ~ C.
 
 ``chunk_size`` means the same C on both strategies (the results agree to rounding): the length
 of the blocks whose masked C x C product is formed exactly, and the spacing of the states. On
-the GPU strategy a larger C trades intra-chunk flops (linear in C) for state memory and, with
-a decay, the T product (both ~ 1 / C); which C is fastest on which GPU is not yet measured
+the GPU strategy a larger C trades intra-chunk flops (linear in C) for state memory (~ 1 / C)
+and, with a decay, the prefix (~ C^-1.5); which C is fastest on which GPU is not yet measured
 (docs/gpu.md).
 
 Memory: the causal form runs in slices of S tokens (:func:`slice_tokens`, ``SLICE_SCALE``
