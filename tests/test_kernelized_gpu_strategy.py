@@ -92,11 +92,14 @@ def test_method_matches_reference_outputs_and_gradients(variant, causal, n, call
         torch.testing.assert_close(a, b, rtol=100 * tol, atol=100 * tol)
 
 
-@pytest.mark.parametrize("variant", [("performer", {}), ("rfa", {"gated": True}),
-                                     ("linear", {}), ("hedgehog", {"window": 5})], ids=_id)
-def test_slices_of_the_causal_form_match_the_reference(variant, calls):
-    """Slices of one chunk each (a small slice budget): the state and its gradient cross
-    slice borders, in the forward, the recomputing backward and the hybrid's normaliser."""
+@pytest.mark.parametrize("variant, causal", [
+    (("performer", {}), True), (("rfa", {"gated": True}), True), (("linear", {}), True),
+    (("hedgehog", {"window": 5}), True), (("performer", {}), False), (("linear", {}), False),
+], ids=lambda x: _id(x) if isinstance(x, tuple) else ("causal" if x else "full"))
+def test_slices_match_the_reference(variant, causal, calls):
+    """Small slice budgets (causal: one chunk per slice; non-causal: 17 tokens): the state and
+    its gradient cross slice borders, in the forward, the recomputing backward and the hybrid's
+    normaliser."""
     name, opts = variant
     module = make(name, opts)
     module.slice_elements = 40
@@ -106,9 +109,9 @@ def test_slices_of_the_causal_form_match_the_reference(variant, calls):
     kw = {}
     if opts.get("gated"):
         kw["gate"] = torch.sigmoid(torch.randn(2, 3, 63, dtype=torch.float64)).requires_grad_()
-    out = module(q, k, v, causal=True, key_padding_mask=mask, **kw)
-    assert calls["causal"] == 1
-    ref = module.spec.reference(module, q, k, v, causal=True, key_padding_mask=mask, **kw)
+    out = module(q, k, v, causal=causal, key_padding_mask=mask, **kw)
+    assert calls["causal" if causal else "read_queries"] == 1
+    ref = module.spec.reference(module, q, k, v, causal=causal, key_padding_mask=mask, **kw)
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
     params = [q, k, v, *kw.values(), *module.parameters()]
     probe = torch.randn_like(out)

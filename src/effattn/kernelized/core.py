@@ -804,12 +804,14 @@ def key_state(
 
     The non-causal half of :func:`kernelized_attention`, and the memory a decoder's
     cross-attention forms once per source. Recording gradients, it keeps k and v only
-    (:class:`_KeyState`). On the GPU strategy (:mod:`effattn.kernelized.gpu`), one slice.
+    (:class:`_KeyState`). On the GPU strategy (:mod:`effattn.kernelized.gpu`), device-sized
+    slices.
     """
     if _strategy(k) == "gpu":
         from effattn.kernelized import gpu
 
-        return gpu.key_state(k, v, features, key_padding_mask=key_padding_mask,
+        return gpu.key_state(k, v, features, feature_dim=feature_dim,
+                             key_padding_mask=key_padding_mask, slice_elements=slice_elements,
                              feature_tensors=feature_tensors)
     bh = k.shape[0] * k.shape[1]
     step = slice_tokens(bh, feature_dim, 1, slice_elements)
@@ -858,12 +860,13 @@ def read_queries(
     """Queries q (B, H, N, D) against a finished :func:`key_state`, in slices: (B, H, N, Dv).
 
     Recording gradients, it keeps q, the output and the divisors only (:class:`_ReadQueries`).
-    On the GPU strategy (:mod:`effattn.kernelized.gpu`), one slice.
+    On the GPU strategy (:mod:`effattn.kernelized.gpu`), device-sized slices.
     """
     if _strategy(q) == "gpu":
         from effattn.kernelized import gpu
 
-        return gpu.read_queries(q, state, features, eps=eps, feature_tensors=feature_tensors)
+        return gpu.read_queries(q, state, features, feature_dim=feature_dim, eps=eps,
+                                slice_elements=slice_elements, feature_tensors=feature_tensors)
     bh = q.shape[0] * q.shape[1]
     step = slice_tokens(bh, feature_dim, 1, slice_elements)
     back = slice_tokens(bh, feature_dim, 1, slice_elements // BACKWARD_SLICE_SHARE)

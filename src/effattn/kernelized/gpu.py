@@ -7,9 +7,10 @@ kernel launches on a GPU. This strategy computes the same sums under the same co
 log-scales' stabiliser, the eps floor of the divisor, the lost-row check) with launches that do
 not grow with N:
 
-- non-causal (and a decoder's cross-attention memory): all keys in one GEMM, φ(K)^T [V, 1], and
-  all queries in one, φ(Q) [S, z]: the core's recomputing functions with a single slice
-  (:func:`key_state`, :func:`read_queries`);
+- non-causal (and a decoder's cross-attention memory): the keys in one GEMM, φ(K)^T [V, 1],
+  and the queries in one, φ(Q) [S, z], per device-sized slice (the whole sequence up to tens
+  of thousands of tokens): the core's recomputing functions (:func:`key_state`,
+  :func:`read_queries`);
 - causal (the chunk-parallel form of linear attention; Yang et al. 2024, "Gated Linear Attention
   Transformers with Hardware-Efficient Training", section 3): the sequence in nc = ceil(N / C)
   chunks of C = ``chunk_size`` tokens, chunk-major (nc, B, H, C, ·) as in the CPU strategy, and
@@ -79,28 +80,33 @@ from effattn.kernelized.core import (
     RecurrentState,
 )
 
-
-def key_state(k: Tensor, v: Tensor, features: FeatureFn, *, key_padding_mask: Tensor | None,
-              feature_tensors: Sequence[Tensor] | None) -> RecurrentState:
-    """[S, z] = φ(K)^T [V, 1] of all keys k (B, H, M, D), v (B, H, M, Dv): one slice, one GEMM
-    (:func:`effattn.kernelized.core.key_state`'s contract)."""
-    m = max(1, k.shape[2])
-    return core.key_state_in_slices(k, v, features, key_padding_mask, feature_tensors, m, m)
-
-
-def read_queries(q: Tensor, state: RecurrentState, features: FeatureFn, *, eps: float,
-                 feature_tensors: Sequence[Tensor] | None) -> Tensor:
-    """All queries q (B, H, N, D) against a finished key state in one GEMM: (B, H, N, Dv)
-    (:func:`effattn.kernelized.core.read_queries`'s contract)."""
-    n = max(1, q.shape[2])
-    return core.read_queries_in_slices(q, state, features, eps, feature_tensors, n, n)
-
-
-# A causal slice of the GPU strategy holds about SLICE_SCALE times the CPU strategy's values of
-# φ and [V, 1] (B·H·S·(F + Dv + 1); 64 Mi values, 256 MiB in fp32, at the default
-# slice_elements): thousands of chunks per slice, so a few launches more per call, while the
-# memory of the forward and of each slice's recomputed backward stays bounded at any N.
+# A slice of the GPU strategy holds about SLICE_SCALE times the CPU strategy's values (64 Mi,
+# 256 MiB in fp32, at the default slice_elements): the whole sequence up to tens of thousands
+# of tokens, thousands of chunks per causal slice, so a few launches more per call at most,
+# while the memory of the forward and of each slice's recomputed backward stays bounded at any
+# N.
 SLICE_SCALE = 64
+
+
+def key_state(k: Tensor, v: Tensor, features: FeatureFn, *, feature_dim: int,
+              key_padding_mask: Tensor | None, slice_elements: int,
+              feature_tensors: Sequence[Tensor] | None) -> RecurrentState:
+    """[S, z] = φ(K)^T [V, 1] of all keys k (B, H, M, D), v (B, H, M, Dv), a GEMM per
+    device-sized slice (:func:`effattn.kernelized.core.key_state`'s contract)."""
+    step = core.slice_tokens(k.shape[0] * k.shape[1], feature_dim, 1,
+                             slice_elements * SLICE_SCALE)
+    return core.key_state_in_slices(k, v, features, key_padding_mask, feature_tensors, step,
+                                    step)
+
+
+def read_queries(q: Tensor, state: RecurrentState, features: FeatureFn, *, feature_dim: int,
+                 eps: float, slice_elements: int,
+                 feature_tensors: Sequence[Tensor] | None) -> Tensor:
+    """Queries q (B, H, N, D) against a finished key state, a GEMM per device-sized slice:
+    (B, H, N, Dv) (:func:`effattn.kernelized.core.read_queries`'s contract)."""
+    step = core.slice_tokens(q.shape[0] * q.shape[1], feature_dim, 1,
+                             slice_elements * SLICE_SCALE)
+    return core.read_queries_in_slices(q, state, features, eps, feature_tensors, step, step)
 
 
 def causal(
@@ -151,7 +157,7 @@ def causal(
 def slice_tokens(batch_heads: int, feature_dim: int, value_dim: int, chunk_size: int,
                  slice_elements: int) -> int:
     """Tokens per causal slice of the GPU strategy, a multiple of the chunk: ``SLICE_SCALE``
-    times the CPU strategy's (:func:`effattn.kernelized.core.causal_slice_tokens`)."""
+    times the CPU strategy's budget (:func:`effattn.kernelized.core.causal_slice_tokens`)."""
     return core.causal_slice_tokens(batch_heads, feature_dim, value_dim, chunk_size,
                                     slice_elements * SLICE_SCALE)
 
