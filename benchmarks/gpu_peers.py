@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 import effattn
+from effattn import strategy
 from effattn.tools.bench.machine import gpu_label, machine_info
 from effattn.tools.bench.results import write_json
 
@@ -254,10 +255,13 @@ def passes(case: Case) -> Iterator[tuple[str, Callable[[], Any]]]:
 def measure(suites: Mapping[str, Suite], points: Iterable[Point], out: Path, repeats: int,
             machine: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Every case of every suite at every point, fwd and fwdbwd: the rows, also written
-    (atomically, with ``machine``) to ``out/results.json`` after each."""
+    (atomically, with ``machine`` and the engines' strategies) to ``out/results.json`` after
+    each."""
     device_name = gpu_label(machine) or "cpu"
     rows: list[dict[str, Any]] = []
+    chosen: dict[str, str] = {}
     for p in points:
+        chosen = {engine: strategy.choose(engine, p.device) for engine in strategy.ENGINES}
         for suite in suites.values():
             for case in suite(p):
                 for pass_name, fn in (passes(case) if case.error is None
@@ -281,7 +285,8 @@ def measure(suites: Mapping[str, Suite], points: Iterable[Point], out: Path, rep
                                 torch.cuda.empty_cache()
                     rows.append(row)
                     print(_line(row), flush=True)
-                    write_json(out / "results.json", {"machine": machine, "rows": rows})
+                    write_json(out / "results.json",
+                               {"machine": machine, "strategies": chosen, "rows": rows})
     return rows
 
 

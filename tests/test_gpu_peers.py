@@ -29,7 +29,9 @@ def test_smoke_on_the_cpu_writes_rows_and_plot(tmp_path):
     with strategy.force(kernelized="gpu"):
         assert peers.main(["--device", "cpu", "--smoke", "--dtypes", "fp32", "--repeats", "1",
                            "--out", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["strategies"]["kernelized"] == "gpu"
+    rows = results["rows"]
     assert all(set(peers.ROW_KEYS) <= set(r) for r in rows)
     methods = {peers._label(name, opts) for name, opts in peers.METHODS}
     for causal in (False, True):

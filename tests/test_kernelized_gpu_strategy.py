@@ -213,6 +213,37 @@ def test_decayed_prefix_equals_the_cpu_strategys_recurrence(n, scaled, gated, em
     assert after.position == after_cpu.position == n + 5
 
 
+@pytest.mark.parametrize("variant", [("performer", {}), ("rfa", {"gated": True}),
+                                     ("hedgehog", {"window": 3})], ids=_id)
+def test_decoding_reads_nothing_back_to_the_host(variant, monkeypatch):
+    """The GPU strategy's step is branch-free: no tensor's truth value or item is read (on a
+    GPU each would wait for the device), yet keys far beyond the state's scale (the rescale)
+    and gates still give the causal forward's result. The engine's step (``_step``), after
+    the call's input checks: those read one flag per call (the contract's NaN check)."""
+    name, opts = variant
+    module = make(name, opts)
+    q, k, v = qkv(n=12, d=21, dv=5)
+    k = k * torch.linspace(0.5, 4.0, 12, dtype=torch.float64)[:, None]  # growing log-scales
+    kw = {}
+    if opts.get("gated"):
+        kw["gate"] = torch.sigmoid(torch.randn(2, 3, 12, dtype=torch.float64))
+    with torch.no_grad():
+        full = module(q, k, v, causal=True, **kw)
+        state, outs = None, []
+
+        def refuse(*_):
+            raise AssertionError("a host sync in the step")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.Tensor, "__bool__", refuse)
+            patch.setattr(torch.Tensor, "item", refuse)
+            for t in range(12):
+                o, state = module._step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1],
+                                        state, *(g[:, :, t:t + 1] for g in kw.values()))
+                outs.append(o)
+    torch.testing.assert_close(torch.cat(outs, 2), full, rtol=1e-10, atol=1e-10)
+
+
 def test_strategy_follows_the_override(calls):
     module = make("performer", {})
     q, k, v = qkv(n=33, d=21)
