@@ -27,8 +27,8 @@ state fed one token at a time.
 This module is the engine's CPU strategy (the slices, the chunk loop of :func:`_chunk_scan` and
 its hand-written backward) and its entry points. :func:`key_state`, :func:`read_queries`, the
 causal form and :func:`step_state` ask :mod:`effattn.strategy` which strategy runs them; the GPU
-strategy (:mod:`effattn.kernelized.gpu`: one slice, chunk-parallel, no host sync per decoded
-token) reuses this module's factors and conventions.
+strategy (:mod:`effattn.kernelized.gpu`: device-sized slices, chunk-parallel, no host sync
+per decoded token) reuses this module's factors and conventions.
 
 Precision of decoding. The causal forward (chunkwise GEMMs, and prefill, the same code) and
 :func:`linear_attention_step` (one token at a time) sum the same terms w_ij φ(q_i)·φ(k_j) [v_j, 1]
@@ -1438,8 +1438,9 @@ class CoreConfig:
     :meth:`effattn.kernelized.base.KernelizedAttention.core` and passed whole by every caller
     (the module, the window hybrid, sequence parallelism), rather than restated at each call
     site: ``features`` (φ, see kernelized.features) and its width ``feature_dim``, the causal
-    form's ``chunk_size``, the divisor's ``eps``, the CPU strategy's ``slice_elements`` and the
-    ``feature_tensors`` the recomputing backward saves (the redraw guard, see
+    form's ``chunk_size``, the divisor's ``eps``, the slice budget ``slice_elements`` (the GPU
+    strategy scales it up: ``gpu.SLICE_SCALE``) and the ``feature_tensors`` the recomputing
+    backward saves (the redraw guard, see
     :func:`_feature_inputs`). The strategy is not a setting: :mod:`effattn.strategy` picks it
     by device, in one place.
     """
