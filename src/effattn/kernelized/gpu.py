@@ -4,16 +4,18 @@ The CPU strategy (:mod:`effattn.kernelized.core`) walks long sequences in cache-
 the chunks of a slice in a Python loop: right for a few cores with a cache, thousands of tiny
 kernel launches on a GPU. This strategy computes the same sums under the same conventions
 (:class:`~effattn.kernelized.core.RecurrentState` with z the last column of [V, 1], the key
-log-scales' stabiliser, the eps floor of the divisor, the lost-row check) with launches that do
-not grow with N:
+log-scales' stabiliser, the eps floor of the divisor, the lost-row check) with a fixed number
+of launches per device-sized slice (a few slices at N = 65536, one up to tens of thousands of
+tokens), not per chunk:
 
 - non-causal (and a decoder's cross-attention memory): the keys in one GEMM, φ(K)^T [V, 1],
   and the queries in one, φ(Q) [S, z], per device-sized slice (the whole sequence up to tens
   of thousands of tokens): the core's recomputing functions (:func:`key_state`,
   :func:`read_queries`);
 - causal (the chunk-parallel form of linear attention; Yang et al. 2024, "Gated Linear Attention
-  Transformers with Hardware-Efficient Training", section 3): the sequence in nc = ceil(N / C)
-  chunks of C = ``chunk_size`` tokens, chunk-major (nc, B, H, C, ·) as in the CPU strategy, and
+  Transformers with Hardware-Efficient Training", section 3): each slice of n tokens in
+  nc = ceil(n / C) chunks of C = ``chunk_size`` tokens, chunk-major (nc, B, H, C, ·) as in the
+  CPU strategy, and
 
       ΔS_c   = φ(K_c)^T U_c                       all chunks by one batched GEMM, (nc, B, H, F, E)
       S_c    = Σ_{c' < c} T_{c,c'} ΔS_{c'} + t_c S_in  an exclusive decayed prefix sum over chunks
