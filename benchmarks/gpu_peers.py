@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 import effattn
 from effattn import strategy
+from effattn.kernelized.features import project_heads
 from effattn.tools.bench.machine import gpu_label, machine_info
 from effattn.tools.bench.results import write_json
 
@@ -163,7 +164,6 @@ def fla_suite(p: Point) -> Iterator[Case]:
 
         if name == "taylor":
             w = module.projection * module.scale ** 0.5
-            from effattn.kernelized.features import project_heads
 
             def run(w=w) -> torch.Tensor:
                 qp, kp = (heads_second(project_heads(x, w.to(x.dtype))) for x in (q, k))
