@@ -5,12 +5,14 @@
 # FlexAttention as the peer of the windowed and block-sparse methods (``flex``: the earlier
 # comparison script; ``banded``: benchmarks/gpu_peers_banded.py, every banded method through the
 # banded engine's FlexAttention strategy against compiled FlexAttention with the same mask,
-# reformer against SDPA, and the Mistral prefill of benchmarks/hf_generate.py). Results go to
+# reformer against SDPA, and the Mistral prefill of benchmarks/hf_generate.py), and the
+# kernelized methods beside flash-linear-attention and flash SDPA (``peers``:
+# benchmarks/gpu_peers.py). Results go to
 # benchmarks/gpu/ (or $EFFATTN_GPU_OUT), each stage in its own folder, with the GPU named in every
 # results file.
 #
 #   benchmarks/gpu.sh                  # every stage (about 20 minutes on one H100)
-#   benchmarks/gpu.sh tests fp32       # some stages: tests, fp32, bf16, causal, flex, banded
+#   benchmarks/gpu.sh tests fp32       # some stages: tests, fp32, bf16, causal, flex, banded, peers
 #
 # Needs torch with CUDA, numpy, matplotlib, tqdm and pytest; it runs effattn from this checkout
 # (PYTHONPATH=src), so no install is needed. A stage that fails is reported and the next one runs;
@@ -22,7 +24,7 @@ export PYTHONUNBUFFERED=1
 OUT=${EFFATTN_GPU_OUT:-benchmarks/gpu}
 mkdir -p "$OUT"
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(tests fp32 bf16 causal flex banded)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(tests fp32 bf16 causal flex banded peers)
 
 if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "gpu.sh: no CUDA device visible to torch; nothing measured" >&2
@@ -62,8 +64,12 @@ for stage in "${STAGES[@]}"; do
             python3 benchmarks/hf_generate.py --device cuda --dtype bfloat16 --window 4096 \
                 --prefill 32768 --batches 1 --impls sdpa softmax --repeats 5 \
                 --out "$OUT/hf-prefill/results.json" 2>&1 | tee "$OUT/hf-prefill.txt" ;;
+        peers)
+            # fla-core is pure Python: without a package index, install its wheel beforehand
+            # (pip install fla_core-*.whl); without it the fla rows say "fla: not installed".
+            python3 benchmarks/gpu_peers.py --out "$OUT/peers" 2>&1 | tee "$OUT/peers.txt" ;;
         *)
-            echo "gpu.sh: unknown stage '$stage' (stages: tests fp32 bf16 causal flex banded)" >&2
+            echo "gpu.sh: unknown stage '$stage' (stages: tests fp32 bf16 causal flex banded peers)" >&2
             exit 2 ;;
     esac
     rc=$?

@@ -10,14 +10,13 @@ import torch
 from effattn import strategy
 
 
-def test_defaults_follow_the_device():
+def test_defaults_follow_the_device(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    with strategy.force():
-        assert strategy.choose("kernelized", cpu) == "cpu"
-        assert strategy.choose("banded", cpu) == "cpu"
-        if not strategy.forced():
-            assert strategy.choose("kernelized", cuda) == "gpu"
-            assert strategy.choose("banded", cuda) == "flex"
+    monkeypatch.setattr(strategy, "_forced", {})  # the defaults, whatever EFFATTN_STRATEGY says
+    assert strategy.choose("kernelized", cpu) == "cpu"
+    assert strategy.choose("banded", cpu) == "cpu"
+    assert strategy.choose("kernelized", cuda) == "gpu"
+    assert strategy.choose("banded", cuda) == "flex"
 
 
 def test_force_applies_on_every_device_and_is_undone():

@@ -8,13 +8,10 @@ from torch import Tensor, nn
 from effattn.base import check_bool, check_positive_int, compute_dtype
 from effattn.kernelized.core import (
     SLICE_ELEMENTS,
+    CoreConfig,
     DenominatorUnderflowError,
     RecurrentState,
-    kernelized_attention,
-    kernelized_causal,
-    key_state,
     linear_attention_step,
-    read_queries,
 )
 from effattn.kernelized.features import Features
 from effattn.kernelized.hybrid import WindowState, hybrid_attention, hybrid_prefill, hybrid_step
@@ -119,6 +116,12 @@ class KernelizedAttention(RandomizedAttention):
         gradients and a redraw between forward and backward raises (see kernelized.core)."""
         return (*self.parameters(), *self.buffers())
 
+    def core(self) -> CoreConfig:
+        """The core's settings for one call: every caller (this module, the window hybrid,
+        sequence parallelism) passes them whole."""
+        return CoreConfig(self.features, self.feature_dim, self.chunk_size, self.eps,
+                          self.slice_elements, self.feature_tensors())
+
     def _draw(self, generator: TensorGenerator) -> tuple[Tensor, ...]:
         """Fresh values of the buffers named in ``random_buffers``, in that order."""
         return ()
@@ -188,20 +191,9 @@ class KernelizedAttention(RandomizedAttention):
             except DenominatorUnderflowError as err:
                 raise self._underflow(err, q, k) from None
         try:
-            return kernelized_attention(
-                q.to(dt),
-                k.to(dt),
-                v.to(dt),
-                self.features,
-                feature_dim=self.feature_dim,
-                causal=causal,
-                key_padding_mask=key_padding_mask,
-                gate=None if gate is None else gate.to(dt),
-                chunk_size=self.chunk_size,
-                eps=self.eps,
-                slice_elements=self.slice_elements,
-                feature_tensors=self.feature_tensors(),
-            )
+            return self.core().attention(q.to(dt), k.to(dt), v.to(dt), causal=causal,
+                                         key_padding_mask=key_padding_mask,
+                                         gate=None if gate is None else gate.to(dt))
         except DenominatorUnderflowError as err:
             raise self._underflow(err, q, k) from None
 
@@ -210,9 +202,7 @@ class KernelizedAttention(RandomizedAttention):
     ) -> RecurrentState:
         self._refuse_window("cross-attention over a memory")
         dt = compute_dtype(k.dtype)
-        return key_state(k.to(dt), v.to(dt), self.features, feature_dim=self.feature_dim,
-                         key_padding_mask=key_padding_mask, slice_elements=self.slice_elements,
-                         feature_tensors=self.feature_tensors())
+        return self.core().key_state(k.to(dt), v.to(dt), key_padding_mask=key_padding_mask)
 
     def _attend_memory(self, q: Tensor, memory: RecurrentState) -> Tensor:
         expected = (q.shape[0], self.heads, self.feature_dim)
@@ -224,10 +214,7 @@ class KernelizedAttention(RandomizedAttention):
                 f"source: a state of shape ({', '.join(map(str, expected))}, Dv + 1), got {got}"
             )
         try:
-            return read_queries(q.to(compute_dtype(q.dtype)), memory, self.features,
-                                feature_dim=self.feature_dim, eps=self.eps,
-                                slice_elements=self.slice_elements,
-                                feature_tensors=self.feature_tensors())
+            return self.core().read_queries(q.to(compute_dtype(q.dtype)), memory)
         except DenominatorUnderflowError as err:
             raise self._underflow(err, q, None) from None
 
@@ -268,18 +255,7 @@ class KernelizedAttention(RandomizedAttention):
             if self.window is not None:
                 return hybrid_prefill(self, q.to(dt), k.to(dt), v.to(dt), state,
                                       None if gate is None else gate.to(dt))
-            return kernelized_causal(
-                q.to(dt),
-                k.to(dt),
-                v.to(dt),
-                self.features,
-                state,
-                feature_dim=self.feature_dim,
-                gate=None if gate is None else gate.to(dt),
-                chunk_size=self.chunk_size,
-                eps=self.eps,
-                slice_elements=self.slice_elements,
-                feature_tensors=self.feature_tensors(),
-            )
+            return self.core().causal(q.to(dt), k.to(dt), v.to(dt), state,
+                                      gate=None if gate is None else gate.to(dt))
         except DenominatorUnderflowError as err:
             raise self._underflow(err, q, k) from None

@@ -24,6 +24,12 @@ one slice are computed, consumed and dropped, so no N x F tensor is ever materia
 slice stays in cache. A slice hands a :class:`RecurrentState` to the next; decoding is the same
 state fed one token at a time.
 
+This module is the engine's CPU strategy (the slices, the chunk loop of :func:`_chunk_scan` and
+its hand-written backward) and its entry points. :func:`key_state`, :func:`read_queries`, the
+causal form and :func:`step_state` ask :mod:`effattn.strategy` which strategy runs them; the GPU
+strategy (:mod:`effattn.kernelized.gpu`: device-sized slices, chunk-parallel, no host sync
+per decoded token) reuses this module's factors and conventions.
+
 Precision of decoding. The causal forward (chunkwise GEMMs, and prefill, the same code) and
 :func:`linear_attention_step` (one token at a time) sum the same terms w_ij φ(q_i)·φ(k_j) [v_j, 1]
 with the same stabilisers (only differences of log-scales are ever formed), in different orders.
@@ -66,6 +72,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from effattn import strategy
 from effattn.kernelized.features import LOG2E
 
 # Smallest log-scale the core works with: keeps exp(a - b) finite when every key is padding. It
@@ -797,14 +804,34 @@ def key_state(
 
     The non-causal half of :func:`kernelized_attention`, and the memory a decoder's
     cross-attention forms once per source. Recording gradients, it keeps k and v only
-    (:class:`_KeyState`).
+    (:class:`_KeyState`). On the GPU strategy (:mod:`effattn.kernelized.gpu`), device-sized
+    slices.
     """
+    if _strategy(k) == "gpu":
+        from effattn.kernelized import gpu
+
+        return gpu.key_state(k, v, features, feature_dim=feature_dim,
+                             key_padding_mask=key_padding_mask, slice_elements=slice_elements,
+                             feature_tensors=feature_tensors)
     bh = k.shape[0] * k.shape[1]
     step = slice_tokens(bh, feature_dim, 1, slice_elements)
+    back = slice_tokens(bh, feature_dim, 1, slice_elements // BACKWARD_SLICE_SHARE)
+    return key_state_in_slices(k, v, features, key_padding_mask, feature_tensors, step, back)
+
+
+def key_state_in_slices(
+    k: Tensor,
+    v: Tensor,
+    features: FeatureFn,
+    key_padding_mask: Tensor | None,
+    feature_tensors: Sequence[Tensor] | None,
+    step: int,
+    back: int,
+) -> RecurrentState:
+    """:func:`key_state` in slices of ``step`` keys forward and ``back`` keys backward."""
     if _recording():
         tensors = _feature_inputs(features, k, False, feature_tensors)
         if _needs_grad(k, v, *tensors):
-            back = slice_tokens(bh, feature_dim, 1, slice_elements // BACKWARD_SLICE_SHARE)
             kv, scale = _KeyState.apply(k, v, key_padding_mask, features, step, back, *tensors)
             return RecurrentState(kv, scale, k.shape[2])
     return _key_state(k, v, features, key_padding_mask, step)
@@ -833,19 +860,43 @@ def read_queries(
     """Queries q (B, H, N, D) against a finished :func:`key_state`, in slices: (B, H, N, Dv).
 
     Recording gradients, it keeps q, the output and the divisors only (:class:`_ReadQueries`).
+    On the GPU strategy (:mod:`effattn.kernelized.gpu`), device-sized slices.
     """
+    if _strategy(q) == "gpu":
+        from effattn.kernelized import gpu
+
+        return gpu.read_queries(q, state, features, feature_dim=feature_dim, eps=eps,
+                                slice_elements=slice_elements, feature_tensors=feature_tensors)
     bh = q.shape[0] * q.shape[1]
     step = slice_tokens(bh, feature_dim, 1, slice_elements)
+    back = slice_tokens(bh, feature_dim, 1, slice_elements // BACKWARD_SLICE_SHARE)
+    return read_queries_in_slices(q, state, features, eps, feature_tensors, step, back)
+
+
+def read_queries_in_slices(
+    q: Tensor,
+    state: RecurrentState,
+    features: FeatureFn,
+    eps: float,
+    feature_tensors: Sequence[Tensor] | None,
+    step: int,
+    back: int,
+) -> Tensor:
+    """:func:`read_queries` in slices of ``step`` queries forward and ``back`` backward."""
     if _recording():
         tensors = _feature_inputs(features, q, True, feature_tensors)
         if _needs_grad(q, state.kv, *tensors):
-            back = slice_tokens(bh, feature_dim, 1, slice_elements // BACKWARD_SLICE_SHARE)
             return _ReadQueries.apply(q, state.kv, state.log_scale, features, eps, step, back,
                                       *tensors)
     outs, lost = zip(*(_read_out(state, features(q_s, is_query=True)[0], eps)
                        for q_s in q.split(step, 2)), strict=True)
     _raise_if_lost(list(lost), q.dtype)
     return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
+
+
+def _strategy(x: Tensor) -> str:
+    """The kernelized engine's strategy for tensors like x (see :mod:`effattn.strategy`)."""
+    return strategy.choose("kernelized", x.device)
 
 
 def _slices(step: int, *tensors: tuple[Tensor | None, int]) -> list[list[Tensor | None]]:
@@ -1155,6 +1206,13 @@ def _causal(
     if gate is not None and gate.shape != (b, h, n):
         raise ValueError(f"gate must be (B, H, N) = {(b, h, n)}, got {tuple(gate.shape)}")
     _check_chunk(chunk_size)
+    if _strategy(q) == "gpu":
+        from effattn.kernelized import gpu
+
+        return gpu.causal(q, k, v, features, state, feature_dim=feature_dim,
+                          key_padding_mask=key_padding_mask, gate=gate, chunk_size=chunk_size,
+                          eps=eps, slice_elements=slice_elements,
+                          feature_tensors=feature_tensors, normaliser=normaliser)
     step = causal_slice_tokens(b * h, feature_dim, v.shape[-1], chunk_size, slice_elements)
     if _recording():
         tensors = _feature_inputs(features, q, True, feature_tensors)
@@ -1374,6 +1432,73 @@ def _causal_slice_backward(
     return d_kv, grads
 
 
+@dataclass(frozen=True)
+class CoreConfig:
+    """The settings every call of one module's core shares, built once per call by
+    :meth:`effattn.kernelized.base.KernelizedAttention.core` and passed whole by every caller
+    (the module, the window hybrid, sequence parallelism), rather than restated at each call
+    site: ``features`` (φ, see kernelized.features) and its width ``feature_dim``, the causal
+    form's ``chunk_size``, the divisor's ``eps``, the slice budget ``slice_elements`` (the GPU
+    strategy scales it up: ``gpu.SLICE_SCALE``) and the ``feature_tensors`` the recomputing
+    backward saves (the redraw guard, see
+    :func:`_feature_inputs`). The strategy is not a setting: :mod:`effattn.strategy` picks it
+    by device, in one place.
+    """
+
+    features: FeatureFn
+    feature_dim: int
+    chunk_size: int = 32
+    eps: float = 1e-6
+    slice_elements: int = SLICE_ELEMENTS
+    feature_tensors: tuple[Tensor, ...] | None = None
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
+                  key_padding_mask: Tensor | None = None, gate: Tensor | None = None) -> Tensor:
+        """:func:`kernelized_attention` with these settings."""
+        return kernelized_attention(
+            q, k, v, self.features, feature_dim=self.feature_dim, causal=causal,
+            key_padding_mask=key_padding_mask, gate=gate, chunk_size=self.chunk_size,
+            eps=self.eps, slice_elements=self.slice_elements,
+            feature_tensors=self.feature_tensors,
+        )
+
+    def key_state(self, k: Tensor, v: Tensor, *,
+                  key_padding_mask: Tensor | None = None) -> RecurrentState:
+        """:func:`key_state` with these settings."""
+        return key_state(k, v, self.features, feature_dim=self.feature_dim,
+                         key_padding_mask=key_padding_mask, slice_elements=self.slice_elements,
+                         feature_tensors=self.feature_tensors)
+
+    def read_queries(self, q: Tensor, state: RecurrentState) -> Tensor:
+        """:func:`read_queries` with these settings."""
+        return read_queries(q, state, self.features, feature_dim=self.feature_dim, eps=self.eps,
+                            slice_elements=self.slice_elements,
+                            feature_tensors=self.feature_tensors)
+
+    def causal(self, q: Tensor, k: Tensor, v: Tensor, state: RecurrentState | None = None, *,
+               key_padding_mask: Tensor | None = None,
+               gate: Tensor | None = None) -> tuple[Tensor, RecurrentState]:
+        """:func:`kernelized_causal` with these settings."""
+        out, state, _ = self._causal(q, k, v, state, key_padding_mask, gate, False)
+        return out, state
+
+    def causal_normalised(
+        self, q: Tensor, k: Tensor, v: Tensor, state: RecurrentState | None = None, *,
+        key_padding_mask: Tensor | None = None, gate: Tensor | None = None,
+    ) -> tuple[Tensor, RecurrentState, Normaliser]:
+        """:func:`kernelized_causal_normalised` with these settings."""
+        out, state, norm = self._causal(q, k, v, state, key_padding_mask, gate, True)
+        assert norm is not None
+        return out, state, norm
+
+    def _causal(self, q: Tensor, k: Tensor, v: Tensor, state: RecurrentState | None,
+                key_padding_mask: Tensor | None, gate: Tensor | None,
+                normaliser: bool) -> tuple[Tensor, RecurrentState, Normaliser | None]:
+        return _causal(q, k, v, self.features, state, self.feature_dim, key_padding_mask, gate,
+                       self.chunk_size, self.eps, self.slice_elements, self.feature_tensors,
+                       normaliser)
+
+
 def linear_attention_step(
     phi_q: Tensor,
     phi_k: Tensor,
@@ -1448,11 +1573,13 @@ def step_state(
         torch.is_inference_mode_enabled() or not kv.is_inference()
     )
     exceeds = (key_scale - scale > RESCALE_MARGIN).any()
-    if compiling or bool(exceeds):
+    # Branch-free, no host sync, when compiling and on the GPU strategy (whose device would
+    # stall on reading the flag every token): a rescale by exp(0) = 1 unless a key exceeds the
+    # margin (a compiler fuses it with the update below into one pass over the state).
+    branch_free = compiling or _strategy(kv) == "gpu"
+    if branch_free or bool(exceeds):
         new_scale = torch.maximum(scale, key_scale)
-        if compiling:
-            # Branch-free, no host sync: a rescale by exp(0) = 1 unless a key exceeds the margin
-            # (a compiler fuses it with the update below into one pass over the state).
+        if branch_free:
             new_scale = torch.where(exceeds, new_scale, scale)
         decay = torch.exp(scale - new_scale)
         kv = kv.mul_(decay) if in_place else kv * decay

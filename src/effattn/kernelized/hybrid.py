@@ -48,7 +48,6 @@ from effattn.kernelized.core import (
     LOG_GATE_FLOOR,
     Normaliser,
     RecurrentState,
-    kernelized_causal_normalised,
     read_normalised,
     step_state,
 )
@@ -119,11 +118,9 @@ def _lagged_part(attn: KernelizedAttention, q: Tensor, k: Tensor, v: Tensor, lag
     b, n = q.shape[0], q.shape[2]
     pad = torch.zeros(b, n, dtype=torch.bool, device=q.device) if key_padding_mask is None \
         else key_padding_mask
-    out, _, norm = kernelized_causal_normalised(
-        q, _lag(k, lag, 0.0, 2), _lag(v, lag, 0.0, 2), attn.features,
-        feature_dim=attn.feature_dim, key_padding_mask=_lag(pad, lag, True, 1),
-        gate=None if gate is None else _lag(gate, lag, 1.0, 2), chunk_size=attn.chunk_size,
-        eps=attn.eps, slice_elements=attn.slice_elements, feature_tensors=attn.feature_tensors(),
+    out, _, norm = attn.core().causal_normalised(
+        q, _lag(k, lag, 0.0, 2), _lag(v, lag, 0.0, 2), key_padding_mask=_lag(pad, lag, True, 1),
+        gate=None if gate is None else _lag(gate, lag, 1.0, 2),
     )
     log_abs = norm.log_abs
     if gate is not None:
@@ -296,11 +293,9 @@ def hybrid_prefill(
     q_ext = torch.cat([q.new_zeros(b, h, window, q.shape[3]), q], 2)
     seen = window_part(attn, q_ext, k_ext, v_ext, True, pad)
     parts = [Partial(seen.out[:, :, window:], seen.log_abs[:, :, window:])]
-    out, linear, norm = kernelized_causal_normalised(
-        q, k_ext[:, :, :n], v_ext[:, :, :n], attn.features, state.linear,
-        feature_dim=attn.feature_dim, key_padding_mask=pad[:, :n],
-        gate=None if g_ext is None else g_ext[:, :, :n], chunk_size=attn.chunk_size,
-        eps=attn.eps, slice_elements=attn.slice_elements, feature_tensors=attn.feature_tensors(),
+    out, linear, norm = attn.core().causal_normalised(
+        q, k_ext[:, :, :n], v_ext[:, :, :n], state.linear, key_padding_mask=pad[:, :n],
+        gate=None if g_ext is None else g_ext[:, :, :n],
     )
     if g_ext is not None:
         norm = Normaliser(norm.log_abs + window_log_gate(g_ext[:, :, window:], None, window,

@@ -38,10 +38,6 @@ from effattn.kernelized.core import (
     LOG_GATE_FLOOR,
     RecurrentState,
     accumulate_keys,
-    kernelized_causal,
-    kernelized_causal_normalised,
-    key_state,
-    read_queries,
 )
 from effattn.kernelized.hybrid import Partial, linear_part, merge, window_log_gate, window_part
 from effattn.parallel import SequenceGroup, SequenceStrategy
@@ -70,18 +66,15 @@ class StateExchange(SequenceStrategy):
         gate = None if gate is None else gate.to(dt)
         if attn.window is not None:
             return _hybrid(attn, group, q, k, v, causal, key_padding_mask, gate)
-        common = {"feature_dim": attn.feature_dim, "slice_elements": attn.slice_elements}
+        core = attn.core()
         if not causal:
-            local = key_state(k, v, attn.features, key_padding_mask=key_padding_mask, **common)
+            local = core.key_state(k, v, key_padding_mask=key_padding_mask)
             scale = group.all_reduce_max(local.log_scale)
             kv = group.all_reduce_sum(local.kv * torch.exp(local.log_scale - scale))
             state = RecurrentState(kv, scale, group.total)
-            return read_queries(q, state, attn.features, eps=attn.eps, **common)
+            return core.read_queries(q, state)
         incoming = _entering(attn, group, k, v, key_padding_mask, gate, reverse=False)
-        return kernelized_causal(
-            q, k, v, attn.features, incoming, key_padding_mask=key_padding_mask, gate=gate,
-            chunk_size=attn.chunk_size, eps=attn.eps, **common,
-        )[0]
+        return core.causal(q, k, v, incoming, key_padding_mask=key_padding_mask, gate=gate)[0]
 
 
 def _slice_state(
@@ -99,8 +92,7 @@ def _slice_state(
     so that it reaches both [v_j, 1] columns. Padded tokens neither enter nor decay the state.
     """
     if gate is None:
-        state = key_state(k, v, attn.features, feature_dim=attn.feature_dim,
-                          key_padding_mask=key_padding_mask, slice_elements=attn.slice_elements)
+        state = attn.core().key_state(k, v, key_padding_mask=key_padding_mask)
         return state, k.new_zeros(k.shape[:2])
     log_gate = torch.log(gate).clamp_min(LOG_GATE_FLOOR)  # as the core clamps it
     if key_padding_mask is not None:
@@ -215,10 +207,7 @@ def _exchanged_part(
     """The kernelized part of the hybrid from this rank's lagged (or, ``reverse``, leading) keys:
     their slice states exchanged, then the causal pass from the state entering the slice."""
     incoming = _entering(attn, group, k, v, pad, gate, reverse)
-    out, _, norm = kernelized_causal_normalised(
-        q, k, v, attn.features, incoming, feature_dim=attn.feature_dim, key_padding_mask=pad,
-        gate=gate, chunk_size=attn.chunk_size, eps=attn.eps, slice_elements=attn.slice_elements,
-        feature_tensors=attn.feature_tensors(),
-    )
+    out, _, norm = attn.core().causal_normalised(q, k, v, incoming, key_padding_mask=pad,
+                                                 gate=gate)
     return linear_part(attn, out, norm)
 

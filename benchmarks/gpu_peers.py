@@ -1,0 +1,367 @@
+"""effattn's kernelized methods beside their GPU peers, in one process on one GPU.
+
+Peers, each on the problem it solves:
+
+- ``effattn``: every kernelized method at its default options (the GPU strategy,
+  ``effattn.kernelized.gpu``, runs on CUDA tensors), computing its own features;
+- ``fla``: flash-linear-attention (fla-core) on the *same* features, computed in the same
+  timed call by the effattn module's map: ``chunk_linear_attn`` (normalised) for the ungated
+  methods, ``chunk_simple_gla`` on [V, 1] for gated RFA, ``fused_chunk_based`` on the Taylor
+  method's projected q, k. Causal only (fla's chunk kernels are causal). Without fla-core the
+  rows say ``fla: not installed``;
+- ``sdpa``: ``scaled_dot_product_attention`` (flash kernel in bf16).
+
+Rows (``ROW_KEYS``): ``{impl, method, feature_dim, n, batch, heads, causal, pass, dtype, ms,
+peak_mib, device}`` (+ ``error`` where a point failed), written atomically to
+``<out>/results.json`` after every point, and ``<out>/results.png``. Time: triton's
+``do_bench`` when triton imports (its median, with an L2 flush between calls), else the median
+of CUDA events. Peak memory: ``torch.cuda.max_memory_allocated`` during one separate call, above
+what was allocated before it (the inputs), so do_bench's 256 MiB flush buffer is not counted.
+
+Shapes: bf16 and fp32; N = 4096, 16384, 65536 at B = 1, H = 8, D = 64, and B = 8, H = 16,
+D = 64 at N = 4096; causal and not; forward and forward + backward.
+
+    python3 benchmarks/gpu_peers.py                           # everything (one CUDA GPU)
+    python3 benchmarks/gpu_peers.py --device cpu --smoke      # tiny N on the CPU (a test runs it)
+
+Exits 2, with one line, when no CUDA device is visible (without ``--device cpu``).
+
+Other suites share this driver: ``benchmarks/gpu_peers_banded.py`` can call
+``main(argv, suites={...})`` with its own ``Suite`` functions (same row schema); a suite
+yields ``Case`` objects and the driver times them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import effattn
+from effattn import strategy
+from effattn.kernelized.features import project_heads
+from effattn.tools.bench.machine import gpu_label, machine_info
+from effattn.tools.bench.results import write_json
+
+ROW_KEYS = ("impl", "method", "feature_dim", "n", "batch", "heads", "causal", "pass", "dtype",
+            "ms", "peak_mib", "device")
+HEAD_DIM = 64
+# (batch, heads, lengths)
+FULL_SHAPES = ((1, 8, (4096, 16384, 65536)), (8, 16, (4096,)))
+SMOKE_SHAPES = ((1, 2, (40,)),)
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# Each kernelized method as (name, options): gated RFA is its own row.
+METHODS = (("performer", {}), ("favor", {}), ("rfa", {}), ("rfa", {"gated": True}),
+           ("linear", {}), ("hedgehog", {}), ("taylor", {}))
+DEFAULT_OUT = Path(__file__).resolve().parent / "gpu" / "peers"
+
+
+@dataclass(frozen=True)
+class Point:
+    """One problem: shape, dtype, causal, device."""
+
+    n: int
+    batch: int
+    heads: int
+    dtype: str
+    causal: bool
+    device: torch.device
+
+
+@dataclass
+class Case:
+    """One implementation of one method at a :class:`Point`: ``run()`` is the forward, on
+    ``inputs`` (which require grad for forward + backward); ``error`` instead where it cannot
+    run (then nothing is timed)."""
+
+    impl: str
+    method: str
+    feature_dim: int | None
+    run: Callable[[], torch.Tensor] | None = None
+    inputs: tuple[torch.Tensor, ...] = ()
+    error: str | None = None
+
+
+Suite = Callable[[Point], Iterable[Case]]
+
+
+def qkv(p: Point) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device=p.device).manual_seed(p.n)
+    shape = (p.batch, p.heads, p.n, HEAD_DIM)
+    return tuple(torch.randn(shape, generator=gen, device=p.device, dtype=DTYPES[p.dtype])
+                 for _ in range(3))
+
+
+def _module(name: str, options: Mapping[str, Any], p: Point) -> effattn.AttentionMethod:
+    return effattn.build(name, head_dim=HEAD_DIM, heads=p.heads, seed=0, **options).to(p.device)
+
+
+def _label(name: str, options: Mapping[str, Any]) -> str:
+    return name + ("-gated" if options.get("gated") else "")
+
+
+def _gate(p: Point) -> torch.Tensor:
+    gen = torch.Generator(device=p.device).manual_seed(1)
+    logits = torch.randn(p.batch, p.heads, p.n, generator=gen, device=p.device)
+    return torch.sigmoid(logits + 3.0).to(DTYPES[p.dtype])
+
+
+def effattn_suite(p: Point) -> Iterator[Case]:
+    """Every kernelized method, its features computed in the call."""
+    q, k, v = qkv(p)
+    for name, options in METHODS:
+        if options.get("gated") and not p.causal:
+            continue
+        module = _module(name, options, p)
+        gate = _gate(p) if options.get("gated") else None
+        extra = {} if gate is None else {"gate": gate}
+        yield Case("effattn", _label(name, options), module.feature_dim,
+                   lambda m=module, x=extra: m(q, k, v, causal=p.causal, **x), (q, k, v))
+
+
+def sdpa_suite(p: Point) -> Iterator[Case]:
+    q, k, v = qkv(p)
+    yield Case("sdpa", "softmax", None,
+               lambda: F.scaled_dot_product_attention(q, k, v, is_causal=p.causal), (q, k, v))
+
+
+def fla_suite(p: Point) -> Iterator[Case]:
+    """fla-core's chunk kernels on the effattn module's features (causal only)."""
+    if not p.causal:
+        return
+    try:
+        from fla.ops.based import fused_chunk_based
+        from fla.ops.linear_attn import chunk_linear_attn
+        from fla.ops.simple_gla import chunk_simple_gla
+    except ImportError:
+        for name, options in METHODS:
+            yield Case("fla", _label(name, options), None, error="fla: not installed")
+        return
+    q, k, v = qkv(p)
+    dt = DTYPES[p.dtype]
+
+    def heads_second(x: torch.Tensor) -> torch.Tensor:  # fla's layout: (B, T, H, ·)
+        return x.transpose(1, 2)
+
+    for name, options in METHODS:
+        module = _module(name, options, p)
+
+        def features(x: torch.Tensor, is_query: bool, m=module) -> torch.Tensor:
+            # The true features up to a factor shared by all keys (which cancels): fla has no
+            # stabiliser, so the keys' log-scales are taken from their global max.
+            phi, log_scale = m.features(x.float(), is_query=is_query)
+            if log_scale is not None and not is_query:
+                phi = phi * torch.exp(log_scale - log_scale.amax(2, keepdim=True))
+            return heads_second(phi).to(dt)
+
+        if name == "taylor":
+            w = module.projection * module.scale ** 0.5
+
+            def run(w=w) -> torch.Tensor:
+                qp, kp = (heads_second(project_heads(x, w.to(x.dtype))) for x in (q, k))
+                return heads_second(fused_chunk_based(qp, kp, heads_second(v), scale=1.0))
+        elif options.get("gated"):
+            gate = _gate(p)
+
+            def run(m=module, f=features, gate=gate) -> torch.Tensor:
+                g = heads_second(gate.float())
+                k_in = f(k, False) * (1.0 - g[..., None]).to(dt)
+                v1 = torch.cat([heads_second(v), v.new_ones(p.batch, p.n, p.heads, 1)], -1)
+                o, _ = chunk_simple_gla(f(q, True), k_in, v1, g=torch.log(g), scale=1.0)
+                return heads_second(o[..., :-1] / o[..., -1:])
+        else:
+            def run(f=features) -> torch.Tensor:
+                o, _ = chunk_linear_attn(f(q, True), f(k, False), heads_second(v), scale=1.0,
+                                         normalize=True)
+                return heads_second(o)
+        yield Case("fla", _label(name, options), module.feature_dim, run, (q, k, v))
+
+
+SUITES: dict[str, Suite] = {"effattn": effattn_suite, "fla": fla_suite, "sdpa": sdpa_suite}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timer(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """Median milliseconds per call: triton's do_bench on CUDA when available, else CUDA
+    events (CUDA) or the wall clock (CPU)."""
+    if device.type == "cuda":
+        try:
+            from triton.testing import do_bench
+        except ImportError:
+            do_bench = None
+        if do_bench is not None:
+            return float(do_bench(fn, return_mode="median"))
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def peak_mib(fn: Callable[[], Any], device: torch.device) -> float | None:
+    """Peak memory of one call above what is allocated before it (MiB); None on the CPU."""
+    if device.type != "cuda":
+        return None
+    _sync(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    _sync(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+
+
+def passes(case: Case) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """The forward, and forward + backward into the inputs' gradients (freed each call)."""
+    assert case.run is not None
+    run = case.run
+
+    def fwd() -> None:
+        with torch.no_grad():
+            run()
+
+    def fwdbwd() -> None:
+        out = run()
+        out.backward(torch.ones_like(out))
+        for x in case.inputs:
+            x.grad = None
+
+    yield "fwd", fwd
+    yield "fwdbwd", fwdbwd
+
+
+def measure(suites: Mapping[str, Suite], points: Iterable[Point], out: Path, repeats: int,
+            machine: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Every case of every suite at every point, fwd and fwdbwd: the rows, also written
+    (atomically, with ``machine`` and the engines' strategies) to ``out/results.json`` after
+    each."""
+    device_name = gpu_label(machine) or "cpu"
+    rows: list[dict[str, Any]] = []
+    chosen: dict[str, str] = {}
+    for p in points:
+        chosen = {engine: strategy.choose(engine, p.device) for engine in strategy.ENGINES}
+        for suite in suites.values():
+            for case in suite(p):
+                for pass_name, fn in (passes(case) if case.error is None
+                                      else (("fwd", None), ("fwdbwd", None))):
+                    row = {"impl": case.impl, "method": case.method,
+                           "feature_dim": case.feature_dim, "n": p.n, "batch": p.batch,
+                           "heads": p.heads, "causal": p.causal, "pass": pass_name,
+                           "dtype": p.dtype, "ms": None, "peak_mib": None,
+                           "device": device_name}
+                    if case.error is not None:
+                        row["error"] = case.error
+                    else:
+                        for x in case.inputs:
+                            x.requires_grad_(pass_name == "fwdbwd")
+                        try:
+                            row["peak_mib"] = peak_mib(fn, p.device)
+                            row["ms"] = timer(fn, p.device, repeats)
+                        except Exception as err:  # a row says why, the sweep goes on
+                            row["error"] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+                            if p.device.type == "cuda":
+                                torch.cuda.empty_cache()
+                    rows.append(row)
+                    print(_line(row), flush=True)
+                    write_json(out / "results.json",
+                               {"machine": machine, "strategies": chosen, "rows": rows})
+    return rows
+
+
+def _line(row: Mapping[str, Any]) -> str:
+    what = (f"{row['impl']:8s} {row['method']:15s} n={row['n']:6d} B={row['batch']} "
+            f"H={row['heads']} {'causal' if row['causal'] else 'full  '} {row['pass']:6s} "
+            f"{row['dtype']}")
+    if row.get("error"):
+        return f"{what}  {row['error']}"
+    mem = "" if row["peak_mib"] is None else f"  {row['peak_mib']:9.1f} MiB"
+    return f"{what}  {row['ms']:9.3f} ms{mem}"
+
+
+def plot(rows: Iterable[Mapping[str, Any]], path: Path) -> None:
+    """ms against N (B = 1), one panel per (dtype, causal, pass), one line per impl/method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r["ms"] is not None and r["batch"] == 1]
+    panels = sorted({(r["dtype"], r["causal"], r["pass"]) for r in rows})
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(4.5 * max(1, len(panels)), 4),
+                             squeeze=False)
+    for ax, (dtype, causal, pass_name) in zip(axes[0], panels, strict=False):
+        mine = [r for r in rows if (r["dtype"], r["causal"], r["pass"]) == (dtype, causal,
+                                                                             pass_name)]
+        for impl, method in sorted({(r["impl"], r["method"]) for r in mine}):
+            line = sorted((r["n"], r["ms"]) for r in mine
+                          if (r["impl"], r["method"]) == (impl, method))
+            ax.plot(*zip(*line, strict=True), marker="o", label=f"{impl} {method}",
+                    linestyle="-" if impl == "effattn" else "--")
+        ax.set(xscale="log", yscale="log", xlabel="N", ylabel="ms",
+               title=f"{dtype} {'causal' if causal else 'non-causal'} {pass_name}")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def points(device: torch.device, smoke: bool, dtypes: Iterable[str]) -> Iterator[Point]:
+    for dtype in dtypes:
+        for batch, heads, lengths in SMOKE_SHAPES if smoke else FULL_SHAPES:
+            for n in lengths:
+                for causal in (True, False):
+                    yield Point(n, batch, heads, dtype, causal, device)
+
+
+def main(argv: list[str] | None = None, suites: Mapping[str, Suite] = SUITES,
+         default_out: Path = DEFAULT_OUT) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", help="cuda[:i] (default) or cpu")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (a test of the script)")
+    parser.add_argument("--dtypes", default="bf16,fp32", help="comma-separated: bf16, fp32")
+    parser.add_argument("--impls", default=",".join(suites), help="comma-separated suites")
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls without do_bench")
+    parser.add_argument("--out", type=Path, default=default_out)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_peers: no CUDA device visible to torch; nothing measured", file=sys.stderr)
+        return 2
+    chosen = {name: suites[name] for name in args.impls.split(",")}
+    dtypes = args.dtypes.split(",")
+    unknown = set(dtypes) - set(DTYPES)
+    if unknown:
+        parser.error(f"unknown dtypes {sorted(unknown)}; choose from {sorted(DTYPES)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    machine = machine_info(device)
+    rows = measure(chosen, points(device, args.smoke, dtypes), args.out, args.repeats, machine)
+    plot(rows, args.out / "results.png")
+    print(f"wrote {args.out / 'results.json'} and results.png ({len(rows)} rows, "
+          f"{gpu_label(machine) or 'cpu'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
