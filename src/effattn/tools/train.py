@@ -68,6 +68,7 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "listops": {"seq_len": 256, "steps": 500, "lr": 2e-3},
     "charlm": {"seq_len": 256, "steps": 500, "lr": 5e-3},
     "recall": {"seq_len": 128, "steps": 600, "lr": 2e-3},
+    "recall-small": {"seq_len": 64, "steps": 3000, "lr": 2e-3},
     "copy": {"seq_len": 64, "steps": 600, "lr": 2e-3},
     "reverse": {"seq_len": 32, "steps": 600, "lr": 2e-3},
 }
@@ -75,7 +76,8 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
 # call inputs, a gate (below).
 # Reverse is scored by greedy decoding, which runs through the decoder's recurrent `step`.
 TASK_NEEDS: dict[str, tuple[str, ...]] = {
-    "listops": (), "charlm": ("causal",), "recall": ("causal",), "copy": ("causal",),
+    "listops": (), "charlm": ("causal",), "recall": ("causal",), "recall-small": ("causal",),
+    "copy": ("causal",),
     "reverse": ("causal", "cross", "decoding"),
 }
 _NEED_WORDS = {"causal": "no causal form", "cross": "cannot cross-attend",
