@@ -121,13 +121,13 @@ def _mqar_check(row, target, pairs, vocab):
     asked = []
     for i in range(2 * pairs, len(tokens)):
         if scored[i] != synthetic.IGNORE:
-            # A query: an even offset after the pairs, a key seen before, its value next; the
-            # target is that value.
+            # A query: an even offset after the pairs, a key seen before; the target is its
+            # value, which is no input (padding follows).
             assert (i - 2 * pairs) % 2 == 0
             assert tokens[i] in stored and tokens.index(tokens[i]) < 2 * pairs
-            assert scored[i] == stored[tokens[i]] == tokens[i + 1]
+            assert scored[i] == stored[tokens[i]] and tokens[i + 1] == 0
             asked.append(tokens[i])
-        elif i == 0 or scored[i - 1] == synthetic.IGNORE:
+        else:
             assert tokens[i] == 0  # padding between the queries
     assert sorted(asked) == sorted(keys)  # every key queried once
     # The loss sees the answers alone: nothing scored among the pairs.

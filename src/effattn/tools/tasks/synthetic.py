@@ -8,8 +8,8 @@ task for an encoder-decoder: a source string and the target string that must be 
 
 - Multi-query associative recall (MQAR, Arora et al. 2023, "Zoology"): ``k1 v1 k2 v2 ... kP vP``
   with distinct keys and distinct values drawn from disjoint halves of the vocabulary, then every
-  key once more as a query ``q a`` at random places of the rest of the sequence (padding
-  between); the model is scored on predicting a after q, and only there. A fixed-size recurrent
+  key once more as a query at random places of the rest of the sequence (padding between); the
+  model is scored on predicting the key's value at the query, and only there. A fixed-size recurrent
   state must store P pairs (:func:`mqar`, task ``recall``).
 - The earlier, smaller recall (task ``recall-small``, :func:`associative_recall`): keys from
   ``vocab`` symbols, values drawn with replacement from another ``vocab``, the queries right
@@ -44,9 +44,11 @@ def mqar(
     Token ids (vocabulary ``vocab``): 0 padding, keys 1 .. vocab//2 - 1, values
     vocab//2 .. vocab - 1. Each sequence starts with ``num_pairs`` pairs ``k v`` (distinct keys,
     distinct values); the remaining ``seq_len - 2 P`` positions hold (seq_len - 2 P) // 2 slots
-    of two tokens, of which P, chosen uniformly, hold a query ``k v`` of one key each, in random
-    order; the other slots are padding. ``targets`` is the value at each query's key position
-    and ``IGNORE`` everywhere else. ``num_pairs`` defaults to min(16, seq_len // 4).
+    of two tokens, of which P, chosen uniformly, hold a query ``k 0`` of one key each, in random
+    order; everything else is padding (0). ``targets`` is the key's value at each query and
+    ``IGNORE`` everywhere else. As in Zoology, the answers are not inputs: with them, a model
+    could guess among the values not yet given (a third right at 8 pairs) without recalling
+    anything. ``num_pairs`` defaults to min(16, seq_len // 4).
     """
     pairs = min(16, seq_len // 4) if num_pairs is None else num_pairs
     slots = (seq_len - 2 * pairs) // 2
@@ -69,7 +71,6 @@ def mqar(
     q_pos = 2 * pairs + 2 * where
     asked, answer = keys.gather(1, which), values.gather(1, which)
     inputs.scatter_(1, q_pos, asked)
-    inputs.scatter_(1, q_pos + 1, answer)
     targets.scatter_(1, q_pos, answer)
     return inputs, targets
 
