@@ -147,7 +147,7 @@ def test_mqar_layout():
     x, y = synthetic.mqar(20, seed=4, seq_len=40, num_pairs=8, vocab=300)
     for row, target in zip(x, y, strict=True):
         _mqar_check(row, target, 8, 300)
-    x, _ = synthetic.mqar(4, seed=0, seq_len=24)  # default pairs: min(16, seq_len // 4)
+    x, _ = synthetic.mqar(4, seed=0, seq_len=24)  # default pairs: min(8, seq_len // 4)
     assert int((x[:, :12:2] > 0).sum()) == 24 and x.max() < 256
 
 
@@ -165,15 +165,15 @@ def test_mqar_deterministic_and_bad_args():
 
 def test_recall_task_splits_and_recall_small():
     task = make_task("recall", 64, seed=0)
-    assert task.vocab_size == 256 and task.info["num_pairs"] == 16
+    assert task.vocab_size == 256 and task.info["num_pairs"] == 8
     vx, tx = task.eval_sets["valid"][0], task.eval_sets["test"][0]
     assert vx.shape == (256, 64) and tx.shape == (1024, 64)
     batch = task.train_batch(0, 8)
     assert torch.equal(batch[0], make_task("recall", 64, seed=0).train_batch(0, 8)[0])
     # Train, valid and test are different streams.
     assert not torch.equal(vx[:8], tx[:8]) and not torch.equal(batch[0], tx[:8])
-    small = make_task("recall", 64, seed=0, num_pairs=8, vocab=512)
-    assert small.vocab_size == 512 and int((small.eval_sets["test"][1] >= 0).sum(1)[0]) == 8
+    small = make_task("recall", 64, seed=0, num_pairs=12, vocab=512)
+    assert small.vocab_size == 512 and int((small.eval_sets["test"][1] >= 0).sum(1)[0]) == 12
     # The earlier task, under its own name, with the held-out sets it had as recall.
     old = make_task("recall-small", 64, seed=0)
     assert old.vocab_size == 33 and old.info == {"vocab": 16}

@@ -135,7 +135,7 @@ def _streams(name: str, seed: int, make: BatchMaker, valid_size: int, test_size:
 
 def _recall(seq_len: int, seed: int, *, num_pairs: int | None = None, vocab: int = 256,
             valid_size: int = 256, test_size: int = 1024) -> Task:
-    pairs = min(16, seq_len // 4) if num_pairs is None else num_pairs
+    pairs = min(8, seq_len // 4) if num_pairs is None else num_pairs
 
     def make(count: int, s: int) -> tuple[Tensor, Tensor]:
         return synthetic.mqar(count, seed=s, seq_len=seq_len, num_pairs=pairs, vocab=vocab)

@@ -48,9 +48,9 @@ def mqar(
     order; everything else is padding (0). ``targets`` is the key's value at each query and
     ``IGNORE`` everywhere else. As in Zoology, the answers are not inputs: with them, a model
     could guess among the values not yet given (a third right at 8 pairs) without recalling
-    anything. ``num_pairs`` defaults to min(16, seq_len // 4).
+    anything. ``num_pairs`` defaults to min(8, seq_len // 4).
     """
-    pairs = min(16, seq_len // 4) if num_pairs is None else num_pairs
+    pairs = min(8, seq_len // 4) if num_pairs is None else num_pairs
     slots = (seq_len - 2 * pairs) // 2
     if pairs < 1 or slots < pairs:
         raise ValueError(f"seq_len={seq_len} leaves no room for {pairs} pairs and their queries "
