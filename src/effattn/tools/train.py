@@ -68,7 +68,7 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "listops": {"seq_len": 256, "steps": 500, "lr": 2e-3},
     "charlm": {"seq_len": 256, "steps": 500, "lr": 5e-3},
     # MQAR with 8 pairs: softmax forms its recall circuit after 500-750 steps of batch 64 at
-    # lr 0.003; at batch 16 it had not after 2750 (docs/training.md).
+    # lr 0.003; at batch 16 it had not after 3000 (docs/training.md).
     "recall": {"seq_len": 64, "steps": 1500, "lr": 3e-3, "batch_size": 64},
     "recall-small": {"seq_len": 64, "steps": 3000, "lr": 2e-3},
     "copy": {"seq_len": 64, "steps": 600, "lr": 2e-3},
