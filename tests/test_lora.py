@@ -157,10 +157,10 @@ def test_convert_finetunes_full_and_lora(tmp_path, capsys):
     rows = json.loads((tmp_path / "results.json").read_text())
     tuned = [r for r in rows if r["stage"] == "finetune"]
     assert [(r["steps"], r.get("finetune")) for r in tuned] == [
-        (3, None), (3, "lora:rank=2,alpha=16,lr=0.002")]
+        (3, None), (3, "lora:rank=2,alpha=16,lr=0.003")]
     label = rows[1]["method"]
     assert (tmp_path / label / "finetune-2").is_dir()
     assert (tmp_path / label / "finetune-lora-r2-2").is_dir()
-    assert "finetune lora:rank=2,alpha=16,lr=0.002 (+2)" in tools_convert.table(rows)
+    assert "finetune lora:rank=2,alpha=16,lr=0.003 (+2)" in tools_convert.table(rows)
     with pytest.raises(SystemExit):
         main([*argv, "--finetune", "bogus"])

@@ -109,6 +109,79 @@ def test_associative_recall_targets_are_the_paired_values():
         assert int(row[1:32:2].min()) > 32
 
 
+# MQAR (task recall): an independent reading of each sequence.
+def _mqar_check(row, target, pairs, vocab):
+    tokens, scored = row.tolist(), target.tolist()
+    half = vocab // 2
+    keys, values = tokens[0:2 * pairs:2], tokens[1:2 * pairs:2]
+    # Keys and values from disjoint halves of the vocabulary (0 is padding), each distinct.
+    assert all(1 <= k < half for k in keys) and all(half <= v < vocab for v in values)
+    assert len(set(keys)) == pairs and len(set(values)) == pairs
+    stored = dict(zip(keys, values, strict=True))
+    asked = []
+    for i in range(2 * pairs, len(tokens)):
+        if scored[i] != synthetic.IGNORE:
+            # A query: an even offset after the pairs, a key seen before; the target is its
+            # value, which is no input (padding follows).
+            assert (i - 2 * pairs) % 2 == 0
+            assert tokens[i] in stored and tokens.index(tokens[i]) < 2 * pairs
+            assert scored[i] == stored[tokens[i]] and tokens[i + 1] == 0
+            asked.append(tokens[i])
+        else:
+            assert tokens[i] == 0  # padding between the queries
+    assert sorted(asked) == sorted(keys)  # every key queried once
+    # The loss sees the answers alone: nothing scored among the pairs.
+    assert all(t == synthetic.IGNORE for t in scored[:2 * pairs])
+    return asked
+
+
+def test_mqar_layout():
+    x, y = synthetic.mqar(50, seed=3, seq_len=128, num_pairs=16, vocab=256)
+    assert x.shape == y.shape == (50, 128) and x.dtype == y.dtype == torch.long
+    for row, target in zip(x, y, strict=True):
+        _mqar_check(row, target, 16, 256)
+    assert int((y != synthetic.IGNORE).sum()) == 50 * 16
+    # The queries' places and order vary (not a positional shortcut).
+    first = [int((t != synthetic.IGNORE).nonzero()[0]) for t in y]
+    assert len(set(first)) > 3
+    x, y = synthetic.mqar(20, seed=4, seq_len=40, num_pairs=8, vocab=300)
+    for row, target in zip(x, y, strict=True):
+        _mqar_check(row, target, 8, 300)
+    x, _ = synthetic.mqar(4, seed=0, seq_len=24)  # default pairs: min(8, seq_len // 4)
+    assert int((x[:, :12:2] > 0).sum()) == 24 and x.max() < 256
+
+
+def test_mqar_deterministic_and_bad_args():
+    a = synthetic.mqar(8, seed=5, seq_len=64)
+    b = synthetic.mqar(8, seed=5, seq_len=64)
+    c = synthetic.mqar(8, seed=6, seq_len=64)
+    assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+    assert not torch.equal(a[0], c[0])
+    with pytest.raises(ValueError, match="no room"):
+        synthetic.mqar(1, seed=0, seq_len=60, num_pairs=16)
+    with pytest.raises(ValueError, match="vocab"):
+        synthetic.mqar(1, seed=0, seq_len=128, num_pairs=32, vocab=64)
+
+
+def test_recall_task_splits_and_recall_small():
+    task = make_task("recall", 64, seed=0)
+    assert task.vocab_size == 256 and task.info["num_pairs"] == 8
+    vx, tx = task.eval_sets["valid"][0], task.eval_sets["test"][0]
+    assert vx.shape == (256, 64) and tx.shape == (1024, 64)
+    batch = task.train_batch(0, 8)
+    assert torch.equal(batch[0], make_task("recall", 64, seed=0).train_batch(0, 8)[0])
+    # Train, valid and test are different streams.
+    assert not torch.equal(vx[:8], tx[:8]) and not torch.equal(batch[0], tx[:8])
+    small = make_task("recall", 64, seed=0, num_pairs=12, vocab=512)
+    assert small.vocab_size == 512 and int((small.eval_sets["test"][1] >= 0).sum(1)[0]) == 12
+    # The earlier task, under its own name, with the held-out sets it had as recall.
+    old = make_task("recall-small", 64, seed=0)
+    assert old.vocab_size == 33 and old.info == {"vocab": 16}
+    expect = synthetic.associative_recall(1024, seed=stream_seed(0, "recall", "test"),
+                                          seq_len=64, vocab=16)
+    assert all(torch.equal(u, v) for u, v in zip(old.eval_sets["test"], expect, strict=True))
+
+
 def test_copy_targets_are_the_first_half():
     x, y = synthetic.copy_task(10, seed=2, seq_len=21, vocab=8)
     for row, target in zip(x, y, strict=True):

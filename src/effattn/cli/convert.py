@@ -121,7 +121,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float,
                    help="peak learning rate of the teacher, fine-tuning and scratch (default: the "
                    "task's, or --teacher's)")
-    p.add_argument("--batch-size", type=int, default=MODEL_DEFAULTS["batch_size"])
+    p.add_argument("--batch-size", type=int,
+                   help=f"examples per step (task default; {MODEL_DEFAULTS['batch_size']} but "
+                   f"recall: {TASK_DEFAULTS['recall']['batch_size']})")
     p.add_argument("--d-model", type=int, default=MODEL_DEFAULTS["d_model"])
     p.add_argument("--layers", type=int, default=MODEL_DEFAULTS["layers"])
     p.add_argument("--heads", type=int, default=MODEL_DEFAULTS["heads"])

@@ -37,7 +37,9 @@ def _budget_args(p: argparse.ArgumentParser) -> None:
                          for t, d in TASK_DEFAULTS.items())
     p.add_argument("--task", choices=TASKS, default="listops", help="task (default listops)")
     p.add_argument("--steps", type=int, help=f"training steps (task default; {defaults})")
-    p.add_argument("--batch-size", type=int, default=MODEL_DEFAULTS["batch_size"])
+    p.add_argument("--batch-size", type=int,
+                   help=f"examples per step (task default; {MODEL_DEFAULTS['batch_size']} but "
+                   f"recall: {TASK_DEFAULTS['recall']['batch_size']})")
     p.add_argument("--lr", type=float, help="peak learning rate (task default)")
     p.add_argument("--d-model", type=int, default=MODEL_DEFAULTS["d_model"])
     p.add_argument("--layers", type=int, default=MODEL_DEFAULTS["layers"])

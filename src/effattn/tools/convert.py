@@ -69,7 +69,7 @@ STAGES = ("teacher", "swap", "transfer", "finetune", "scratch")
 # What fine-tuning trains: every weight, or LoRA adapters on the attention projections.
 FINETUNE_KINDS = ("full", "lora")
 # The tasks a conversion is measured on: causal LMs, scored by bits/char or accuracy.
-TASKS = ("charlm", "recall")
+TASKS = ("charlm", "recall", "recall-small")
 
 
 @dataclass

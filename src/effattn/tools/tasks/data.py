@@ -8,7 +8,8 @@ by the seed and disjoint streams of it.
 |---|---|---|---|
 | ``listops`` | EncoderClassifier | ListOps expression (LRA grammar) | accuracy, 10 classes |
 | ``charlm`` | DecoderLM | Python stdlib source, random windows | bits per character |
-| ``recall`` | DecoderLM | multi-query associative recall | accuracy on the answers |
+| ``recall`` | DecoderLM | multi-query associative recall (MQAR) | accuracy on the answers |
+| ``recall-small`` | DecoderLM | the earlier recall (16 keys, 16 values) | accuracy on the answers |
 | ``copy`` | DecoderLM | ``x SEP x`` | accuracy on the copy |
 | ``reverse`` | EncoderDecoder | digit string -> the string reversed | greedy exact match |
 """
@@ -30,12 +31,12 @@ from effattn.tools.checkpoints import load_data, save
 from effattn.tools.tasks import charlm, listops, synthetic
 
 # Each task's score.
-TASK_METRICS = {"listops": "accuracy", "charlm": "bpc", "recall": "accuracy", "copy": "accuracy",
-                "reverse": "exact_match"}
+TASK_METRICS = {"listops": "accuracy", "charlm": "bpc", "recall": "accuracy",
+                "recall-small": "accuracy", "copy": "accuracy", "reverse": "exact_match"}
 TASKS = tuple(TASK_METRICS)
 # Each task's model, by the kind of its targets (see Task.kind).
-TASK_KINDS = {"listops": "classify", "charlm": "lm", "recall": "lm", "copy": "lm",
-              "reverse": "seq2seq"}
+TASK_KINDS = {"listops": "classify", "charlm": "lm", "recall": "lm", "recall-small": "lm",
+              "copy": "lm", "reverse": "seq2seq"}
 # Metrics that are fractions of the test set (shown in %, higher is better); bpc is a loss, lower
 # is better.
 FRACTION_METRICS = ("accuracy", "exact_match")
@@ -134,10 +135,22 @@ def _streams(name: str, seed: int, make: BatchMaker, valid_size: int, test_size:
     return train_batch, sets
 
 
+def _recall(seq_len: int, seed: int, *, num_pairs: int | None = None, vocab: int = 256,
+            valid_size: int = 256, test_size: int = 1024) -> Task:
+    pairs = min(8, seq_len // 4) if num_pairs is None else num_pairs
+
+    def make(count: int, s: int) -> tuple[Tensor, Tensor]:
+        return synthetic.mqar(count, seed=s, seq_len=seq_len, num_pairs=pairs, vocab=vocab)
+
+    train_batch, sets = _streams("recall", seed, make, valid_size, test_size)
+    return Task("recall", TASK_KINDS["recall"], TASK_METRICS["recall"], vocab, seq_len, None,
+                train_batch, sets, {"generator": "mqar", "vocab": vocab, "num_pairs": pairs})
+
+
 def _synthetic(name: str, seq_len: int, seed: int, *, valid_size: int = 256,
                test_size: int = 1024, vocab: int | None = None) -> Task:
-    if name == "recall":
-        vocab = 64 if vocab is None else vocab
+    if name == "recall-small":
+        vocab = 16 if vocab is None else vocab
 
         def make(count: int, s: int) -> tuple[Tensor, Tensor]:
             return synthetic.associative_recall(count, seed=s, seq_len=seq_len, vocab=vocab)
@@ -151,7 +164,9 @@ def _synthetic(name: str, seq_len: int, seed: int, *, valid_size: int = 256,
 
         vocab_size = vocab + 2
 
-    train_batch, sets = _streams(name, seed, make, valid_size, test_size)
+    # recall-small keeps the held-out streams it had under its old name, recall.
+    stream = "recall" if name == "recall-small" else name
+    train_batch, sets = _streams(stream, seed, make, valid_size, test_size)
     return Task(name, TASK_KINDS[name], TASK_METRICS[name], vocab_size, seq_len, None,
                 train_batch, sets, {"vocab": vocab})
 
@@ -218,7 +233,8 @@ def _charlm(seq_len: int, seed: int, *, valid_windows: int = 128,
 def _builder(name: str) -> Callable[..., Task]:
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(TASKS)}")
-    return {"listops": _listops, "charlm": _charlm, "reverse": _reverse}.get(name, _synthetic)
+    return {"listops": _listops, "charlm": _charlm, "reverse": _reverse,
+            "recall": _recall}.get(name, _synthetic)
 
 
 def task_options(name: str) -> dict[str, Any]:
@@ -243,6 +259,8 @@ def make_task(name: str, seq_len: int, seed: int, data_dir: Path | None = None,
         return _charlm(seq_len, seed, **options)
     if name == "reverse":
         return _reverse(seq_len, seed, **options)
+    if name == "recall":
+        return _recall(seq_len, seed, **options)
     return _synthetic(name, seq_len, seed, **options)
 
 

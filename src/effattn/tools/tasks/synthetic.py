@@ -6,9 +6,14 @@ token the model must predict after reading ``inputs[b, : i + 1]``, and ``IGNORE`
 ``cross_entropy``'s ignore_index) marks positions that are not scored. Reversal is a transduction
 task for an encoder-decoder: a source string and the target string that must be decoded from it.
 
-- Multi-query associative recall (Arora et al. 2023, "Zoology"): ``k1 v1 k2 v2 ... kP vP`` with
-  distinct keys, then queries ``q1 a1 q2 a2 ...`` where each q is one of the keys and a its value;
-  the model is scored on predicting a after q. A fixed-size recurrent state must store P pairs.
+- Multi-query associative recall (MQAR, Arora et al. 2023, "Zoology"): ``k1 v1 k2 v2 ... kP vP``
+  with distinct keys and distinct values drawn from disjoint halves of the vocabulary, then every
+  key once more as a query at random places of the rest of the sequence (padding between); the
+  model is scored on predicting the key's value at the query, and only there. A fixed-size recurrent
+  state must store P pairs (:func:`mqar`, task ``recall``).
+- The earlier, smaller recall (task ``recall-small``, :func:`associative_recall`): keys from
+  ``vocab`` symbols, values drawn with replacement from another ``vocab``, the queries right
+  after the pairs; kept for the results measured with it.
 - Copy: ``x1 ... xL SEP x1 ... xL``; scored on every token of the second half.
 - Reverse: source ``x1 ... xn``, target ``xn ... x1 EOS``; the decoder starts from BOS.
 """
@@ -23,6 +28,51 @@ IGNORE = -100
 
 def _generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def mqar(
+    count: int,
+    *,
+    seed: int,
+    seq_len: int,
+    num_pairs: int | None = None,
+    vocab: int = 256,
+) -> tuple[Tensor, Tensor]:
+    """``count`` multi-query associative recall sequences of length ``seq_len``, deterministic in
+    ``seed`` (after Zoology's MQAR).
+
+    Token ids (vocabulary ``vocab``): 0 padding, keys 1 .. vocab//2 - 1, values
+    vocab//2 .. vocab - 1. Each sequence starts with ``num_pairs`` pairs ``k v`` (distinct keys,
+    distinct values); the remaining ``seq_len - 2 P`` positions hold (seq_len - 2 P) // 2 slots
+    of two tokens, of which P, chosen uniformly, hold a query ``k 0`` of one key each, in random
+    order; everything else is padding (0). ``targets`` is the key's value at each query and
+    ``IGNORE`` everywhere else. As in Zoology, the answers are not inputs: with them, a model
+    could guess among the values not yet given (a third right at 8 pairs) without recalling
+    anything. ``num_pairs`` defaults to min(8, seq_len // 4).
+    """
+    pairs = min(8, seq_len // 4) if num_pairs is None else num_pairs
+    slots = (seq_len - 2 * pairs) // 2
+    if pairs < 1 or slots < pairs:
+        raise ValueError(f"seq_len={seq_len} leaves no room for {pairs} pairs and their queries "
+                         f"(need seq_len >= 4 * num_pairs)")
+    half = vocab // 2
+    if pairs > half - 1:
+        raise ValueError(f"num_pairs={pairs} distinct keys need vocab >= {2 * pairs + 2}, "
+                         f"got {vocab}")
+    g = _generator(seed)
+    keys = torch.rand(count, half - 1, generator=g).argsort(-1)[:, :pairs] + 1
+    values = torch.rand(count, vocab - half, generator=g).argsort(-1)[:, :pairs] + half
+    which = torch.rand(count, pairs, generator=g).argsort(-1)  # query j asks for pair which[j]
+    where = torch.rand(count, slots, generator=g).argsort(-1)[:, :pairs].sort(-1).values
+    inputs = torch.zeros(count, seq_len, dtype=torch.long)
+    targets = torch.full((count, seq_len), IGNORE, dtype=torch.long)
+    inputs[:, 0 : 2 * pairs : 2] = keys
+    inputs[:, 1 : 2 * pairs : 2] = values
+    q_pos = 2 * pairs + 2 * where
+    asked, answer = keys.gather(1, which), values.gather(1, which)
+    inputs.scatter_(1, q_pos, asked)
+    targets.scatter_(1, q_pos, answer)
+    return inputs, targets
 
 
 def associative_recall(
