@@ -253,15 +253,12 @@ def make_task(name: str, seq_len: int, seed: int, data_dir: Path | None = None,
                          f"options: {', '.join(task_options(name))}")
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 4:
         raise ValueError(f"seq_len must be an int >= 4, got {seq_len!r}")
-    if name == "listops":
+    build = _builder(name)
+    if build is _listops:
         return _listops(seq_len, seed, data_dir, **options)
-    if name == "charlm":
-        return _charlm(seq_len, seed, **options)
-    if name == "reverse":
-        return _reverse(seq_len, seed, **options)
-    if name == "recall":
-        return _recall(seq_len, seed, **options)
-    return _synthetic(name, seq_len, seed, **options)
+    if build is _synthetic:
+        return _synthetic(name, seq_len, seed, **options)
+    return build(seq_len, seed, **options)
 
 
 def score(task: Task, loss_sum: float, correct: int, count: int) -> dict[str, float]:
