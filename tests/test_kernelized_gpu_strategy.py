@@ -26,7 +26,9 @@ VARIANTS = [
     ("rfa", {"feature_map": "arccos", "sigma": 0.7}),
     ("rfa", {"learn_sigma": True}),
     ("linear", {}),
-    ("hedgehog", {}),
+    # hedgehog's exp form runs the per-feature core (kernelized.exponents) on every device:
+    # tests/test_exponents.py and the test below; its softmax form runs this strategy.
+    ("hedgehog", {"feature_map": "softmax_dim"}),
     ("taylor", {}),
 ]
 SIGNED = {("performer", "trig"), ("favor", None)}
@@ -94,7 +96,8 @@ def test_method_matches_reference_outputs_and_gradients(variant, causal, n, call
 
 @pytest.mark.parametrize("variant, causal", [
     (("performer", {}), True), (("rfa", {"gated": True}), True), (("linear", {}), True),
-    (("hedgehog", {"window": 5}), True), (("performer", {}), False), (("linear", {}), False),
+    (("hedgehog", {"window": 5, "feature_map": "softmax_dim"}), True), (("performer", {}), False),
+    (("linear", {}), False),
 ], ids=lambda x: _id(x) if isinstance(x, tuple) else ("causal" if x else "full"))
 def test_slices_match_the_reference(variant, causal, calls):
     """Small slice budgets (causal: one chunk per slice; non-causal: 17 tokens): the state and
@@ -302,11 +305,31 @@ def test_redraw_between_forward_and_backward_raises():
 
 
 def test_lost_rows_raise_on_the_gpu_strategy():
-    module = effattn.build("hedgehog", head_dim=8, heads=1, seed=0, chunk_size=4)
-    q, k, v = qkv(b=1, h=1, n=12, d=8)
-    q, k = q.float() * 1e3, k.float() * 1e3
+    """Products ~e^-100 (a query's and the keys' softmax peaks on different features)."""
+    module = effattn.build("hedgehog", head_dim=4, heads=1, seed=0, chunk_size=4,
+                           feature_map="softmax_dim")
+    q = torch.tensor([100.0, -100.0, 0.0, 0.0]).expand(1, 1, 12, 4)
+    k = torch.tensor([0.0, 0.0, 100.0, -100.0]).expand(1, 1, 12, 4)
     with pytest.raises(ValueError, match="denominator"):
-        module(q, k, v.float(), causal=True)
+        module(q, k, torch.ones(1, 1, 12, 2), causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_hedgehog_exp_runs_the_per_feature_core_here_too(causal, calls):
+    """The exp form does not take this strategy: on a GPU device its per-feature core runs the
+    in-chunk products in float64 with the exact shift (no host sync to choose), which this
+    checks against the reference, with gradients."""
+    module = make("hedgehog", {})
+    q, k, v = (t.requires_grad_(True) for t in qkv(n=63, d=21, dv=5, scale=0.5))
+    mask = padding(2, 63)
+    out = module(q, k, v, causal=causal, key_padding_mask=mask)
+    assert sum(calls.values()) == 0
+    ref = module.spec.reference(module, q, k, v, causal=causal, key_padding_mask=mask)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v, *module.parameters())),
+                    torch.autograd.grad(ref.sum(), (q, k, v, *module.parameters())),
+                    strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-7)
 
 
 def test_compile_fullgraph_with_the_gpu_strategy():

@@ -11,7 +11,6 @@ from effattn.kernelized.core import (
     CoreConfig,
     DenominatorUnderflowError,
     RecurrentState,
-    linear_attention_step,
 )
 from effattn.kernelized.features import Features
 from effattn.kernelized.hybrid import WindowState, hybrid_attention, hybrid_prefill, hybrid_step
@@ -230,17 +229,8 @@ class KernelizedAttention(RandomizedAttention):
         if self.window is not None:
             return hybrid_step(self, q.to(dt), k.to(dt), v.to(dt), state,
                                None if gate is None else gate.to(dt))
-        phi_q, _ = self.features(q.to(dt), is_query=True)
-        phi_k, log_scale = self.features(k.to(dt), is_query=False)
-        return linear_attention_step(
-            phi_q,
-            phi_k,
-            v.to(dt),
-            state,
-            key_log_scale=log_scale,
-            gate=None if gate is None else gate.to(dt),
-            eps=self.eps,
-        )
+        return self.core().step(q.to(dt), k.to(dt), v.to(dt), state,
+                                gate=None if gate is None else gate.to(dt))
 
     def _prefill(
         self,

@@ -1443,6 +1443,11 @@ class CoreConfig:
     backward saves (the redraw guard, see
     :func:`_feature_inputs`). The strategy is not a setting: :mod:`effattn.strategy` picks it
     by device, in one place.
+
+    ``exponents`` (maps whose features are exp of per-feature exponents, see
+    :mod:`effattn.kernelized.exponents`): when set, every call runs that module's per-feature
+    stabilised core instead, and states carry per-feature log-scales; ``features`` is then
+    unused here. It takes no gate.
     """
 
     features: FeatureFn
@@ -1451,10 +1456,23 @@ class CoreConfig:
     eps: float = 1e-6
     slice_elements: int = SLICE_ELEMENTS
     feature_tensors: tuple[Tensor, ...] | None = None
+    exponents: Callable[[Tensor], Tensor] | None = None
+
+    def _no_gate(self, gate: Tensor | None) -> None:
+        if gate is not None and self.exponents is not None:
+            raise ValueError("gate: a map of per-feature exponents takes no gate")
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                   key_padding_mask: Tensor | None = None, gate: Tensor | None = None) -> Tensor:
         """:func:`kernelized_attention` with these settings."""
+        if self.exponents is not None:
+            from effattn.kernelized import exponents
+
+            self._no_gate(gate)
+            return exponents.attention(q, k, v, self.exponents, self.feature_dim,
+                                       is_causal=causal, key_padding_mask=key_padding_mask,
+                                       chunk_size=self.chunk_size,
+                                       slice_elements=self.slice_elements)
         return kernelized_attention(
             q, k, v, self.features, feature_dim=self.feature_dim, causal=causal,
             key_padding_mask=key_padding_mask, gate=gate, chunk_size=self.chunk_size,
@@ -1465,12 +1483,21 @@ class CoreConfig:
     def key_state(self, k: Tensor, v: Tensor, *,
                   key_padding_mask: Tensor | None = None) -> RecurrentState:
         """:func:`key_state` with these settings."""
+        if self.exponents is not None:
+            from effattn.kernelized import exponents
+
+            return exponents.key_state(k, v, self.exponents, self.feature_dim,
+                                       key_padding_mask=key_padding_mask)
         return key_state(k, v, self.features, feature_dim=self.feature_dim,
                          key_padding_mask=key_padding_mask, slice_elements=self.slice_elements,
                          feature_tensors=self.feature_tensors)
 
     def read_queries(self, q: Tensor, state: RecurrentState) -> Tensor:
         """:func:`read_queries` with these settings."""
+        if self.exponents is not None:
+            from effattn.kernelized import exponents
+
+            return exponents.read_queries(q, state, self.exponents)
         return read_queries(q, state, self.features, feature_dim=self.feature_dim, eps=self.eps,
                             slice_elements=self.slice_elements,
                             feature_tensors=self.feature_tensors)
@@ -1494,9 +1521,54 @@ class CoreConfig:
     def _causal(self, q: Tensor, k: Tensor, v: Tensor, state: RecurrentState | None,
                 key_padding_mask: Tensor | None, gate: Tensor | None,
                 normaliser: bool) -> tuple[Tensor, RecurrentState, Normaliser | None]:
+        if self.exponents is not None:
+            from effattn.kernelized import exponents
+
+            self._no_gate(gate)
+            _check_chunk(self.chunk_size)
+            return exponents.causal(q, k, v, self.exponents, self.feature_dim, state,
+                                    key_padding_mask=key_padding_mask,
+                                    chunk_size=self.chunk_size,
+                                    slice_elements=self.slice_elements, normaliser=normaliser)
         return _causal(q, k, v, self.features, state, self.feature_dim, key_padding_mask, gate,
                        self.chunk_size, self.eps, self.slice_elements, self.feature_tensors,
                        normaliser)
+
+    def step(self, q: Tensor, k: Tensor, v: Tensor, state: RecurrentState | None, *,
+             gate: Tensor | None = None) -> tuple[Tensor, RecurrentState]:
+        """One decoding token: q, k (B, H, 1, D), v (B, H, 1, Dv) -> (B, H, 1, Dv) and the
+        state after it (:func:`linear_attention_step` of the features)."""
+        if self.exponents is not None:
+            from effattn.kernelized import exponents
+
+            self._no_gate(gate)
+            return exponents.step(q, k, v, state, self.exponents)
+        phi_q, _ = self.features(q, is_query=True)
+        phi_k, log_scale = self.features(k, is_query=False)
+        return linear_attention_step(phi_q, phi_k, v, state, key_log_scale=log_scale, gate=gate,
+                                     eps=self.eps)
+
+    def step_keys(self, state: RecurrentState | None, k: Tensor, v: Tensor, *,
+                  gate: Tensor | None = None, recording: bool = False) -> RecurrentState:
+        """:func:`step_state` of one key k (B, H, 1, D), v (B, H, 1, Dv)."""
+        if self.exponents is not None:
+            from effattn.kernelized import exponents
+
+            self._no_gate(gate)
+            return exponents.step_state(state, self.exponents(k), v)
+        phi_k, log_scale = self.features(k, is_query=False)
+        return step_state(state, phi_k, v, key_log_scale=log_scale, gate=gate,
+                          recording=recording)
+
+    def read_normalised(self, state: RecurrentState, q: Tensor) -> tuple[Tensor, Normaliser]:
+        """:func:`read_normalised` of queries q (B, H, N, D) out of ``state``."""
+        if self.exponents is not None:
+            from effattn.kernelized import exponents
+
+            out, norm = exponents.read_normalised(state, self.exponents(q))
+            assert norm is not None
+            return out, norm
+        return read_normalised(state, *self.features(q, is_query=True), self.eps)
 
 
 def linear_attention_step(

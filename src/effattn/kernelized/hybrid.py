@@ -48,8 +48,6 @@ from effattn.kernelized.core import (
     LOG_GATE_FLOOR,
     Normaliser,
     RecurrentState,
-    read_normalised,
-    step_state,
 )
 from effattn.sparse import banded_attention
 
@@ -358,10 +356,10 @@ def hybrid_step(
     t, slot = state.length, state.length % window
     linear = state.linear
     if t >= window:
-        phi_k, log_scale = attn.features(state.k[:, :, slot:slot + 1], is_query=False)
-        linear = step_state(linear, phi_k, state.v[:, :, slot:slot + 1], key_log_scale=log_scale,
-                            gate=None if state.gate is None else state.gate[:, :, slot:slot + 1],
-                            recording=q.requires_grad)
+        linear = attn.core().step_keys(
+            linear, state.k[:, :, slot:slot + 1], state.v[:, :, slot:slot + 1],
+            gate=None if state.gate is None else state.gate[:, :, slot:slot + 1],
+            recording=q.requires_grad)
     in_place = not torch.compiler.is_compiling() and not (
         torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, state.k, state.v)))
     ring_k, ring_v, ring_g = state.k, state.v, state.gate
@@ -384,7 +382,7 @@ def hybrid_step(
     parts = [Partial(torch.softmax(scores, -1) @ ring_v,
                      lse if shift is None else lse + shift[:, None])]
     if linear is not None:
-        out, norm = read_normalised(linear, *attn.features(q, is_query=True), attn.eps)
+        out, norm = attn.core().read_normalised(linear, q)
         if ring_g is not None:
             norm = Normaliser(norm.log_abs + _masked_log(ring_g, empty).sum(-1, keepdim=True),
                               norm.sign)

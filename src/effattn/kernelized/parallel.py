@@ -113,12 +113,13 @@ def _entering(attn: KernelizedAttention, group: SequenceGroup, k: Tensor, v: Ten
     log gate in one all-gather, combined by :func:`_incoming`."""
     local, decay = _slice_state(attn, k, v, key_padding_mask, gate)
     b, h, f, dv1 = local.kv.shape
-    packed = torch.cat([local.kv.reshape(b, h, f * dv1), local.log_scale.reshape(b, h, 1),
+    widths = (f * dv1, local.log_scale.shape[-2])  # one log-scale per state, or per feature
+    packed = torch.cat([local.kv.reshape(b, h, widths[0]), local.log_scale.reshape(b, h, -1),
                         decay.reshape(b, h, 1)], -1)
-    return _incoming(group.all_gather(packed), f, dv1, group, reverse)
+    return _incoming(group.all_gather(packed), f, widths, group, reverse)
 
 
-def _incoming(states: Tensor, f: int, dv1: int, group: SequenceGroup,
+def _incoming(states: Tensor, f: int, widths: tuple[int, int], group: SequenceGroup,
               reverse: bool) -> RecurrentState:
     """The state entering this rank r from the gathered states of all P ranks.
 
@@ -126,21 +127,24 @@ def _incoming(states: Tensor, f: int, dv1: int, group: SequenceGroup,
     exponents (every weight <= 1). Ranks r' >= r get weight 0 rather than being left out, so
     that every rank's output depends on the gather and every rank runs its backward (rank 0
     gets an empty state). ``reverse``: the ranks in reverse order (r' > r enter), for a pass
-    over the reversed sequence.
+    over the reversed sequence. ``widths``: of the packed state F (Dv + 1) and of its
+    log-scales, 1 or F (a per-feature state, see kernelized.exponents).
     """
     rank = group.rank
     if reverse:
         states, rank = states.flip(0), group.size - 1 - group.rank
-    kv = states[..., :-2].unflatten(-1, (f, dv1))  # (P, B, H, F, Dv + 1)
-    scale, decay = states[..., -2].detach(), states[..., -1]  # (P, B, H)
+    size, scales = widths
+    kv = states[..., :size].unflatten(-1, (f, -1))  # (P, B, H, F, Dv + 1)
+    scale = states[..., size:size + scales].detach()  # (P, B, H, 1 or F)
+    decay = states[..., -1]  # (P, B, H)
     earlier = (torch.arange(group.size, device=states.device) < rank)[:, None, None]
     decay = decay.masked_fill(~earlier, 0.0)
     # Σ_{l > r'} G_l as a reversed cumsum shifted by one: no subtraction of long sums.
     later = torch.cat([decay[1:].flip(0).cumsum(0).flip(0), torch.zeros_like(decay[:1])])
-    exponent = (scale + later).masked_fill(~earlier, float("-inf"))
+    exponent = (scale + later[..., None]).masked_fill(~earlier[..., None], float("-inf"))
     top = exponent.detach().amax(0).clamp_min(LOG_FLOOR)
-    weight = torch.exp(exponent - top)[..., None, None]
-    return RecurrentState((weight * kv).sum(0), top[..., None, None], group.offset)
+    weight = torch.exp(exponent - top)[..., None]
+    return RecurrentState((weight * kv).sum(0), top[..., None], group.offset)
 
 
 def _hybrid(

@@ -21,11 +21,15 @@ peaked inputs (tools/approx.py) it is never worse than the uniform average, slig
 than it (0.73 against 0.79 of relative error at qk_std = 1), and applying it to √scale · q
 instead, as the random-feature maps do, only moves it closer to uniform.
 
-Numerics: the exp form is computed over each row's max of the 2F exponents (every value <= 1);
-keys hand that max to the core as their log-scale, which rescales by a shared running max (per
-sequence, or causally by the prefix max of the keys a query sees), so nothing overflows at any
-|q|, |k| and no future key sets a scale. The softmax form is bounded by construction. Both are
-non-negative (eps = 0): a normaliser can underflow only when every product
+Numerics: the exp form hands the core its exponents u (:meth:`exponents`), and the core
+(:mod:`effattn.kernelized.exponents`) shifts each feature by its own running max over the keys
+a query can see (per sequence, or causally over the prefix), so that the largest term of every
+normaliser is exactly 1 whatever the exponents: no exponent, however large (hundreds in fp32),
+can overflow or underflow it, and no future key sets a scale. A single scale per row, as the
+other maps use, would not do: a query and a key whose peaks sit on different features give
+products exp(-|u_q| - |u_k|), which underflow fp32 once the exponents reach about 70, as they
+did in training. The softmax form is bounded by construction and keeps the row convention; it
+is non-negative (eps = 0), so a normaliser can underflow only when every product
 Σ_f φ_f(q)φ_f(k) does, which the core reports as a ValueError rather than a zero row.
 q, k: (B, H, N|M, D), v: (B, H, M, Dv) -> (B, H, N, Dv). Cost as performer with F projections
 and 2F features: the per-head projection is one batched GEMM over the (batch, head) pairs.
@@ -34,6 +38,7 @@ and 2F features: the per-head projection is one batched GEMM over the (batch, he
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -42,7 +47,7 @@ from torch import Tensor, nn
 from effattn.base import check_choice, check_positive_int
 from effattn.kernelized import features as fm
 from effattn.kernelized.base import WINDOW_OPTIONS, KernelizedAttention
-from effattn.kernelized.core import DenominatorUnderflowError
+from effattn.kernelized.core import CoreConfig, DenominatorUnderflowError
 from effattn.kernelized.flops import kernelized_flops
 from effattn.kernelized.parallel import StateExchange
 from effattn.random import normal
@@ -99,6 +104,19 @@ class HedgehogAttention(KernelizedAttention):
         if self.feature_map == "softmax_dim":
             return fm.learned_softmax(x, w, b)
         return fm.learned_exp(x, w, b, is_query=is_query)
+
+    def exponents(self, x: Tensor) -> Tensor:
+        """The exp form's exponents u (B, H, L, 2F), φ(x) = exp(u): [x W_h + b_h, -(x W_h + b_h)],
+        for the per-feature stabilised core (:mod:`effattn.kernelized.exponents`)."""
+        u = fm.project_heads(x, self.weight.to(x.dtype)) + self.bias.to(x.dtype)[:, None, :]
+        return torch.cat([u, -u], -1)
+
+    def core(self) -> CoreConfig:
+        """The base's settings; the exp form runs the per-feature stabilised core."""
+        config = super().core()
+        if self.feature_map == "exp":
+            return replace(config, exponents=self.exponents)
+        return config
 
     def _underflow(self, err: DenominatorUnderflowError, q: Tensor, k: Tensor | None) -> ValueError:
         """The core's underflow error with the size that causes it here: the largest exponent

@@ -9,6 +9,7 @@ this package (tested), a spec's ``reference`` imports its family when called.
 
 from effattn.naive.fourier import fnet_mixing
 from effattn.naive.kernelized import (
+    exponent_attention,
     favor_attention,
     hedgehog_attention,
     kernel_attention,
@@ -35,6 +36,7 @@ from effattn.naive.softmax import dense_mask, softmax_attention
 __all__ = [
     "bigbird_attention",
     "dense_mask",
+    "exponent_attention",
     "favor_attention",
     "fnet_mixing",
     "hedgehog_attention",
