@@ -130,10 +130,9 @@ def key_state(k: Tensor, v: Tensor, exponents: ExponentFn, feature_dim: int, *,
 
 
 def _read(u_q: Tensor, kv: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
-    scale = scale.transpose(-2, -1)  # (B, H, 1, F)
-    with torch.no_grad():
-        top = (u_q + scale).amax(-1, keepdim=True)
-    return torch.add(u_q, scale).sub_(top).exp_() @ kv, top
+    shifted = u_q + scale.transpose(-2, -1)
+    top = shifted.detach().amax(-1, keepdim=True)
+    return shifted.sub_(top).exp_() @ kv, top
 
 
 def read_normalised(state: RecurrentState, u_q: Tensor,
@@ -240,14 +239,19 @@ def _causal_slice(q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None, kv: Tenso
         if wide:  # the running max of each feature up to i
             top = (uq_c + torch.maximum(before, _prefix_max(uk_c))).amax(-1, keepdim=True)
     # Each chunk's keys at the chunk's end scale: (B, H, nc, F, Dv + 1), every factor <= 1.
-    delta = torch.sub(uk_c, end).exp_().transpose(-2, -1) @ v_c
+    keys = torch.sub(uk_c, end).exp_()
+    delta = keys.transpose(-2, -1) @ v_c
     decay = torch.exp(before - end).transpose(-2, -1)  # (B, H, nc, F, 1), <= 1
-    states = []
-    for delta_c, decay_c in zip(delta.unbind(2), decay.unbind(2), strict=True):
-        states.append(kv)
-        kv = torch.addcmul(delta_c, kv, decay_c)
     shifted = uq_c - top
-    inter = torch.add(shifted, before).exp_() @ torch.stack(states, 2)
+    queries = torch.add(shifted, before).exp_()
+    # Each chunk reads the state entering it, then updates it: the per-chunk states are never
+    # stacked (F / C times the size of the outputs).
+    reads = []
+    for q_c, delta_c, decay_c in zip(queries.unbind(2), delta.unbind(2), decay.unbind(2),
+                                     strict=True):
+        reads.append(q_c @ kv)
+        kv = torch.addcmul(delta_c, kv, decay_c)
+    inter = torch.stack(reads, 2)
     # Inside the chunk (see the module's docstring): exp(u_q + R_c - top) can exceed 1.
     if wide:
         wide_end = end.double()
@@ -255,7 +259,7 @@ def _causal_slice(q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None, kv: Tenso
         k_f = (uk_c.double() - wide_end).exp_()
     else:
         q_f = torch.add(shifted, end).exp_()
-        k_f = torch.sub(uk_c, end).exp_()
+        k_f = keys
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril_()
     scores = torch.where(causal, q_f @ k_f.transpose(-2, -1), 0.0).to(v_c.dtype)
     raw = (inter + scores @ v_c).flatten(2, 3)[:, :, :n]

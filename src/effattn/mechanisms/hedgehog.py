@@ -31,8 +31,9 @@ products exp(-|u_q| - |u_k|), which underflow fp32 once the exponents reach abou
 did in training. The softmax form is bounded by construction and keeps the row convention; it
 is non-negative (eps = 0), so a normaliser can underflow only when every product
 Σ_f φ_f(q)φ_f(k) does, which the core reports as a ValueError rather than a zero row.
-q, k: (B, H, N|M, D), v: (B, H, M, Dv) -> (B, H, N, Dv). Cost as performer with F projections
-and 2F features: the per-head projection is one batched GEMM over the (batch, head) pairs.
+q, k: (B, H, N|M, D), v: (B, H, M, Dv) -> (B, H, N, Dv). Cost as performer with 2F features
+and F projections (the exp form: 2F, one GEMM onto [W, -W] that gives u and -u without another
+pass): the per-head projection is one batched GEMM over the (batch, head) pairs.
 """
 
 from __future__ import annotations
@@ -108,8 +109,16 @@ class HedgehogAttention(KernelizedAttention):
     def exponents(self, x: Tensor) -> Tensor:
         """The exp form's exponents u (B, H, L, 2F), φ(x) = exp(u): [x W_h + b_h, -(x W_h + b_h)],
         for the per-feature stabilised core (:mod:`effattn.kernelized.exponents`)."""
-        u = fm.project_heads(x, self.weight.to(x.dtype)) + self.bias.to(x.dtype)[:, None, :]
-        return torch.cat([u, -u], -1)
+        w, b = self.weight.to(x.dtype), self.bias.to(x.dtype)
+        # One GEMM with [W, -W] and the bias folded in: no pass to negate or concatenate u.
+        w, b = torch.cat([w, -w], -1), torch.cat([b, -b], -1)
+        batch, heads, length, dim = x.shape
+        f = w.shape[-1]
+        return torch.baddbmm(
+            b[None, :, None, :].expand(batch, -1, -1, -1).reshape(-1, 1, f),
+            x.reshape(-1, length, dim),
+            w.expand(batch, -1, -1, -1).reshape(-1, dim, f),
+        ).view(batch, heads, length, f)
 
     def core(self) -> CoreConfig:
         """The base's settings; the exp form runs the per-feature stabilised core."""
@@ -154,7 +163,9 @@ def _reference(
 
 def _flops(options: Mapping[str, Any], problem: Problem) -> float:
     f = options["num_features"] or problem.head_dim
-    return kernelized_flops(problem, projections=f, feature_dim=2 * f,
+    # The exp form projects onto [W, -W] (its exponents in one GEMM), the softmax form onto W.
+    projections = 2 * f if options["feature_map"] == "exp" else f
+    return kernelized_flops(problem, projections=projections, feature_dim=2 * f,
                             chunk_size=options["chunk_size"], window=options["window"])
 
 
