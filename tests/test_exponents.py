@@ -232,3 +232,20 @@ def test_the_softmax_form_still_names_its_underflow():
         module(q, k, v, causal=True)
     out = copy.deepcopy(module).double()(q.double(), k.double(), v.double(), causal=True)
     assert torch.isfinite(out).all()
+
+
+def test_features_against_a_state_give_the_kernel():
+    """``against``: keys exp(u - o), queries exp(u + o - c) and c reproduce the kernel
+    Σ_f exp(u_qf + u_kf) at exponents of 100, and reading the state with them gives the
+    non-causal read-out."""
+    q, k, v = qkv(b=2, h=3, n=30, d=21, dv=7)
+    w, b = weights(size=1.0)
+    exponents = map_of(w * 100 / map_of(w, b)(torch.cat([q, k], 2)).abs().max(), b)
+    state = ex.key_state(k, v, exponents, 10)
+    phi_q, top = ex.against(exponents(q), state.log_scale, is_query=True)
+    phi_k, none = ex.against(exponents(k), state.log_scale, is_query=False)
+    assert none is None and phi_q.amax() <= 1 and phi_k.amax() <= 1
+    log_kernel = torch.logsumexp(exponents(q)[..., :, None, :] + exponents(k)[..., None, :, :], -1)
+    torch.testing.assert_close((phi_q @ phi_k.transpose(-2, -1)).log() + top, log_kernel)
+    raw = phi_q @ state.kv
+    torch.testing.assert_close(raw[..., :-1] / raw[..., -1:], ex.read_queries(q, state, exponents))

@@ -147,6 +147,20 @@ def _read_queries(q: Tensor, kv: Tensor, scale: Tensor, exponents: ExponentFn) -
     return _finish(*_read(exponents(q), kv, scale))[0]
 
 
+def against(u: Tensor, scale: Tensor, *, is_query: bool) -> tuple[Tensor, Tensor | None]:
+    """Exponents u (B, H, L, F) as features in the row core's convention, against the
+    per-feature scale o (B, H, F, 1) of a state that holds the keys: keys exp(u - o) (<= 1 for
+    every key the state holds; clamped at 1 for others, e.g. padding rows), queries
+    exp(u + o - c) with their log-scale c = max_f (u + o). Then φ̃(q)·φ̃(k) e^c = φ(q)·φ(k),
+    and φ̃(q) times the state's kv reads it at scale e^c (the window hybrid's band uses both)."""
+    offset = scale.transpose(-2, -1)  # (B, H, 1, F)
+    if not is_query:
+        return torch.sub(u, offset).clamp_max_(0.0).exp_(), None
+    shifted = u + offset
+    top = shifted.detach().amax(-1, keepdim=True)
+    return shifted.sub_(top).exp_(), top
+
+
 def read_queries(q: Tensor, state: RecurrentState, exponents: ExponentFn) -> Tensor:
     """Non-causal read-out: q (B, H, N, D) -> (B, H, N, Dv), recomputed in the backward (no
     N x F tensor saved)."""
