@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(describe(machine_info()), f"with {torch.get_num_threads()} threads")
+    print(describe(machine_info()))
     print("load average at start:", os.getloadavg())
     module = effattn.build("hedgehog", head_dim=64, heads=8, num_features=64, seed=0)
     row = dataclasses.replace(module.core(), exponents=None)
