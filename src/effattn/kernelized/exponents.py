@@ -24,10 +24,14 @@ incoming state's):
   [v_j, 1]^T per feature row, every factor <= 1; moving on, its rows decay by
   exp(R_{c-1} - R_c) <= 1 (a per-feature, diagonal decay, as gated linear attention's);
 - a query of chunk c reads it with exp(u_q + R_{c-1} - c_i) <= 1;
-- inside the chunk, the pair products exp(u_q + R_c - c_i) exp(u_k - R_c) form a C x C GEMM
-  in float64: the query factor can exceed 1 by the growth of the running max inside the chunk
-  (it is the chunk's later keys that raise R_c), and float64's range (e^±709) holds that growth
-  where fp32's (e^±88) may not. Its exponent is clamped at :data:`GROWTH_LIMIT`.
+- inside the chunk, the pair products exp(u_q + R_c - c_i) exp(u_k - R_c) form a C x C GEMM;
+  the query factor can exceed 1 by the growth of the running max inside the chunk (it is the
+  chunk's later keys that raise R_c). Where no feature grows by more than
+  :data:`FP32_GROWTH` inside its chunk (checked on the CPU, one host sync per slice), the GEMM
+  runs in the input's dtype with c_i taken over the state and the query's own key (the keys in
+  between can only raise it by that growth); otherwise in float64, whose range (e^±709) holds
+  any growth up to :data:`GROWTH_LIMIT`, with the exact c_i. A GPU, or a compiled graph, always
+  takes float64 rather than the host sync.
 
 The state is a :class:`~effattn.kernelized.core.RecurrentState` whose ``log_scale`` is per
 feature, (B, H, F, 1); decoding (:func:`step_state`, :func:`read_normalised`) keeps it so, and
