@@ -19,10 +19,10 @@ factor lets training set the balance. A window that covers every key is exact so
 Computed as two (non-causal: three) normalised partial attentions merged by their normalisers,
 as FlashAttention merges blocks: the banded engine (``effattn.sparse``) gives the window's
 output and log-sum-exp; the causal kernelized core gives the rest's output and normaliser
-(:func:`effattn.kernelized.core.kernelized_causal_normalised`) from keys lagged by the window:
-query i of the lagged sequence sees keys up to i - window, exactly those causal attention leaves
-outside the window. Non-causal, the keys before i - window // 2 are one lagged causal pass and
-those after i + window // 2 the same pass over the reversed sequence. Both engines keep only
+(:meth:`effattn.kernelized.core.CoreConfig.causal_normalised`) with its ``lag`` = window:
+query i sees keys up to i - window, exactly those causal attention leaves outside the window.
+Non-causal, the keys before i - window // 2 are one lagged causal pass and those after
+i + window // 2 the same pass over the reversed sequence. Both engines keep only
 their inputs, outputs and normalisers for the backward (no N x window or N x F tensor).
 
 Gated (RFA's gate): key j outside the window carries (1 - g_j) Π_{j<l<=i} g_l, the lagged
@@ -103,25 +103,11 @@ def window_part(attn: KernelizedAttention, q: Tensor, k: Tensor, v: Tensor, caus
     return Partial(out, lse if shift is None else lse + shift[:, None])
 
 
-def _lag(x: Tensor, lag: int, fill: float | bool, dim: int) -> Tensor:
-    """x moved ``lag`` positions later along ``dim`` (its last ``lag`` dropped), ``fill`` in
-    front."""
-    shape = list(x.shape)
-    shape[dim] = lag
-    front = torch.full(shape, fill, dtype=x.dtype, device=x.device)
-    return torch.cat([front, x.narrow(dim, 0, x.shape[dim] - lag)], dim)
-
-
 def _lagged_part(attn: KernelizedAttention, q: Tensor, k: Tensor, v: Tensor, lag: int,
                  key_padding_mask: Tensor | None, gate: Tensor | None) -> Partial:
-    """The kernelized estimate over keys j <= i - lag, causal, from the lagged sequence."""
-    b, n = q.shape[0], q.shape[2]
-    pad = torch.zeros(b, n, dtype=torch.bool, device=q.device) if key_padding_mask is None \
-        else key_padding_mask
-    out, _, norm = attn.core().causal_normalised(
-        q, _lag(k, lag, 0.0, 2), _lag(v, lag, 0.0, 2), key_padding_mask=_lag(pad, lag, True, 1),
-        gate=None if gate is None else _lag(gate, lag, 1.0, 2),
-    )
+    """The kernelized estimate over keys j <= i - lag, causal: the core's ``lag``."""
+    out, _, norm = attn.core().causal_normalised(q, k, v, key_padding_mask=key_padding_mask,
+                                                 gate=gate, lag=lag)
     log_abs = norm.log_abs
     if gate is not None:
         log_abs = log_abs + window_log_gate(gate, key_padding_mask, lag, None)
