@@ -38,11 +38,12 @@ Shapes: B batch, H heads, N tokens, D head dim, Dv value dim, W window.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from effattn.kernelized.core import (
     LOG_GATE_FLOOR,
@@ -73,22 +74,91 @@ def merge(parts: list[Partial], eps: float) -> Tensor:
     part reaches gives 0. ``eps`` floors |Σ_p n_p| at ``eps`` times the largest |n_p|, keeping
     its sign (0: no floor): only signed features' estimates can cancel the sum, and relative to
     its parts, since the window's exact softmax can be legitimately tiny at the true scale
-    (logits of -400), where the core's absolute floor would replace it."""
-    top = torch.stack([p.log_abs for p in parts]).amax(0).detach()
+    (logits of -400), where the core's absolute floor would replace it.
+
+    Recording gradients (eager), by :class:`_Merge`, which keeps the merged output, the
+    parts' shares and every part's output but the last (the window's, which its engine keeps
+    anyway), not the last part's output or the weighted sums."""
+    outs = [p.out for p in parts]
+    logs = [p.log_abs for p in parts]
+    signs = [p.sign for p in parts]
+    if (torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and any(t.requires_grad for t in outs + logs)):
+        return _Merge.apply(eps, len(parts), *outs, *logs, *signs)
+    shares, _ = _shares(logs, signs, eps)
+    return _weighted_sum(outs, shares)
+
+
+def _shares(logs: list[Tensor], signs: list[Tensor | None],
+            eps: float) -> tuple[list[Tensor], Tensor]:
+    """Each part's share a_p = n_p / D of the merged output (B, H, N), D the floored sum of the
+    n_p (see :func:`merge`), and where D is that sum (1.0, else 0.0: the floor or the 0 -> 1
+    rule replaced it, and no gradient reaches the n_p through D)."""
+    top = torch.stack(logs).amax(0).detach()
     top = torch.where(torch.isfinite(top), top, 0.0)
-    num = den = None
-    for p in parts:
-        weight = torch.exp(p.log_abs - top)
-        if p.sign is not None:
-            weight = weight * p.sign
-        term = p.out * weight[..., None]
-        num = term if num is None else num + term
-        den = weight if den is None else den + weight
-    assert num is not None and den is not None
+    weights = []
+    for log_abs, sign in zip(logs, signs, strict=True):
+        weight = torch.exp(log_abs - top)
+        weights.append(weight if sign is None else weight * sign)
+    den = weights[0]
+    for weight in weights[1:]:
+        den = den + weight
+    div = den
     if eps > 0:
-        den = torch.where(den >= 0, den.clamp_min(eps), den.clamp_max(-eps))
-    den = torch.where(den == 0, 1.0, den)
-    return num / den[..., None]
+        div = torch.where(div >= 0, div.clamp_min(eps), div.clamp_max(-eps))
+    div = torch.where(div == 0, 1.0, div)
+    return [weight / div for weight in weights], (div == den).to(den.dtype)
+
+
+def _weighted_sum(outs: list[Tensor], shares: list[Tensor]) -> Tensor:
+    """Σ_p a_p out_p: outs (B, H, N, Dv), shares (B, H, N)."""
+    merged = outs[0] * shares[0][..., None]
+    for out, share in zip(outs[1:], shares[1:], strict=True):
+        merged = merged + out * share[..., None]
+    return merged
+
+
+class _Merge(torch.autograd.Function):
+    """o = Σ_p a_p out_p, a_p = n_p / D (:func:`merge`), differentiable in the parts' outputs
+    out_p (B, H, N, Dv) and log-normalisers l_p = log |n_p| (B, H, N). With G = ∂L/∂o::
+
+        ∂L/∂out_p = a_p G,   ∂L/∂l_p = a_p (G·out_p) - c a_p (G·o)
+
+    (c = 1 where D is Σ_p n_p, 0 where a floor replaced it). Since o = Σ_p a_p out_p exactly,
+    the last part's a_P (G·out_P) = G·o - Σ_{p<P} a_p (G·out_p): its output is not needed, and
+    the backward keeps o, the shares and the other parts' outputs only. The stabiliser (the
+    rows' largest l_p) carries no gradient, as in the forward's autograd form.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, eps: float, count: int, *tensors: Tensor | None) -> Tensor:
+        outs = list(tensors[:count])
+        logs = list(tensors[count:2 * count])
+        signs = list(tensors[2 * count:])
+        shares, reaches = _shares(logs, signs, eps)
+        merged = _weighted_sum(outs, shares)
+        ctx.count = count
+        ctx.save_for_backward(merged, reaches, *shares, *outs[:-1])
+        return merged
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        merged, reaches, *rest = ctx.saved_tensors
+        count = ctx.count
+        shares, outs = rest[:count], rest[count:]
+        total = (grad * merged).sum(-1)
+        weighted = [share * (grad * out).sum(-1)
+                    for share, out in zip(shares[:-1], outs, strict=True)]
+        last = total
+        for term in weighted:
+            last = last - term
+        weighted.append(torch.where(shares[-1] == 0, 0.0, last))
+        d_outs = [grad * share[..., None] if ctx.needs_input_grad[2 + p] else None
+                  for p, share in enumerate(shares)]
+        d_logs = [term - reaches * share * total if ctx.needs_input_grad[2 + count + p] else None
+                  for p, (term, share) in enumerate(zip(weighted, shares, strict=True))]
+        return None, None, *d_outs, *d_logs, *([None] * count)
 
 
 def window_part(attn: KernelizedAttention, q: Tensor, k: Tensor, v: Tensor, causal: bool,
