@@ -365,9 +365,11 @@ def hybrid_prefill(
     )
 
 
-def _masked_log(gate: Tensor, empty: Tensor) -> Tensor:
-    """log g (clamped as the core clamps it), 0 at the ring's empty slots (``empty`` (W,))."""
-    return torch.log(gate).clamp_min(LOG_GATE_FLOOR).masked_fill(empty, 0.0)
+def _masked_log(gate: Tensor, empty: Tensor | None) -> Tensor:
+    """log g (clamped as the core clamps it), 0 at the ring's empty slots (``empty`` (W,), None:
+    none)."""
+    log_gate = torch.log(gate).clamp_min(LOG_GATE_FLOOR)
+    return log_gate if empty is None else log_gate.masked_fill(empty, 0.0)
 
 
 def _check_state(attn: KernelizedAttention, state: WindowState | None, k: Tensor, v: Tensor,
@@ -432,17 +434,46 @@ def hybrid_step(
         ring_v = torch.where(at[:, None], v, ring_v)
         if ring_g is not None and gate is not None:
             ring_g = torch.where(at, gate, ring_g)
-    # Slots written so far: all of them from the window's end on.
-    empty = torch.arange(window, device=q.device) > t
+    # Slots not written yet, masked out of the softmax: none from the window's end on.
+    empty = torch.arange(window, device=q.device) > t if t < window - 1 else None
     wq, wk, scale, shift = attn.window_logits(q, ring_k)
-    scores = (wq @ wk.transpose(-2, -1) * scale).masked_fill(empty, float("-inf"))
-    lse = torch.logsumexp(scores, -1)
-    parts = [Partial(torch.softmax(scores, -1) @ ring_v,
-                     lse if shift is None else lse + shift[:, None])]
-    if linear is not None:
-        out, norm = read_normalised(linear, *attn.features(q, is_query=True), attn.eps)
-        if ring_g is not None:
-            norm = Normaliser(norm.log_abs + _masked_log(ring_g, empty).sum(-1, keepdim=True),
-                              norm.sign)
-        parts.append(linear_part(attn, out, norm))
-    return merge(parts, attn.eps), WindowState(ring_k, ring_v, ring_g, linear, t + 1)
+    scores = wq @ wk.transpose(-2, -1) * scale
+    if empty is not None:
+        scores = scores.masked_fill(empty, float("-inf"))
+    # One pass of the softmax's sums (logsumexp and softmax would each take the max and exp).
+    top = scores.amax(-1, keepdim=True)  # finite: the token's own key is in the ring
+    weights = torch.exp(scores - top)
+    num, total = weights @ ring_v, weights.sum(-1)
+    if linear is None:
+        return num / total[..., None], WindowState(ring_k, ring_v, ring_g, linear, t + 1)
+    lse = top[..., 0] + torch.log(total)
+    if shift is not None:
+        lse = lse + shift[:, None]
+    out, norm = read_normalised(linear, *attn.features(q, is_query=True), attn.eps)
+    if ring_g is not None:
+        norm = Normaliser(norm.log_abs + _masked_log(ring_g, empty).sum(-1, keepdim=True),
+                          norm.sign)
+    merged = _merge_window(num, total, lse, linear_part(attn, out, norm), attn.eps)
+    return merged, WindowState(ring_k, ring_v, ring_g, linear, t + 1)
+
+
+def _merge_window(num: Tensor, total: Tensor, lse: Tensor, part: Partial, eps: float) -> Tensor:
+    """:func:`merge` of a window's softmax, given by its sums num = Σ_j e^{s_j - m} v_j (B, H, N,
+    Dv), total = Σ_j e^{s_j - m} (B, H, N) and lse = log Σ_j e^{s_j} (finite: every query
+    sees a key of its window), with one other part: the decoding step's merge in fewer passes
+    than the general one (the window's output is never normalised on its own, and its finite
+    lse sets the rows' scale without a check). With n_w = e^{lse - top}, n_p = ±e^{l_p - top}::
+
+        out = (num n_w / total + out_p n_p) / (n_w + n_p)
+
+    the sum floored as :func:`merge` floors it; it is not 0 unless signed features cancel the
+    window's positive part exactly, where the floor (eps > 0 for those maps) holds it."""
+    top = torch.maximum(lse, part.log_abs)
+    own = torch.exp(lse - top)
+    other = torch.exp(part.log_abs - top)
+    if part.sign is not None:
+        other = other * part.sign
+    den = own + other
+    if eps > 0:
+        den = torch.where(den >= 0, den.clamp_min(eps), den.clamp_max(-eps))
+    return (num * (own / total)[..., None] + part.out * other[..., None]) / den[..., None]
