@@ -84,8 +84,8 @@ def merge(parts: list[Partial], eps: float) -> Tensor:
     (logits of -400), where the core's absolute floor would replace it.
 
     Recording gradients (eager), by :class:`_Merge`, which keeps the merged output, the
-    parts' shares and every part's output but the last (the window's, which its engine keeps
-    anyway), not the last part's output or the weighted sums."""
+    parts' shares and the outputs of all parts but the last (causal: only the window's, which
+    its engine keeps anyway), not the last part's output or the weighted sums."""
     outs = [p.out for p in parts]
     logs = [p.log_abs for p in parts]
     signs = [p.sign for p in parts]
