@@ -303,25 +303,17 @@ def _band_slice(config: CoreConfig, half: int, chunk: int, q: Tensor, k: Tensor,
     exp(ls_j - M), M the slice's largest key log-scale, the queries' log-scale added to the
     normaliser): its output, log-normaliser (-inf where no key) and sign.
 
-    The band in blocks of C queries: each block's keys are a window of width C + 2 half of the
-    keys, its products masked to the band |i - j| <= half. The (B, H) rows are padded to R rows
-    (a multiple of C, ``extra`` blocks more than the queries': R >= S + 2 half), laid one after
-    another, and the windows of every block of every row taken from that flat sequence by one
-    ``unfold`` (a view: no copy of φ(K)), so that one batched GEMM forms all the blocks (the
-    padding's rows are masked keys and unused queries)."""
+    The band in blocks of C queries (the slice cut to a multiple of C, its tail filled): each
+    block's keys are a window of width C + 2 half of the keys (``unfold``, a view), their
+    products masked to the band |i - j| <= half."""
     b, h, s = q.shape[:3]
-    width = chunk + 2 * half
-    blocks, extra = -(-s // chunk), -(-2 * half // chunk)
-    rows = (blocks + extra) * chunk
-    phi_q, query_log_scale = config.features(F.pad(q, (0, 0, 0, rows - s)), is_query=True)
-    if query_log_scale is not None:
-        query_log_scale = query_log_scale[:, :, :s]
-    total, total_norm = read_normalised(RecurrentState(kv, log_scale), phi_q[:, :, :s],
-                                        query_log_scale, config.eps)
-    phi_k, key_log_scale = config.features(F.pad(k, (0, 0, 0, rows - k.shape[2])),
-                                           is_query=False)
-    values = F.pad(F.pad(v, (0, 0, 0, rows - v.shape[2])), (0, 1), value=1.0)  # [v, 1]
-    masked = F.pad(masked, (0, rows - masked.shape[1]), value=True)[:, None, :, None]
+    phi_q, query_log_scale = config.features(q, is_query=True)
+    total, total_norm = read_normalised(RecurrentState(kv, log_scale), phi_q, query_log_scale,
+                                        config.eps)
+    tail = -s % chunk
+    phi_k, key_log_scale = config.features(F.pad(k, (0, 0, 0, tail)), is_query=False)
+    values = F.pad(F.pad(v, (0, 0, 0, tail)), (0, 1), value=1.0)  # [v, 1]
+    masked = F.pad(masked, (0, tail), value=True)[:, None, :, None]
     if key_log_scale is None:
         scale = phi_k.new_zeros(b, h, 1, 1)
         values = values.masked_fill(masked, 0.0)
@@ -329,16 +321,14 @@ def _band_slice(config: CoreConfig, half: int, chunk: int, q: Tensor, k: Tensor,
         key_log_scale = key_log_scale.masked_fill(masked, -math.inf)
         scale = key_log_scale.detach().amax(2, keepdim=True).clamp_min(LOG_FLOOR)
         values = values * torch.exp(key_log_scale - scale)
+    width = chunk + 2 * half
     # Query u of a block and its key r (at u - half .. u + half): |r - half - u| <= half.
-    offsets = torch.arange(chunk, device=q.device)[:, None] + half
-    band = (torch.arange(width, device=q.device) - offsets).abs_() <= half
-    # The flat sequence's windows stop short of the last row's ``extra`` blocks (no queries).
-    count = b * h * (blocks + extra) - extra
-    keys = phi_k.reshape(-1, phi_k.shape[-1]).unfold(0, width, chunk)  # (count, F, C + 2 half)
-    queries = phi_q.reshape(-1, chunk, phi_q.shape[-1])[:count]
-    weights = values.reshape(-1, values.shape[-1]).unfold(0, width, chunk).transpose(1, 2)
-    raw = torch.bmm(torch.bmm(queries, keys) * band, weights)  # (count, C, Dv + 1)
-    raw = F.pad(raw, (0, 0, 0, 0, 0, extra)).view(b, h, rows, -1)[:, :, :s]
+    rows = torch.arange(chunk, device=q.device)[:, None] + half
+    band = (torch.arange(width, device=q.device) - rows).abs_() <= half
+    keys = phi_k.unfold(2, width, chunk)  # (B, H, S / C, F, C + 2 half)
+    blocks = F.pad(phi_q, (0, 0, 0, tail)).unflatten(2, (-1, chunk)) @ keys
+    raw = (blocks * band) @ values.unfold(2, width, chunk).transpose(-2, -1)
+    raw = raw.flatten(2, 3)[:, :, :s]
     den = raw[..., -1]
     empty = den == 0  # no key in the window (padding): nothing to subtract
     div = torch.where(empty, 1.0, den)
