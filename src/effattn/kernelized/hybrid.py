@@ -21,11 +21,9 @@ as FlashAttention merges blocks: the banded engine (``effattn.sparse``) gives th
 output and log-sum-exp; the causal kernelized core gives the rest's output and normaliser
 (:meth:`effattn.kernelized.core.CoreConfig.causal_normalised`) with its ``lag`` = window:
 query i sees keys up to i - window, exactly those causal attention leaves outside the window.
-Non-causal, the rest is one non-causal key state over every key, read by every query, minus the
-window's band of the kernel (Σ_{|i-j|<=window//2} κ_ij [v_j, 1], in blocks: O(N·window·F)), a
-third part with a negative normaliser. The engines keep only their inputs, outputs and
-normalisers for the backward, the band's slices are recomputed, and the merge keeps the merged
-output, not the kernelized parts' (:class:`_Merge`): no N x window or N x F tensor.
+Non-causal, the keys before i - window // 2 are one lagged causal pass and those after
+i + window // 2 the same pass over the reversed sequence. Both engines keep only
+their inputs, outputs and normalisers for the backward (no N x window or N x F tensor).
 
 Gated (RFA's gate): key j outside the window carries (1 - g_j) Π_{j<l<=i} g_l, the lagged
 state's weight times the gates of the window, Π_{i-window<l<=i} g_l, added to its log.
@@ -39,7 +37,6 @@ Shapes: B batch, H heads, N tokens, D head dim, Dv value dim, W window.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,16 +44,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
-from torch.utils.checkpoint import checkpoint
 
 from effattn.kernelized.core import (
-    LOG_FLOOR,
     LOG_GATE_FLOOR,
-    CoreConfig,
     Normaliser,
     RecurrentState,
     read_normalised,
-    slice_tokens,
     step_state,
 )
 from effattn.sparse import banded_attention
@@ -233,110 +226,13 @@ def hybrid_attention(
     parts = [window_part(attn, q, k, v, causal, key_padding_mask)]
     lag = window if causal else window // 2 + 1
     if lag < n:  # else every key is in every window: exact softmax
-        if causal:
-            parts.append(_lagged_part(attn, q, k, v, lag, key_padding_mask, gate))
-        else:
-            half = window // 2
-            # The keys extended by ``half`` masked rows on both sides: every query's band is in.
-            masked = torch.ones(q.shape[0], n + 2 * half, dtype=torch.bool, device=q.device)
-            masked[:, half:half + n] = False if key_padding_mask is None else key_padding_mask
-            parts += outside_window_parts(
-                attn, q, F.pad(k, (0, 0, half, half)), F.pad(v, (0, 0, half, half)), masked,
-                attn.core().key_state(k, v, key_padding_mask=key_padding_mask), half,
-            )
+        parts.append(_lagged_part(attn, q, k, v, lag, key_padding_mask, gate))
+        if not causal:
+            flip = None if key_padding_mask is None else key_padding_mask.flip(1)
+            later = _lagged_part(attn, q.flip(2), k.flip(2), v.flip(2), lag, flip, None)
+            parts.append(Partial(later.out.flip(2), later.log_abs.flip(2),
+                                 None if later.sign is None else later.sign.flip(2)))
     return merge(parts, attn.eps)
-
-
-def outside_window_parts(attn: KernelizedAttention, q: Tensor, k: Tensor, v: Tensor,
-                         masked: Tensor, state: RecurrentState, half: int) -> list[Partial]:
-    """Non-causal: the kernelized estimate over the keys outside each query's window,
-    |i - j| > half, as every key's estimate minus the window's::
-
-        Σ_{|i-j|>half} κ_ij [v_j, 1] = φ(q_i)·Σ_j φ(k_j) [v_j, 1] - Σ_{|i-j|<=half} κ_ij [v_j, 1]
-
-    two parts for :func:`merge`, the second with its sign turned: ``state``, the non-causal key
-    state of every key (``CoreConfig.key_state``), read by every query, and the window's band
-    of the kernel. q (B, H, N, D); k (B, H, N + 2 half, D), v (B, H, N + 2 half, Dv): the keys
-    from ``half`` before the first query to ``half`` after the last; ``masked`` (B, N + 2 half):
-    those that are padding or outside the sequence.
-
-    Slice by slice of the queries (:func:`_band_slice`); recording gradients, each slice is
-    recomputed in the backward (a checkpoint), so that only the inputs are kept, not the
-    slices' features or band scores.
-    """
-    config = attn.core()
-    b, h, n = q.shape[:3]
-    chunk = max(half, BAND_CHUNK)
-    step = slice_tokens(b * h, config.feature_dim + 2 * chunk, chunk, config.slice_elements)
-    recording = (torch.is_grad_enabled() and not torch.compiler.is_compiling()
-                 and any(t.requires_grad for t in (q, k, v, state.kv)))
-    pieces = []
-    for a in range(0, n, step):
-        e = min(n, a + step)
-        args = (q[:, :, a:e], k[:, :, a:e + 2 * half], v[:, :, a:e + 2 * half],
-                masked[:, a:e + 2 * half], state.kv, state.log_scale)
-        if recording:
-            pieces.append(checkpoint(_band_slice, config, half, chunk, *args,
-                                     use_reentrant=False))
-        else:
-            pieces.append(_band_slice(config, half, chunk, *args))
-    total, total_log, total_sign, band, band_log, band_sign = (
-        x[0] if len(pieces) == 1 else torch.cat(x, 2) for x in zip(*pieces, strict=True))
-    return [linear_part(attn, total, Normaliser(total_log, total_sign)),
-            linear_part(attn, band, Normaliser(band_log, -band_sign))]
-
-
-# Queries per block of the band (at least the half window): the block's C queries meet its
-# C + 2 half keys in one GEMM, 2 half + 1 of each row's C + 2 half products in the window.
-BAND_CHUNK = 16
-
-
-def _band_slice(config: CoreConfig, half: int, chunk: int, q: Tensor, k: Tensor, v: Tensor,
-                masked: Tensor, kv: Tensor, log_scale: Tensor) -> tuple[Tensor, ...]:
-    """One slice of :func:`outside_window_parts`: S queries q (B, H, S, D), the keys from
-    ``half`` before the first to ``half`` after the last, k (B, H, S + 2 half, D), v, and which
-    of them are padding or outside the sequence, ``masked`` (B, S + 2 half); the key state
-    (kv, log_scale) of every key.
-
-    Returns the state's read-out (B, H, S, Dv), its log-normaliser and sign (B, H, S), and the
-    window's kernelized part, Σ_{|i-j|<=half} κ_ij [v_j, 1] (the core's convention: the keys at
-    exp(ls_j - M), M the slice's largest key log-scale, the queries' log-scale added to the
-    normaliser): its output, log-normaliser (-inf where no key) and sign.
-
-    The band in blocks of C queries (the slice cut to a multiple of C, its tail filled): each
-    block's keys are a window of width C + 2 half of the keys (``unfold``, a view), their
-    products masked to the band |i - j| <= half."""
-    b, h, s = q.shape[:3]
-    phi_q, query_log_scale = config.features(q, is_query=True)
-    total, total_norm = read_normalised(RecurrentState(kv, log_scale), phi_q, query_log_scale,
-                                        config.eps)
-    tail = -s % chunk
-    phi_k, key_log_scale = config.features(F.pad(k, (0, 0, 0, tail)), is_query=False)
-    values = F.pad(F.pad(v, (0, 0, 0, tail)), (0, 1), value=1.0)  # [v, 1]
-    masked = F.pad(masked, (0, tail), value=True)[:, None, :, None]
-    if key_log_scale is None:
-        scale = phi_k.new_zeros(b, h, 1, 1)
-        values = values.masked_fill(masked, 0.0)
-    else:
-        key_log_scale = key_log_scale.masked_fill(masked, -math.inf)
-        scale = key_log_scale.detach().amax(2, keepdim=True).clamp_min(LOG_FLOOR)
-        values = values * torch.exp(key_log_scale - scale)
-    width = chunk + 2 * half
-    # Query u of a block and its key r (at u - half .. u + half): |r - half - u| <= half.
-    rows = torch.arange(chunk, device=q.device)[:, None] + half
-    band = (torch.arange(width, device=q.device) - rows).abs_() <= half
-    keys = phi_k.unfold(2, width, chunk)  # (B, H, S / C, F, C + 2 half)
-    blocks = F.pad(phi_q, (0, 0, 0, tail)).unflatten(2, (-1, chunk)) @ keys
-    raw = (blocks * band) @ values.unfold(2, width, chunk).transpose(-2, -1)
-    raw = raw.flatten(2, 3)[:, :, :s]
-    den = raw[..., -1]
-    empty = den == 0  # no key in the window (padding): nothing to subtract
-    div = torch.where(empty, 1.0, den)
-    log_abs = torch.log(div.abs()) + scale[..., 0]
-    if query_log_scale is not None:
-        log_abs = log_abs + query_log_scale[..., 0]
-    return (total, total_norm.log_abs, total_norm.sign, raw[..., :-1] / div[..., None],
-            log_abs.masked_fill(empty, -math.inf), torch.sign(den).detach())
 
 
 @torch.no_grad()

@@ -18,11 +18,11 @@ Communication is one or P states per call, independent of N.
 - The window hybrid (``window=W``, :mod:`effattn.kernelized.hybrid`): each rank all-gathers the
   W keys, values, padding and gates before its slice (after it too, non-causal: W // 2 + 1
   each way), a halo as the banded methods' (:mod:`effattn.sparse.parallel`), and computes the
-  window's softmax over [halo, own slice, halo]. Causal, the kernelized part runs on the
-  lagged keys (positions o_r - lag ..), whose slices tile the lagged sequence across the ranks:
-  the state exchange above on them gives each rank the state of every key before its lagged
-  slice. Non-causal, it is the key state of every key (the all-reduce above) minus the window's
-  band of the kernel from the halo (``hybrid.outside_window_parts``), as on one process.
+  window's softmax over [halo, own slice, halo]. The kernelized part runs on the lagged keys
+  (positions o_r - lag ..), whose slices tile the lagged sequence across the ranks: the state
+  exchange above on them gives each rank the state of every key before its lagged slice.
+  Non-causal, the keys after the window are the same exchange over the reversed sequence (the
+  ranks after r, from the leading keys o_r + lag ..).
 """
 
 from __future__ import annotations
@@ -39,14 +39,7 @@ from effattn.kernelized.core import (
     RecurrentState,
     accumulate_keys,
 )
-from effattn.kernelized.hybrid import (
-    Partial,
-    linear_part,
-    merge,
-    outside_window_parts,
-    window_log_gate,
-    window_part,
-)
+from effattn.kernelized.hybrid import Partial, linear_part, merge, window_log_gate, window_part
 from effattn.parallel import SequenceGroup, SequenceStrategy
 from effattn.sparse.parallel import halos
 
@@ -75,19 +68,13 @@ class StateExchange(SequenceStrategy):
             return _hybrid(attn, group, q, k, v, causal, key_padding_mask, gate)
         core = attn.core()
         if not causal:
-            return core.read_queries(q, _shared_state(attn, group, k, v, key_padding_mask))
-        incoming = _entering(attn, group, k, v, key_padding_mask, gate)
+            local = core.key_state(k, v, key_padding_mask=key_padding_mask)
+            scale = group.all_reduce_max(local.log_scale)
+            kv = group.all_reduce_sum(local.kv * torch.exp(local.log_scale - scale))
+            state = RecurrentState(kv, scale, group.total)
+            return core.read_queries(q, state)
+        incoming = _entering(attn, group, k, v, key_padding_mask, gate, reverse=False)
         return core.causal(q, k, v, incoming, key_padding_mask=key_padding_mask, gate=gate)[0]
-
-
-def _shared_state(attn: KernelizedAttention, group: SequenceGroup, k: Tensor, v: Tensor,
-                  key_padding_mask: Tensor | None) -> RecurrentState:
-    """The non-causal key state of every rank's keys: each rank's, at the largest scale, summed
-    by one all-reduce."""
-    local = attn.core().key_state(k, v, key_padding_mask=key_padding_mask)
-    scale = group.all_reduce_max(local.log_scale)
-    kv = group.all_reduce_sum(local.kv * torch.exp(local.log_scale - scale))
-    return RecurrentState(kv, scale, group.total)
 
 
 def _slice_state(
@@ -120,25 +107,30 @@ def _slice_state(
 
 
 def _entering(attn: KernelizedAttention, group: SequenceGroup, k: Tensor, v: Tensor,
-              key_padding_mask: Tensor | None, gate: Tensor | None) -> RecurrentState:
+              key_padding_mask: Tensor | None, gate: Tensor | None,
+              reverse: bool) -> RecurrentState:
     """The causal state entering this rank's slice of k, v: every rank's slice state and total
     log gate in one all-gather, combined by :func:`_incoming`."""
     local, decay = _slice_state(attn, k, v, key_padding_mask, gate)
     b, h, f, dv1 = local.kv.shape
     packed = torch.cat([local.kv.reshape(b, h, f * dv1), local.log_scale.reshape(b, h, 1),
                         decay.reshape(b, h, 1)], -1)
-    return _incoming(group.all_gather(packed), f, dv1, group)
+    return _incoming(group.all_gather(packed), f, dv1, group, reverse)
 
 
-def _incoming(states: Tensor, f: int, dv1: int, group: SequenceGroup) -> RecurrentState:
+def _incoming(states: Tensor, f: int, dv1: int, group: SequenceGroup,
+              reverse: bool) -> RecurrentState:
     """The state entering this rank r from the gathered states of all P ranks.
 
     S_in = Σ_{r' < r} exp(s_r' + Σ_{r' < l < r} G_l) S_r', held at the largest of those
     exponents (every weight <= 1). Ranks r' >= r get weight 0 rather than being left out, so
     that every rank's output depends on the gather and every rank runs its backward (rank 0
-    gets an empty state).
+    gets an empty state). ``reverse``: the ranks in reverse order (r' > r enter), for a pass
+    over the reversed sequence.
     """
     rank = group.rank
+    if reverse:
+        states, rank = states.flip(0), group.size - 1 - group.rank
     kv = states[..., :-2].unflatten(-1, (f, dv1))  # (P, B, H, F, Dv + 1)
     scale, decay = states[..., -2].detach(), states[..., -1]  # (P, B, H)
     earlier = (torch.arange(group.size, device=states.device) < rank)[:, None, None]
@@ -184,21 +176,21 @@ def _hybrid(
     q_e = F.pad(q, (0, 0, lag, after.shape[2]))
     seen = window_part(attn, q_e, k_e, v_e, causal, pad_e)
     parts = [Partial(seen.out[:, :, lag:lag + n], seen.log_abs[:, :, lag:lag + n])]
-    if not causal:
-        # The keys from ``half`` before this rank's first query to ``half`` after its last.
-        band = slice(lag - window // 2, lag + n + window // 2)
-        state = _shared_state(attn, group, k, v, key_padding_mask)
-        parts += outside_window_parts(attn, q, k_e[:, :, band], v_e[:, :, band], pad_e[:, band],
-                                      state, window // 2)
-        return merge(parts, attn.eps)
     lagged = _exchanged_part(attn, group, q, k_e[:, :, :n], v_e[:, :, :n], pad_e[:, :n],
-                             None if gate is None else gate_e[:, :, :n])
+                             None if gate is None else gate_e[:, :, :n], reverse=False)
     if gate is not None:
         earlier = torch.log(gate_e[:, :, :lag]).clamp_min(LOG_GATE_FLOOR).masked_fill(
             pad_e[:, None, :lag], 0.0)
         lagged = Partial(lagged.out, lagged.log_abs
                          + window_log_gate(gate, key_padding_mask, lag, earlier), lagged.sign)
     parts.append(lagged)
+    if not causal:
+        lead = slice(2 * lag, 2 * lag + n)
+        later = _exchanged_part(attn, group, q.flip(2), k_e[:, :, lead].flip(2),
+                                v_e[:, :, lead].flip(2), pad_e[:, lead].flip(1), None,
+                                reverse=True)
+        parts.append(Partial(later.out.flip(2), later.log_abs.flip(2),
+                             None if later.sign is None else later.sign.flip(2)))
     return merge(parts, attn.eps)
 
 
@@ -210,10 +202,11 @@ def _exchanged_part(
     v: Tensor,
     pad: Tensor,
     gate: Tensor | None,
+    reverse: bool,
 ) -> Partial:
-    """The causal kernelized part of the hybrid from this rank's lagged keys: their slice states
-    exchanged, then the causal pass from the state entering the slice."""
-    incoming = _entering(attn, group, k, v, pad, gate)
+    """The kernelized part of the hybrid from this rank's lagged (or, ``reverse``, leading) keys:
+    their slice states exchanged, then the causal pass from the state entering the slice."""
+    incoming = _entering(attn, group, k, v, pad, gate, reverse)
     out, _, norm = attn.core().causal_normalised(q, k, v, incoming, key_padding_mask=pad,
                                                  gate=gate)
     return linear_part(attn, out, norm)
