@@ -190,6 +190,17 @@ def test_a_query_that_sees_no_key_gets_zero():
     assert (ex.read_queries(q, state, map_of(*weights())) == 0).all()
 
 
+def test_bad_lags_are_refused():
+    module = effattn.build("hedgehog", head_dim=21, heads=3, num_features=5).double()
+    q, k, v = qkv(b=1, h=3, n=8, d=21, dv=7)
+    for lag in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="lag must be an int >= 0"):
+            module.core().causal(q, k, v, lag=lag)
+    _, state = module.core().causal(q, k, v)
+    with pytest.raises(ValueError, match="lag > 0 needs state=None"):
+        module.core().causal(q, k, v, state, lag=2)
+
+
 def test_bad_states_and_gates_are_refused():
     q, k, v = qkv(b=1, h=3, n=8, d=21, dv=7)
     row_state = RecurrentState(torch.zeros(1, 3, 10, 8, dtype=torch.float64),
@@ -249,3 +260,31 @@ def test_features_against_a_state_give_the_kernel():
     torch.testing.assert_close((phi_q @ phi_k.transpose(-2, -1)).log() + top, log_kernel)
     raw = phi_q @ state.kv
     torch.testing.assert_close(raw[..., :-1] / raw[..., -1:], ex.read_queries(q, state, exponents))
+
+
+@pytest.mark.parametrize("lag", [0, 1, 5, 62, 63, 70])
+def test_lag_equals_the_reference_with_gradients(lag):
+    """``lag`` (the window hybrid's linear part): query i sees keys j <= i - lag; N = 63, chunks
+    of 16, padding; outputs, normalisers and gradients against the log-space reference, through
+    the module's core configuration."""
+    module = effattn.build("hedgehog", head_dim=21, heads=3, num_features=5, seed=0,
+                           chunk_size=16).double()
+    q, k, v = (t.requires_grad_() for t in qkv(b=3, h=3, n=63, d=21, dv=7))
+    mask = key_mask(3, 63)
+    out, _, norm = module.core().causal_normalised(q, k, v, key_padding_mask=mask, lag=lag)
+    u_q, u_k = module.exponents(q), module.exponents(k)
+    log_kernel = torch.logsumexp(u_q[..., :, None, :] + u_k[..., None, :, :], -1)
+    i = torch.arange(63)
+    seen = (i[None, :] <= i[:, None] - lag)[None, None] & ~mask[:, None, None, :]
+    log_kernel = log_kernel.masked_fill(~seen, float("-inf"))
+    ref = torch.softmax(log_kernel, -1).nan_to_num(0.0) @ v
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(norm.log_abs, torch.logsumexp(log_kernel, -1))
+    if lag >= 63:  # no query sees a key: zeros, which depend on nothing
+        assert (out == 0).all() and not out.requires_grad
+        return
+    probe = torch.randn_like(out)
+    params = (q, k, v, *module.parameters())
+    for a, b in zip(torch.autograd.grad((out * probe).sum(), params),
+                    torch.autograd.grad((ref * probe).sum(), params), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)

@@ -195,6 +195,12 @@ def _check_chunk(chunk_size: int) -> None:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
 
 
+def check_lag(lag: int) -> None:
+    """``lag`` of the causal form (query i sees keys j <= i - lag): an int >= 0."""
+    if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
+        raise ValueError(f"lag must be an int >= 0, got {lag!r}")
+
+
 class DenominatorUnderflowError(ValueError):
     """A query that sees keys got a zero or subnormal denominator (see :func:`_lost_rows`)."""
 
@@ -1135,15 +1141,17 @@ def kernelized_causal(
     eps: float = 1e-6,
     slice_elements: int = SLICE_ELEMENTS,
     feature_tensors: Sequence[Tensor] | None = None,
+    lag: int = 0,
 ) -> tuple[Tensor, RecurrentState]:
     """Causal :func:`kernelized_attention` that continues ``state`` and returns the state after.
 
     This is prefill for decoding: the prompt runs chunkwise, and decoding picks up the state.
     Recording gradients, it keeps q, k, v, the gate, the output and the state entering each
-    slice (:class:`_Causal`).
+    slice (:class:`_Causal`). ``lag`` > 0: query i sees keys j <= i - lag (see
+    :func:`_lagged_causal`).
     """
     out, state, _ = _causal(q, k, v, features, state, feature_dim, key_padding_mask, gate,
-                            chunk_size, eps, slice_elements, feature_tensors, False)
+                            chunk_size, eps, slice_elements, feature_tensors, False, lag)
     return out, state
 
 
@@ -1161,12 +1169,14 @@ def kernelized_causal_normalised(
     eps: float = 1e-6,
     slice_elements: int = SLICE_ELEMENTS,
     feature_tensors: Sequence[Tensor] | None = None,
+    lag: int = 0,
 ) -> tuple[Tensor, RecurrentState, Normaliser]:
     """:func:`kernelized_causal` that also returns each query's normaliser (:class:`Normaliser`),
     differentiable: what a sum with other attention terms over other keys needs (the window
-    hybrid, ``effattn.kernelized.hybrid``)."""
+    hybrid, ``effattn.kernelized.hybrid``, whose keys outside the window are those of
+    ``lag`` = window)."""
     out, state, norm = _causal(q, k, v, features, state, feature_dim, key_padding_mask, gate,
-                               chunk_size, eps, slice_elements, feature_tensors, True)
+                               chunk_size, eps, slice_elements, feature_tensors, True, lag)
     assert norm is not None
     return out, state, norm
 
@@ -1197,6 +1207,7 @@ def _causal(
     slice_elements: int,
     feature_tensors: Sequence[Tensor] | None,
     normaliser: bool,
+    lag: int = 0,
 ) -> tuple[Tensor, RecurrentState, Normaliser | None]:
     b, h, n = q.shape[:3]
     if k.shape[2] != n:
@@ -1206,6 +1217,10 @@ def _causal(
     if gate is not None and gate.shape != (b, h, n):
         raise ValueError(f"gate must be (B, H, N) = {(b, h, n)}, got {tuple(gate.shape)}")
     _check_chunk(chunk_size)
+    check_lag(lag)
+    if lag:
+        return _lagged_causal(q, k, v, features, state, feature_dim, key_padding_mask, gate,
+                              chunk_size, eps, slice_elements, feature_tensors, normaliser, lag)
     if _strategy(q) == "gpu":
         from effattn.kernelized import gpu
 
@@ -1229,6 +1244,56 @@ def _causal(
     out, state, _, _, norm = _causal_forward(q, k, v, gate, key_padding_mask, state, features,
                                              chunk_size, eps, step, None, normaliser)
     return out, state, norm
+
+
+def _lagged_causal(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    features: FeatureFn,
+    state: RecurrentState | None,
+    feature_dim: int,
+    key_padding_mask: Tensor | None,
+    gate: Tensor | None,
+    chunk_size: int,
+    eps: float,
+    slice_elements: int,
+    feature_tensors: Sequence[Tensor] | None,
+    normaliser: bool,
+    lag: int,
+) -> tuple[Tensor, RecurrentState, Normaliser | None]:
+    """:func:`_causal` with query i seeing keys j <= i - ``lag`` (lag >= 1)::
+
+        out_i = Σ_{j <= i - lag} w_ij φ(q_i)·φ(k_j) v_j / Σ_{j <= i - lag} w_ij φ(q_i)·φ(k_j)
+
+    with the gate's w_ij = (1 - g_j) Π_{j<l<=i-lag} g_l (the state the query reads is the one
+    after key i - lag). The scan runs over keys 0..N-1-lag with the queries' positions offset
+    by ``lag``: query i takes the place of query i - lag of an ordinary causal pass. q, k, v,
+    the mask and the gate enter as views (no lagged copies); queries i < lag see no key (output
+    0, normaliser -inf with sign 0). The state after holds the keys the last query saw,
+    j <= N - 1 - lag (position N - lag); a lagged pass starts from no state, since its first
+    queries would read one that no causal pass of theirs makes."""
+    b, h, n = q.shape[:3]
+    if state is not None:
+        raise ValueError("lag > 0 needs state=None: a lagged pass starts at the sequence's start")
+    seen = n - lag  # keys that some query sees
+    if seen <= 0:
+        phi = features(k[:, :, :1], is_query=False)[0]
+        norm = None
+        if normaliser:
+            norm = Normaliser(q.new_full((b, h, n), -math.inf), q.new_zeros(b, h, n))
+        return (q.new_zeros(b, h, n, v.shape[-1]),
+                RecurrentState.empty(b, h, phi.shape[-1], v.shape[-1], phi), norm)
+    out, state, norm = _causal(
+        q[:, :, lag:], k[:, :, :seen], v[:, :, :seen], features, None, feature_dim,
+        None if key_padding_mask is None else key_padding_mask[:, :seen],
+        None if gate is None else gate[:, :, :seen], chunk_size, eps, slice_elements,
+        feature_tensors, normaliser,
+    )
+    if norm is not None:
+        norm = Normaliser(F.pad(norm.log_abs, (lag, 0), value=-math.inf),
+                          F.pad(norm.sign, (lag, 0)))
+    return F.pad(out, (0, 0, lag, 0)), state, norm
 
 
 def _causal_forward(
@@ -1503,36 +1568,40 @@ class CoreConfig:
                             feature_tensors=self.feature_tensors)
 
     def causal(self, q: Tensor, k: Tensor, v: Tensor, state: RecurrentState | None = None, *,
-               key_padding_mask: Tensor | None = None,
-               gate: Tensor | None = None) -> tuple[Tensor, RecurrentState]:
-        """:func:`kernelized_causal` with these settings."""
-        out, state, _ = self._causal(q, k, v, state, key_padding_mask, gate, False)
+               key_padding_mask: Tensor | None = None, gate: Tensor | None = None,
+               lag: int = 0) -> tuple[Tensor, RecurrentState]:
+        """:func:`kernelized_causal` with these settings; ``lag``: query i sees keys
+        j <= i - lag."""
+        out, state, _ = self._causal(q, k, v, state, key_padding_mask, gate, False, lag)
         return out, state
 
     def causal_normalised(
         self, q: Tensor, k: Tensor, v: Tensor, state: RecurrentState | None = None, *,
-        key_padding_mask: Tensor | None = None, gate: Tensor | None = None,
+        key_padding_mask: Tensor | None = None, gate: Tensor | None = None, lag: int = 0,
     ) -> tuple[Tensor, RecurrentState, Normaliser]:
-        """:func:`kernelized_causal_normalised` with these settings."""
-        out, state, norm = self._causal(q, k, v, state, key_padding_mask, gate, True)
+        """:func:`kernelized_causal_normalised` with these settings; ``lag``: query i sees keys
+        j <= i - lag."""
+        out, state, norm = self._causal(q, k, v, state, key_padding_mask, gate, True, lag)
         assert norm is not None
         return out, state, norm
 
     def _causal(self, q: Tensor, k: Tensor, v: Tensor, state: RecurrentState | None,
-                key_padding_mask: Tensor | None, gate: Tensor | None,
-                normaliser: bool) -> tuple[Tensor, RecurrentState, Normaliser | None]:
+                key_padding_mask: Tensor | None, gate: Tensor | None, normaliser: bool,
+                lag: int) -> tuple[Tensor, RecurrentState, Normaliser | None]:
         if self.exponents is not None:
             from effattn.kernelized import exponents
 
             self._no_gate(gate)
             _check_chunk(self.chunk_size)
+            check_lag(lag)
             return exponents.causal(q, k, v, self.exponents, self.feature_dim, state,
                                     key_padding_mask=key_padding_mask,
                                     chunk_size=self.chunk_size,
-                                    slice_elements=self.slice_elements, normaliser=normaliser)
+                                    slice_elements=self.slice_elements, normaliser=normaliser,
+                                    lag=lag)
         return _causal(q, k, v, self.features, state, self.feature_dim, key_padding_mask, gate,
                        self.chunk_size, self.eps, self.slice_elements, self.feature_tensors,
-                       normaliser)
+                       normaliser, lag)
 
     def step(self, q: Tensor, k: Tensor, v: Tensor, state: RecurrentState | None, *,
              gate: Tensor | None = None) -> tuple[Tensor, RecurrentState]:

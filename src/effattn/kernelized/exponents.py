@@ -287,15 +287,36 @@ def _causal_slice(q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None, kv: Tenso
 def causal(q: Tensor, k: Tensor, v: Tensor, exponents: ExponentFn, feature_dim: int,
            state: RecurrentState | None = None, *, key_padding_mask: Tensor | None = None,
            chunk_size: int = 32, slice_elements: int = 1 << 20, normaliser: bool = False,
-           ) -> tuple[Tensor, RecurrentState, Normaliser | None]:
+           lag: int = 0) -> tuple[Tensor, RecurrentState, Normaliser | None]:
     """Causal linear attention of φ = exp(u) with the per-feature stabiliser (module
     docstring): q, k (B, H, N, D), v (B, H, N, Dv), from ``state`` (or empty) -> the output
     (B, H, N, Dv), the state after the last token and, with ``normaliser``, the queries'
     normalisers. Slices of about ``slice_elements`` feature values run one after the other,
-    each recomputed in the backward when autograd records."""
+    each recomputed in the backward when autograd records. ``lag`` > 0: query i sees keys
+    j <= i - lag, as the row core's lagged form (queries lag.. against keys ..N-1-lag, as
+    views; the first ``lag`` queries see no key; no entering state)."""
     b, h, n = q.shape[:3]
     if k.shape[2] != n:
         raise ValueError(f"causal needs N == M, got {n} and {k.shape[2]}")
+    if lag:
+        if state is not None:
+            raise ValueError("lag > 0 needs state=None: a lagged pass starts at the sequence's "
+                             "start")
+        seen = max(0, n - lag)
+        if seen == 0:  # no query sees a key
+            norm = None
+            if normaliser:
+                norm = Normaliser(q.new_full((b, h, n), float("-inf")), q.new_zeros(b, h, n))
+            return (q.new_zeros(b, h, n, v.shape[-1]),
+                    _state(None, b, h, feature_dim, v.shape[-1], v), norm)
+        out, state, norm = causal(
+            q[:, :, n - seen:], k[:, :, :seen], v[:, :, :seen], exponents, feature_dim,
+            key_padding_mask=None if key_padding_mask is None else key_padding_mask[:, :seen],
+            chunk_size=chunk_size, slice_elements=slice_elements, normaliser=normaliser)
+        if norm is not None:
+            norm = Normaliser(F.pad(norm.log_abs, (n - seen, 0), value=float("-inf")),
+                              F.pad(norm.sign, (n - seen, 0)))
+        return F.pad(out, (0, 0, n - seen, 0)), state, norm
     f = feature_dim
     state = _state(state, b, h, f, v.shape[-1], v)
     kv, scale = state.kv, state.log_scale

@@ -19,10 +19,10 @@ factor lets training set the balance. A window that covers every key is exact so
 Computed as two (non-causal: three) normalised partial attentions merged by their normalisers,
 as FlashAttention merges blocks: the banded engine (``effattn.sparse``) gives the window's
 output and log-sum-exp; the causal kernelized core gives the rest's output and normaliser
-(:func:`effattn.kernelized.core.kernelized_causal_normalised`) from keys lagged by the window:
-query i of the lagged sequence sees keys up to i - window, exactly those causal attention leaves
-outside the window. Non-causal, the keys before i - window // 2 are one lagged causal pass and
-those after i + window // 2 the same pass over the reversed sequence. Both engines keep only
+(:meth:`effattn.kernelized.core.CoreConfig.causal_normalised`) with its ``lag`` = window:
+query i sees keys up to i - window, exactly those causal attention leaves outside the window.
+Non-causal, the keys before i - window // 2 are one lagged causal pass and those after
+i + window // 2 the same pass over the reversed sequence. Both engines keep only
 their inputs, outputs and normalisers for the backward (no N x window or N x F tensor).
 
 Gated (RFA's gate): key j outside the window carries (1 - g_j) Π_{j<l<=i} g_l, the lagged
@@ -38,11 +38,12 @@ Shapes: B batch, H heads, N tokens, D head dim, Dv value dim, W window.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from effattn.kernelized.core import (
     LOG_GATE_FLOOR,
@@ -71,22 +72,91 @@ def merge(parts: list[Partial], eps: float) -> Tensor:
     part reaches gives 0. ``eps`` floors |Σ_p n_p| at ``eps`` times the largest |n_p|, keeping
     its sign (0: no floor): only signed features' estimates can cancel the sum, and relative to
     its parts, since the window's exact softmax can be legitimately tiny at the true scale
-    (logits of -400), where the core's absolute floor would replace it."""
-    top = torch.stack([p.log_abs for p in parts]).amax(0).detach()
+    (logits of -400), where the core's absolute floor would replace it.
+
+    Recording gradients (eager), by :class:`_Merge`, which keeps the merged output, the
+    parts' shares and the outputs of all parts but the last (causal: only the window's, which
+    its engine keeps anyway), not the last part's output or the weighted sums."""
+    outs = [p.out for p in parts]
+    logs = [p.log_abs for p in parts]
+    signs = [p.sign for p in parts]
+    if (torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and any(t.requires_grad for t in outs + logs)):
+        return _Merge.apply(eps, len(parts), *outs, *logs, *signs)
+    shares, _ = _shares(logs, signs, eps)
+    return _weighted_sum(outs, shares)
+
+
+def _shares(logs: list[Tensor], signs: list[Tensor | None],
+            eps: float) -> tuple[list[Tensor], Tensor]:
+    """Each part's share a_p = n_p / D of the merged output (B, H, N), D the floored sum of the
+    n_p (see :func:`merge`), and where D is that sum (1.0, else 0.0: the floor or the 0 -> 1
+    rule replaced it, and no gradient reaches the n_p through D)."""
+    top = torch.stack(logs).amax(0).detach()
     top = torch.where(torch.isfinite(top), top, 0.0)
-    num = den = None
-    for p in parts:
-        weight = torch.exp(p.log_abs - top)
-        if p.sign is not None:
-            weight = weight * p.sign
-        term = p.out * weight[..., None]
-        num = term if num is None else num + term
-        den = weight if den is None else den + weight
-    assert num is not None and den is not None
+    weights = []
+    for log_abs, sign in zip(logs, signs, strict=True):
+        weight = torch.exp(log_abs - top)
+        weights.append(weight if sign is None else weight * sign)
+    den = weights[0]
+    for weight in weights[1:]:
+        den = den + weight
+    div = den
     if eps > 0:
-        den = torch.where(den >= 0, den.clamp_min(eps), den.clamp_max(-eps))
-    den = torch.where(den == 0, 1.0, den)
-    return num / den[..., None]
+        div = torch.where(div >= 0, div.clamp_min(eps), div.clamp_max(-eps))
+    div = torch.where(div == 0, 1.0, div)
+    return [weight / div for weight in weights], (div == den).to(den.dtype)
+
+
+def _weighted_sum(outs: list[Tensor], shares: list[Tensor]) -> Tensor:
+    """Σ_p a_p out_p: outs (B, H, N, Dv), shares (B, H, N)."""
+    merged = outs[0] * shares[0][..., None]
+    for out, share in zip(outs[1:], shares[1:], strict=True):
+        merged = merged + out * share[..., None]
+    return merged
+
+
+class _Merge(torch.autograd.Function):
+    """o = Σ_p a_p out_p, a_p = n_p / D (:func:`merge`), differentiable in the parts' outputs
+    out_p (B, H, N, Dv) and log-normalisers l_p = log |n_p| (B, H, N). With G = ∂L/∂o::
+
+        ∂L/∂out_p = a_p G,   ∂L/∂l_p = a_p (G·out_p) - c a_p (G·o)
+
+    (c = 1 where D is Σ_p n_p, 0 where a floor replaced it). Since o = Σ_p a_p out_p exactly,
+    the last part's a_P (G·out_P) = G·o - Σ_{p<P} a_p (G·out_p): its output is not needed, and
+    the backward keeps o, the shares and the other parts' outputs only. The stabiliser (the
+    rows' largest l_p) carries no gradient, as in the forward's autograd form.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, eps: float, count: int, *tensors: Tensor | None) -> Tensor:
+        outs = list(tensors[:count])
+        logs = list(tensors[count:2 * count])
+        signs = list(tensors[2 * count:])
+        shares, reaches = _shares(logs, signs, eps)
+        merged = _weighted_sum(outs, shares)
+        ctx.count = count
+        ctx.save_for_backward(merged, reaches, *shares, *outs[:-1])
+        return merged
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        merged, reaches, *rest = ctx.saved_tensors
+        count = ctx.count
+        shares, outs = rest[:count], rest[count:]
+        total = (grad * merged).sum(-1)
+        weighted = [share * (grad * out).sum(-1)
+                    for share, out in zip(shares[:-1], outs, strict=True)]
+        last = total
+        for term in weighted:
+            last = last - term
+        weighted.append(torch.where(shares[-1] == 0, 0.0, last))
+        d_outs = [grad * share[..., None] if ctx.needs_input_grad[2 + p] else None
+                  for p, share in enumerate(shares)]
+        d_logs = [term - reaches * share * total if ctx.needs_input_grad[2 + count + p] else None
+                  for p, (term, share) in enumerate(zip(weighted, shares, strict=True))]
+        return None, None, *d_outs, *d_logs, *([None] * count)
 
 
 def window_part(attn: KernelizedAttention, q: Tensor, k: Tensor, v: Tensor, causal: bool,
@@ -101,25 +171,11 @@ def window_part(attn: KernelizedAttention, q: Tensor, k: Tensor, v: Tensor, caus
     return Partial(out, lse if shift is None else lse + shift[:, None])
 
 
-def _lag(x: Tensor, lag: int, fill: float | bool, dim: int) -> Tensor:
-    """x moved ``lag`` positions later along ``dim`` (its last ``lag`` dropped), ``fill`` in
-    front."""
-    shape = list(x.shape)
-    shape[dim] = lag
-    front = torch.full(shape, fill, dtype=x.dtype, device=x.device)
-    return torch.cat([front, x.narrow(dim, 0, x.shape[dim] - lag)], dim)
-
-
 def _lagged_part(attn: KernelizedAttention, q: Tensor, k: Tensor, v: Tensor, lag: int,
                  key_padding_mask: Tensor | None, gate: Tensor | None) -> Partial:
-    """The kernelized estimate over keys j <= i - lag, causal, from the lagged sequence."""
-    b, n = q.shape[0], q.shape[2]
-    pad = torch.zeros(b, n, dtype=torch.bool, device=q.device) if key_padding_mask is None \
-        else key_padding_mask
-    out, _, norm = attn.core().causal_normalised(
-        q, _lag(k, lag, 0.0, 2), _lag(v, lag, 0.0, 2), key_padding_mask=_lag(pad, lag, True, 1),
-        gate=None if gate is None else _lag(gate, lag, 1.0, 2),
-    )
+    """The kernelized estimate over keys j <= i - lag, causal: the core's ``lag``."""
+    out, _, norm = attn.core().causal_normalised(q, k, v, key_padding_mask=key_padding_mask,
+                                                 gate=gate, lag=lag)
     log_abs = norm.log_abs
     if gate is not None:
         log_abs = log_abs + window_log_gate(gate, key_padding_mask, lag, None)
@@ -307,9 +363,11 @@ def hybrid_prefill(
     )
 
 
-def _masked_log(gate: Tensor, empty: Tensor) -> Tensor:
-    """log g (clamped as the core clamps it), 0 at the ring's empty slots (``empty`` (W,))."""
-    return torch.log(gate).clamp_min(LOG_GATE_FLOOR).masked_fill(empty, 0.0)
+def _masked_log(gate: Tensor, empty: Tensor | None) -> Tensor:
+    """log g (clamped as the core clamps it), 0 at the ring's empty slots (``empty`` (W,), None:
+    none)."""
+    log_gate = torch.log(gate).clamp_min(LOG_GATE_FLOOR)
+    return log_gate if empty is None else log_gate.masked_fill(empty, 0.0)
 
 
 def _check_state(attn: KernelizedAttention, state: WindowState | None, k: Tensor, v: Tensor,
@@ -374,17 +432,46 @@ def hybrid_step(
         ring_v = torch.where(at[:, None], v, ring_v)
         if ring_g is not None and gate is not None:
             ring_g = torch.where(at, gate, ring_g)
-    # Slots written so far: all of them from the window's end on.
-    empty = torch.arange(window, device=q.device) > t
+    # Slots not written yet, masked out of the softmax: none from the window's end on.
+    empty = torch.arange(window, device=q.device) > t if t < window - 1 else None
     wq, wk, scale, shift = attn.window_logits(q, ring_k)
-    scores = (wq @ wk.transpose(-2, -1) * scale).masked_fill(empty, float("-inf"))
-    lse = torch.logsumexp(scores, -1)
-    parts = [Partial(torch.softmax(scores, -1) @ ring_v,
-                     lse if shift is None else lse + shift[:, None])]
-    if linear is not None:
-        out, norm = attn.core().read_normalised(linear, q)
-        if ring_g is not None:
-            norm = Normaliser(norm.log_abs + _masked_log(ring_g, empty).sum(-1, keepdim=True),
-                              norm.sign)
-        parts.append(linear_part(attn, out, norm))
-    return merge(parts, attn.eps), WindowState(ring_k, ring_v, ring_g, linear, t + 1)
+    scores = wq @ wk.transpose(-2, -1) * scale
+    if empty is not None:
+        scores = scores.masked_fill(empty, float("-inf"))
+    # One pass of the softmax's sums (logsumexp and softmax would each take the max and exp).
+    top = scores.amax(-1, keepdim=True)  # finite: the token's own key is in the ring
+    weights = torch.exp(scores - top)
+    num, total = weights @ ring_v, weights.sum(-1)
+    if linear is None:
+        return num / total[..., None], WindowState(ring_k, ring_v, ring_g, linear, t + 1)
+    lse = top[..., 0] + torch.log(total)
+    if shift is not None:
+        lse = lse + shift[:, None]
+    out, norm = attn.core().read_normalised(linear, q)
+    if ring_g is not None:
+        norm = Normaliser(norm.log_abs + _masked_log(ring_g, empty).sum(-1, keepdim=True),
+                          norm.sign)
+    merged = _merge_window(num, total, lse, linear_part(attn, out, norm), attn.eps)
+    return merged, WindowState(ring_k, ring_v, ring_g, linear, t + 1)
+
+
+def _merge_window(num: Tensor, total: Tensor, lse: Tensor, part: Partial, eps: float) -> Tensor:
+    """:func:`merge` of a window's softmax, given by its sums num = Σ_j e^{s_j - m} v_j (B, H, N,
+    Dv), total = Σ_j e^{s_j - m} (B, H, N) and lse = log Σ_j e^{s_j} (finite: every query
+    sees a key of its window), with one other part: the decoding step's merge in fewer passes
+    than the general one (the window's output is never normalised on its own, and its finite
+    lse sets the rows' scale without a check). With n_w = e^{lse - top}, n_p = ±e^{l_p - top}::
+
+        out = (num n_w / total + out_p n_p) / (n_w + n_p)
+
+    the sum floored as :func:`merge` floors it; it is not 0 unless signed features cancel the
+    window's positive part exactly, where the floor (eps > 0 for those maps) holds it."""
+    top = torch.maximum(lse, part.log_abs)
+    own = torch.exp(lse - top)
+    other = torch.exp(part.log_abs - top)
+    if part.sign is not None:
+        other = other * part.sign
+    den = own + other
+    if eps > 0:
+        den = torch.where(den >= 0, den.clamp_min(eps), den.clamp_max(-eps))
+    return (num * (own / total)[..., None] + part.out * other[..., None]) / den[..., None]

@@ -21,12 +21,21 @@ def kernel_weights(
     gate: Tensor | None = None,
     dtype: torch.dtype = torch.float64,
     device: torch.device | None = None,
+    lag: int = 0,
 ) -> Tensor:
     """(B or 1, H or 1, N, M) weights w_ij of the kernelized sum, from their definition.
 
     Gated: the recurrence S_t = g_t S_{t-1} + (1 - g_t) φ(k_t) v_t^T unrolled one step at a time,
     so w_ij = (1 - g_j) Π_{j<l<=i} g_l. Padded keys get weight 0 and (gated) do not decay.
+    ``lag`` (causal): query i reads the state S_{i - lag}, row i - lag of the weights (none for
+    i < lag), so it sees keys j <= i - lag.
     """
+    if lag:
+        w = kernel_weights(n, m, causal=causal, key_padding_mask=key_padding_mask, gate=gate,
+                           dtype=dtype, device=device)
+        shifted = torch.zeros_like(w)
+        shifted[..., lag:, :] = w[..., :max(n - lag, 0), :]
+        return shifted
     w = dense_mask(n, m, causal=causal, key_padding_mask=key_padding_mask, device=device).to(dtype)
     if gate is None:
         return w
@@ -54,15 +63,16 @@ def kernel_attention(
     causal: bool = False,
     gate: Tensor | None = None,
     eps: float = 1e-6,
+    lag: int = 0,
 ) -> Tensor:
     """The kernelized core on precomputed features: the explicit N x M kernel matrix
-    φ(Q) (φ(K) exp(key_log_scale))^T weighted by :func:`kernel_weights`, and its denominator
-    pushed away from 0 by ``eps`` (keeping its sign), as the core does."""
+    φ(Q) (φ(K) exp(key_log_scale))^T weighted by :func:`kernel_weights` (``lag``: see there),
+    and its denominator pushed away from 0 by ``eps`` (keeping its sign), as the core does."""
     true_k = phi_k if key_log_scale is None else phi_k * torch.exp(key_log_scale)
     a = phi_q @ true_k.transpose(-2, -1)
     a = a * kernel_weights(
         phi_q.shape[2], phi_k.shape[2], causal=causal, key_padding_mask=key_padding_mask,
-        gate=gate, dtype=a.dtype, device=a.device,
+        gate=gate, dtype=a.dtype, device=a.device, lag=lag,
     )
     den = a.sum(-1, keepdim=True)
     den = torch.where(den >= 0, den.clamp_min(eps), den.clamp_max(-eps))
