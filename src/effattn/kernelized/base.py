@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -119,7 +121,14 @@ class KernelizedAttention(RandomizedAttention):
         """The core's settings for one call: every caller (this module, the window hybrid,
         sequence parallelism) passes them whole."""
         return CoreConfig(self.features, self.feature_dim, self.chunk_size, self.eps,
-                          self.slice_elements, self.feature_tensors())
+                          self.slice_elements, self.feature_tensors(), self.exponent_map())
+
+    def exponent_map(self) -> Callable[[Tensor], Tensor] | None:
+        """A map whose features are exp of per-feature exponents returns its exponents function
+        here (x -> u, φ = exp(u)): the core then runs its per-feature stabiliser
+        (:mod:`effattn.kernelized.exponents`). None (the default): the row convention of
+        :meth:`features`."""
+        return None
 
     def _draw(self, generator: TensorGenerator) -> tuple[Tensor, ...]:
         """Fresh values of the buffers named in ``random_buffers``, in that order."""

@@ -96,11 +96,15 @@ def _with_ones(v: Tensor) -> Tensor:
     return torch.cat([v, v.new_ones(*v.shape[:-1], 1)], -1)
 
 
-def _finish(raw: Tensor, top: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _finish(raw: Tensor, top: Tensor,
+            normaliser: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """[num, den] (..., Dv + 1) held at exp(top) (..., 1) -> num / den (0 where no key is
-    seen), and the normaliser den · exp(top) as its log (-inf where no key) and sign, (...)."""
+    seen), and (when asked) the normaliser den · exp(top) as its log (-inf where no key) and
+    sign, (...)."""
     den = raw[..., -1:]
     div = torch.where(den == 0, 1.0, den)  # 0 / 1, and a gradient of 0, where no key is seen
+    if not normaliser:
+        return raw[..., :-1] / div, None, None
     log_abs = torch.where(den == 0, float("-inf"), torch.log(div) + top)[..., 0]
     return raw[..., :-1] / div, log_abs, (den > 0).to(den.dtype).detach()[..., 0]
 
@@ -143,12 +147,12 @@ def read_normalised(state: RecurrentState, u_q: Tensor,
                     normaliser: bool = True) -> tuple[Tensor, Normaliser | None]:
     """Queries' exponents u_q (B, H, N, F) read out of a per-feature ``state``: the output
     (B, H, N, Dv) and (when asked) its normaliser Σ_j φ(q_i)·φ(k_j) at the true scale."""
-    out, log_abs, sign = _finish(*_read(u_q, state.kv, state.log_scale))
-    return out, Normaliser(log_abs, sign) if normaliser else None
+    out, log_abs, sign = _finish(*_read(u_q, state.kv, state.log_scale), normaliser)
+    return out, None if log_abs is None or sign is None else Normaliser(log_abs, sign)
 
 
 def _read_queries(q: Tensor, kv: Tensor, scale: Tensor, exponents: ExponentFn) -> Tensor:
-    return _finish(*_read(exponents(q), kv, scale))[0]
+    return _finish(*_read(exponents(q), kv, scale), False)[0]
 
 
 def against(u: Tensor, scale: Tensor, *, is_query: bool) -> tuple[Tensor, Tensor | None]:

@@ -413,8 +413,9 @@ def hybrid_step(
     state = _check_state(attn, state, k, v, gate)
     t, slot = state.length, state.length % window
     linear = state.linear
+    core = attn.core()
     if t >= window:
-        linear = attn.core().step_keys(
+        linear = core.step_keys(
             linear, state.k[:, :, slot:slot + 1], state.v[:, :, slot:slot + 1],
             gate=None if state.gate is None else state.gate[:, :, slot:slot + 1],
             recording=q.requires_grad)
@@ -447,7 +448,7 @@ def hybrid_step(
     lse = top[..., 0] + torch.log(total)
     if shift is not None:
         lse = lse + shift[:, None]
-    out, norm = attn.core().read_normalised(linear, q)
+    out, norm = core.read_normalised(linear, q)
     if ring_g is not None:
         norm = Normaliser(norm.log_abs + _masked_log(ring_g, empty).sum(-1, keepdim=True),
                           norm.sign)

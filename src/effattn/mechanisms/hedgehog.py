@@ -38,8 +38,7 @@ pass): the per-head projection is one batched GEMM over the (batch, head) pairs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -48,7 +47,7 @@ from torch import Tensor, nn
 from effattn.base import check_choice, check_positive_int
 from effattn.kernelized import features as fm
 from effattn.kernelized.base import WINDOW_OPTIONS, KernelizedAttention
-from effattn.kernelized.core import CoreConfig, DenominatorUnderflowError
+from effattn.kernelized.core import DenominatorUnderflowError
 from effattn.kernelized.flops import kernelized_flops
 from effattn.kernelized.parallel import StateExchange
 from effattn.random import normal
@@ -120,12 +119,9 @@ class HedgehogAttention(KernelizedAttention):
             w.expand(batch, -1, -1, -1).reshape(-1, dim, f),
         ).view(batch, heads, length, f)
 
-    def core(self) -> CoreConfig:
-        """The base's settings; the exp form runs the per-feature stabilised core."""
-        config = super().core()
-        if self.feature_map == "exp":
-            return replace(config, exponents=self.exponents)
-        return config
+    def exponent_map(self) -> Callable[[Tensor], Tensor] | None:
+        """The exp form runs the per-feature stabilised core on :meth:`exponents`."""
+        return self.exponents if self.feature_map == "exp" else None
 
     def _underflow(self, err: DenominatorUnderflowError, q: Tensor, k: Tensor | None) -> ValueError:
         """The core's underflow error with the size that causes it here: the largest exponent
