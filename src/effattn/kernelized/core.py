@@ -1552,7 +1552,8 @@ class CoreConfig:
             from effattn.kernelized import exponents
 
             return exponents.key_state(k, v, self.exponents, self.feature_dim,
-                                       key_padding_mask=key_padding_mask)
+                                       key_padding_mask=key_padding_mask,
+                                       slice_elements=self.slice_elements)
         return key_state(k, v, self.features, feature_dim=self.feature_dim,
                          key_padding_mask=key_padding_mask, slice_elements=self.slice_elements,
                          feature_tensors=self.feature_tensors)
@@ -1562,7 +1563,8 @@ class CoreConfig:
         if self.exponents is not None:
             from effattn.kernelized import exponents
 
-            return exponents.read_queries(q, state, self.exponents)
+            return exponents.read_queries(q, state, self.exponents,
+                                          slice_elements=self.slice_elements)
         return read_queries(q, state, self.features, feature_dim=self.feature_dim, eps=self.eps,
                             slice_elements=self.slice_elements,
                             feature_tensors=self.feature_tensors)

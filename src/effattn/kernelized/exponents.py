@@ -36,9 +36,10 @@ incoming state's):
 The state is a :class:`~effattn.kernelized.core.RecurrentState` whose ``log_scale`` is per
 feature, (B, H, F, 1); decoding (:func:`step_state`, :func:`read_normalised`) keeps it so, and
 equals the forward up to rounding. Gradients flow through autograd: the shifts (M, R, c) are
-constants that cancel (no gradient), and long inputs run in slices of about ``slice_elements``
-feature values, each recomputed in the backward (activation checkpointing), so training memory
-grows with the slice, not the sequence.
+constants that cancel (no gradient), and long inputs run in slices of about
+``slice_elements / SLICE_SHARE`` feature values (half the row core's slice), each
+recomputed in the backward (activation checkpointing), so training memory grows with the
+slice, not the sequence.
 
 Shapes: B batch, H heads, N queries, M keys, F features (the width of u), Dv value dim.
 """
@@ -66,6 +67,10 @@ GROWTH_LIMIT = 700.0
 # Below this largest in-chunk query exponent, the CPU computes the chunk in the input's dtype
 # (fp32: products up to e^60 times F·C terms stay far from e^88); above it, in float64.
 FP32_GROWTH = 60.0
+# A slice of this core holds slice_elements / SLICE_SHARE feature values: its backward
+# recomputes the slice with autograd, which keeps several slice-sized tensors (exponents,
+# factors, shifted copies) where the row core's hand-written backward keeps one or two.
+SLICE_SHARE = 2
 
 
 def _padded(u_k: Tensor, key_padding_mask: Tensor | None) -> Tensor:
@@ -120,21 +125,35 @@ def _key_state(k: Tensor, v: Tensor, pad: Tensor | None, kv: Tensor, scale: Tens
     return kv, top
 
 
+def _slice_tokens(b: int, h: int, f: int, slice_elements: int, multiple: int = 1) -> int:
+    """Tokens per slice: about ``slice_elements / SLICE_SHARE`` feature values (B·H·S·F), a
+    multiple of ``multiple`` (the chunk)."""
+    tokens = slice_elements // SLICE_SHARE // max(1, b * h * f)
+    return max(multiple, tokens // multiple * multiple)
+
+
 def key_state(k: Tensor, v: Tensor, exponents: ExponentFn, feature_dim: int, *,
-              key_padding_mask: Tensor | None = None,
-              state: RecurrentState | None = None) -> RecurrentState:
+              key_padding_mask: Tensor | None = None, state: RecurrentState | None = None,
+              slice_elements: int = 1 << 20) -> RecurrentState:
     """Non-causal: [S, z] = Σ_j exp(u_k(j) - o) [v_j, 1]^T with o_f the max of feature f over
     the keys (and the incoming state's scale): k (B, H, M, D), v (B, H, M, Dv) -> a state with
-    per-feature log-scales o (B, H, F, 1). Recomputed in the backward: the forward saves no
-    M x F tensor."""
+    per-feature log-scales o (B, H, F, 1). Slice by slice of the keys, the state rescaled per
+    feature between them, each slice recomputed in the backward: the forward saves no M x F
+    tensor."""
     b, h, m = k.shape[:3]
     state = _state(state, b, h, feature_dim, v.shape[-1], v)
-    args = (k, v, key_padding_mask, state.kv, state.log_scale, exponents)
-    if torch.is_grad_enabled():
-        kv, top = checkpoint(_key_state, *args, use_reentrant=False)
-    else:
-        kv, top = _key_state(*args)
-    return RecurrentState(kv, top, state.position + m)
+    kv, scale = state.kv, state.log_scale
+    step = _slice_tokens(b, h, feature_dim, slice_elements)
+    for a in range(0, m, step):
+        z = min(m, a + step)
+        args = (k[:, :, a:z], v[:, :, a:z],
+                None if key_padding_mask is None else key_padding_mask[:, a:z], kv, scale,
+                exponents)
+        if torch.is_grad_enabled():
+            kv, scale = checkpoint(_key_state, *args, use_reentrant=False)
+        else:
+            kv, scale = _key_state(*args)
+    return RecurrentState(kv, scale, state.position + m)
 
 
 def _read(u_q: Tensor, kv: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
@@ -169,13 +188,20 @@ def against(u: Tensor, scale: Tensor, *, is_query: bool) -> tuple[Tensor, Tensor
     return shifted.sub_(top).exp_(), top
 
 
-def read_queries(q: Tensor, state: RecurrentState, exponents: ExponentFn) -> Tensor:
-    """Non-causal read-out: q (B, H, N, D) -> (B, H, N, Dv), recomputed in the backward (no
-    N x F tensor saved)."""
-    args = (q, state.kv, state.log_scale, exponents)
-    if torch.is_grad_enabled():
-        return checkpoint(_read_queries, *args, use_reentrant=False)
-    return _read_queries(*args)
+def read_queries(q: Tensor, state: RecurrentState, exponents: ExponentFn, *,
+                 slice_elements: int = 1 << 20) -> Tensor:
+    """Non-causal read-out: q (B, H, N, D) -> (B, H, N, Dv), slice by slice of the queries,
+    each recomputed in the backward (no N x F tensor saved)."""
+    b, h, n = q.shape[:3]
+    step = _slice_tokens(b, h, state.kv.shape[2], slice_elements)
+    outs = []
+    for a in range(0, n, step):
+        args = (q[:, :, a:a + step], state.kv, state.log_scale, exponents)
+        if torch.is_grad_enabled():
+            outs.append(checkpoint(_read_queries, *args, use_reentrant=False))
+        else:
+            outs.append(_read_queries(*args))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
 
 
 def step_state(state: RecurrentState | None, u_k: Tensor, v: Tensor) -> RecurrentState:
@@ -324,7 +350,7 @@ def causal(q: Tensor, k: Tensor, v: Tensor, exponents: ExponentFn, feature_dim: 
     f = feature_dim
     state = _state(state, b, h, f, v.shape[-1], v)
     kv, scale = state.kv, state.log_scale
-    step = max(chunk_size, slice_elements // max(1, b * h * f) // chunk_size * chunk_size)
+    step = _slice_tokens(b, h, f, slice_elements, chunk_size)
     recording = torch.is_grad_enabled()
     parts = []
     for a in range(0, n, step):
@@ -351,5 +377,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, exponents: ExponentFn, feature_di
     if is_causal:
         return causal(q, k, v, exponents, feature_dim, key_padding_mask=key_padding_mask,
                       chunk_size=chunk_size, slice_elements=slice_elements)[0]
-    state = key_state(k, v, exponents, feature_dim, key_padding_mask=key_padding_mask)
-    return read_queries(q, state, exponents)
+    state = key_state(k, v, exponents, feature_dim, key_padding_mask=key_padding_mask,
+                      slice_elements=slice_elements)
+    return read_queries(q, state, exponents, slice_elements=slice_elements)
