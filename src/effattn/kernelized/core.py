@@ -128,7 +128,8 @@ def _key_value_products(phi_k: Tensor, w: Tensor) -> Tensor:
     return _KeyValueProducts.apply(phi_k, w)
 
 
-def _with_ones(v: Tensor) -> Tensor:
+def with_ones(v: Tensor) -> Tensor:
+    """[v, 1]: v (..., Dv) with a column of ones (the normaliser's), (..., Dv + 1)."""
     return torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
 
 
@@ -328,7 +329,7 @@ def _weighted_values(
     v (B, H, M, Dv), key_log_scale (B, H, M, 1) or None (true scale 0, weight 1), pad
     (B, 1, M, 1) or None, scale (B, H, 1, 1) -> (B, H, M, Dv + 1).
     """
-    v1 = _with_ones(v)
+    v1 = with_ones(v)
     if key_log_scale is None:
         return v1 if pad is None else v1.masked_fill(pad, 0.0)
     if pad is not None:
@@ -402,7 +403,7 @@ def _factors(v: Tensor, key_log_scale: Tensor | None, key_padding_mask: Tensor |
     if gate is None and key_padding_mask is None:
         v_c = _values_chunk_major(v, chunk)
     else:
-        v1 = _with_ones(v)
+        v1 = with_ones(v)
         if gate is not None:
             v1 = v1 * (1.0 - gate)[..., None]
             log_gate = torch.log(gate).clamp_min(LOG_GATE_FLOOR)
@@ -1148,7 +1149,7 @@ def kernelized_causal(
     This is prefill for decoding: the prompt runs chunkwise, and decoding picks up the state.
     Recording gradients, it keeps q, k, v, the gate, the output and the state entering each
     slice (:class:`_Causal`). ``lag`` > 0: query i sees keys j <= i - lag (see
-    :func:`_lagged_causal`).
+    :func:`lagged`).
     """
     out, state, _ = _causal(q, k, v, features, state, feature_dim, key_padding_mask, gate,
                             chunk_size, eps, slice_elements, feature_tensors, False, lag)
@@ -1219,8 +1220,16 @@ def _causal(
     _check_chunk(chunk_size)
     check_lag(lag)
     if lag:
-        return _lagged_causal(q, k, v, features, state, feature_dim, key_padding_mask, gate,
-                              chunk_size, eps, slice_elements, feature_tensors, normaliser, lag)
+        def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                gate: Tensor | None) -> tuple[Tensor, RecurrentState, Normaliser | None]:
+            return _causal(q, k, v, features, None, feature_dim, mask, gate, chunk_size, eps,
+                           slice_elements, feature_tensors, normaliser)
+
+        def empty() -> RecurrentState:
+            phi = features(k[:, :, :1], is_query=False)[0]
+            return RecurrentState.empty(b, h, phi.shape[-1], v.shape[-1], phi)
+
+        return lagged(run, q, k, v, key_padding_mask, gate, state, lag, normaliser, empty)
     if _strategy(q) == "gpu":
         from effattn.kernelized import gpu
 
@@ -1246,23 +1255,16 @@ def _causal(
     return out, state, norm
 
 
-def _lagged_causal(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    features: FeatureFn,
-    state: RecurrentState | None,
-    feature_dim: int,
-    key_padding_mask: Tensor | None,
-    gate: Tensor | None,
-    chunk_size: int,
-    eps: float,
-    slice_elements: int,
-    feature_tensors: Sequence[Tensor] | None,
-    normaliser: bool,
-    lag: int,
-) -> tuple[Tensor, RecurrentState, Normaliser | None]:
-    """:func:`_causal` with query i seeing keys j <= i - ``lag`` (lag >= 1)::
+CausalFn = Callable[[Tensor, Tensor, Tensor, "Tensor | None", "Tensor | None"],
+                    tuple[Tensor, RecurrentState, "Normaliser | None"]]
+
+
+def lagged(run: CausalFn, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
+           gate: Tensor | None, state: RecurrentState | None, lag: int, normaliser: bool,
+           empty: Callable[[], RecurrentState]) -> tuple[Tensor, RecurrentState,
+                                                          Normaliser | None]:
+    """A causal form with query i seeing keys j <= i - ``lag`` (lag >= 1), from ``run`` (q, k,
+    v, mask, gate) -> (out, state, normaliser) of an ordinary causal pass::
 
         out_i = Σ_{j <= i - lag} w_ij φ(q_i)·φ(k_j) v_j / Σ_{j <= i - lag} w_ij φ(q_i)·φ(k_j)
 
@@ -1271,29 +1273,25 @@ def _lagged_causal(
     by ``lag``: query i takes the place of query i - lag of an ordinary causal pass. q, k, v,
     the mask and the gate enter as views (no lagged copies); queries i < lag see no key (output
     0, normaliser -inf with sign 0). The state after holds the keys the last query saw,
-    j <= N - 1 - lag (position N - lag); a lagged pass starts from no state, since its first
-    queries would read one that no causal pass of theirs makes."""
+    j <= N - 1 - lag (position N - lag), or is ``empty()`` when no query sees a key; a lagged
+    pass starts from no state, since its first queries would read one that no causal pass of
+    theirs makes. Shared by the row core and the per-feature one."""
     b, h, n = q.shape[:3]
     if state is not None:
         raise ValueError("lag > 0 needs state=None: a lagged pass starts at the sequence's start")
     seen = n - lag  # keys that some query sees
     if seen <= 0:
-        phi = features(k[:, :, :1], is_query=False)[0]
         norm = None
         if normaliser:
             norm = Normaliser(q.new_full((b, h, n), -math.inf), q.new_zeros(b, h, n))
-        return (q.new_zeros(b, h, n, v.shape[-1]),
-                RecurrentState.empty(b, h, phi.shape[-1], v.shape[-1], phi), norm)
-    out, state, norm = _causal(
-        q[:, :, lag:], k[:, :, :seen], v[:, :, :seen], features, None, feature_dim,
-        None if key_padding_mask is None else key_padding_mask[:, :seen],
-        None if gate is None else gate[:, :, :seen], chunk_size, eps, slice_elements,
-        feature_tensors, normaliser,
-    )
+        return q.new_zeros(b, h, n, v.shape[-1]), empty(), norm
+    out, after, norm = run(q[:, :, lag:], k[:, :, :seen], v[:, :, :seen],
+                           None if key_padding_mask is None else key_padding_mask[:, :seen],
+                           None if gate is None else gate[:, :, :seen])
     if norm is not None:
         norm = Normaliser(F.pad(norm.log_abs, (lag, 0), value=-math.inf),
                           F.pad(norm.sign, (lag, 0)))
-    return F.pad(out, (0, 0, lag, 0)), state, norm
+    return F.pad(out, (0, 0, lag, 0)), after, norm
 
 
 def _causal_forward(
@@ -1691,7 +1689,7 @@ def step_state(
     involved requires grad, or ``recording``: the caller's read-out does)."""
     _check_shapes(phi_k, phi_k, v, key_log_scale)
     state = _state_for(state, phi_k, v)
-    v1 = _with_ones(v)
+    v1 = with_ones(v)
     scale = state.log_scale
     if gate is not None:
         if gate.shape != phi_k.shape[:3]:

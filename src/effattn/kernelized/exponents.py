@@ -54,7 +54,14 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from effattn import strategy
-from effattn.kernelized.core import LOG_FLOOR, RESCALE_MARGIN, Normaliser, RecurrentState
+from effattn.kernelized.core import (
+    LOG_FLOOR,
+    RESCALE_MARGIN,
+    Normaliser,
+    RecurrentState,
+    lagged,
+    with_ones,
+)
 
 # exponents(x (B, H, L, D)) -> u (B, H, L, F): the map is φ(x) = exp(u).
 ExponentFn = Callable[[Tensor], Tensor]
@@ -97,10 +104,6 @@ def _state(state: RecurrentState | None, b: int, h: int, f: int, dv: int,
     return state
 
 
-def _with_ones(v: Tensor) -> Tensor:
-    return torch.cat([v, v.new_ones(*v.shape[:-1], 1)], -1)
-
-
 def _finish(raw: Tensor, top: Tensor,
             normaliser: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """[num, den] (..., Dv + 1) held at exp(top) (..., 1) -> num / den (0 where no key is
@@ -121,7 +124,7 @@ def _key_state(k: Tensor, v: Tensor, pad: Tensor | None, kv: Tensor, scale: Tens
         top = torch.maximum(u_k.amax(2, keepdim=True).clamp_min(LOG_FLOOR),
                             scale.transpose(-2, -1)).transpose(-2, -1)  # (B, H, F, 1)
     kv = (kv * torch.exp(scale - top)
-          + torch.sub(u_k, top.transpose(-2, -1)).exp_().transpose(-2, -1) @ _with_ones(v))
+          + torch.sub(u_k, top.transpose(-2, -1)).exp_().transpose(-2, -1) @ with_ones(v))
     return kv, top
 
 
@@ -230,7 +233,7 @@ def step_state(state: RecurrentState | None, u_k: Tensor, v: Tensor) -> Recurren
             new = torch.where(exceeds, torch.maximum(scale, key), scale)
         decay = torch.exp(scale - new)
         kv, scale = (kv.mul_(decay) if in_place else kv * decay), new
-    update = (torch.exp(key - scale), _with_ones(v))
+    update = (torch.exp(key - scale), with_ones(v))
     kv = kv.addcmul_(*update) if in_place else torch.addcmul(kv, *update)
     return RecurrentState(kv, scale, state.position + 1)
 
@@ -260,7 +263,7 @@ def _causal_slice(q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None, kv: Tenso
     b, h, n = q.shape[:3]
     u_q = exponents(q)
     u_k = _padded(exponents(k), pad)
-    v1 = _with_ones(v)
+    v1 = with_ones(v)
     tail = -n % chunk
     if tail:  # keys that are not there: exp(-inf) = 0, and the running max stays
         u_q = torch.cat([u_q, u_q.new_zeros(b, h, tail, u_q.shape[-1])], 2)
@@ -329,24 +332,14 @@ def causal(q: Tensor, k: Tensor, v: Tensor, exponents: ExponentFn, feature_dim: 
     if k.shape[2] != n:
         raise ValueError(f"causal needs N == M, got {n} and {k.shape[2]}")
     if lag:
-        if state is not None:
-            raise ValueError("lag > 0 needs state=None: a lagged pass starts at the sequence's "
-                             "start")
-        seen = max(0, n - lag)
-        if seen == 0:  # no query sees a key
-            norm = None
-            if normaliser:
-                norm = Normaliser(q.new_full((b, h, n), float("-inf")), q.new_zeros(b, h, n))
-            return (q.new_zeros(b, h, n, v.shape[-1]),
-                    _state(None, b, h, feature_dim, v.shape[-1], v), norm)
-        out, state, norm = causal(
-            q[:, :, n - seen:], k[:, :, :seen], v[:, :, :seen], exponents, feature_dim,
-            key_padding_mask=None if key_padding_mask is None else key_padding_mask[:, :seen],
-            chunk_size=chunk_size, slice_elements=slice_elements, normaliser=normaliser)
-        if norm is not None:
-            norm = Normaliser(F.pad(norm.log_abs, (n - seen, 0), value=float("-inf")),
-                              F.pad(norm.sign, (n - seen, 0)))
-        return F.pad(out, (0, 0, n - seen, 0)), state, norm
+        def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                _: Tensor | None) -> tuple[Tensor, RecurrentState, Normaliser | None]:
+            return causal(q, k, v, exponents, feature_dim, key_padding_mask=mask,
+                          chunk_size=chunk_size, slice_elements=slice_elements,
+                          normaliser=normaliser)
+
+        return lagged(run, q, k, v, key_padding_mask, None, state, lag, normaliser,
+                      lambda: _state(None, b, h, feature_dim, v.shape[-1], v))
     f = feature_dim
     state = _state(state, b, h, f, v.shape[-1], v)
     kv, scale = state.kv, state.log_scale
