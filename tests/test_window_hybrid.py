@@ -9,6 +9,7 @@ the causal forward; torch.compile; the errors.
 """
 
 import copy
+import math
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import effattn
 from effattn import naive
-from effattn.kernelized.hybrid import WindowState, calibrate_factor
+from effattn.kernelized.hybrid import Partial, WindowState, calibrate_factor, cancels
 
 B, H, N, D, DV = 2, 3, 63, 21, 10
 CHUNK = 8
@@ -354,3 +355,119 @@ def test_calibration_needs_the_factor():
     q, k, _ = qkv(b=1, h=2, n=10, d=8)
     with pytest.raises(ValueError, match="window_factor=True"):
         calibrate_factor(module.double(), q, k, causal=True, key_padding_mask=None)
+
+
+def _count_passes(monkeypatch):
+    """Counts of the core's non-causal key passes and causal passes the hybrid makes."""
+    from effattn.kernelized.core import CoreConfig
+
+    calls = {"key_state": 0, "causal_normalised": 0}
+
+    def counting(name):
+        original = getattr(CoreConfig, name)
+
+        def counted(self, *args, **kwargs):
+            calls[name] += 1
+            return original(self, *args, **kwargs)
+
+        return counted
+
+    for name in calls:
+        monkeypatch.setattr(CoreConfig, name, counting(name))
+    return calls
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("label, options", [METHODS[0], METHODS[2], METHODS[6]],
+                         ids=["performer", "favor", "hedgehog"])
+def test_non_causal_is_one_pass_over_the_keys_minus_the_window(label, options, padded,
+                                                                  monkeypatch):
+    """Non-causal: every key's estimate (one key state) minus the window's band, merged with
+    the window; no causal pass (hedgehog: its per-feature state, and the band at its scale)."""
+    module = _build(label, options, 8)
+    q, k, v, _ = _inputs("cpu", False)
+    mask = padding(B, N, seed=3) if padded else None
+    calls = _count_passes(monkeypatch)
+    out = module(q, k, v, causal=False, key_padding_mask=mask)
+    assert calls == {"key_state": 1, "causal_normalised": 0}
+    ref = module.spec.reference(module, q, k, v, causal=False, key_padding_mask=mask)
+    tol = TOLERANCE.get(label, 1e-10)
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
+def _part(log_abs, sign=None):
+    log_abs = torch.tensor([log_abs], dtype=torch.float32)
+    return Partial(torch.zeros(1, 1), log_abs, None if sign is None else torch.tensor([sign]))
+
+
+def test_the_subtraction_is_refused_where_it_would_cancel():
+    """`cancels`: a row whose estimate over every key is mostly the window's band, with the
+    window's exact part too small to outweigh it, loses its digits in the subtraction; a row
+    where either the window dominates or the band is a small part of the total does not; a lost
+    read-out is refused whatever the sizes."""
+    no = torch.tensor(False)
+    # Every key's estimate 1, the band's 1 - 1e-6 (a part of sign -1, as
+    # outside_window_parts gives it): the difference is fp32's rounding.
+    assert cancels(_part(-30.0), _part(0.0), _part(math.log1p(-1e-6), -1.0), no)
+    # The same, but the window's exact part is e^2 times larger: the rounding is small in it.
+    assert not cancels(_part(2.0), _part(0.0), _part(math.log1p(-1e-6), -1.0), no)
+    # The band is a tenth of the total: one digit lost.
+    assert not cancels(_part(-30.0), _part(0.0), _part(math.log(0.1), -1.0), no)
+    # Signed (trig) estimates: a negative band estimate adds to the total.
+    assert not cancels(_part(-30.0), _part(0.0, 1.0), _part(0.0, 1.0), no)
+    assert cancels(_part(0.0), _part(-1.0), _part(-2.0, -1.0), torch.tensor(True))
+
+
+def test_where_the_subtraction_cancels_the_two_lagged_passes_answer(monkeypatch):
+    """Peaked fp32 logits where every key's estimate is the window's: the hybrid finds the
+    subtraction unsafe, takes one lagged causal pass each way instead, and equals the float64
+    reference to fp32's accuracy."""
+    module = _build("performer", {"num_features": 24}, 8)
+    q, k, v = qkv(b=1, h=H, n=40, d=D, dv=DV, seed=2)
+    # Keys equal to their queries and far apart: each query's estimate is its own key's, in
+    # the window, and (by the factor) outweighs the window's softmax.
+    k = q = q * 6.0
+    with torch.no_grad():
+        module.window_log_factor.fill_(400.0)
+        want = module(q, k, v, causal=False)
+        calls = _count_passes(monkeypatch)
+        got = module.float()(q.float(), k.float(), v.float(), causal=False)
+    assert calls == {"key_state": 1, "causal_normalised": 2}
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("label, options", [METHODS[2], METHODS[6]], ids=["favor", "hedgehog"])
+def test_the_two_lagged_passes_match_the_reference_with_gradients(label, options, monkeypatch):
+    """The non-causal form without the subtraction (taken where it would cancel, and while
+    compiling) against the float64 reference, gradients included."""
+    from effattn.kernelized import hybrid
+
+    monkeypatch.setattr(hybrid, "cancels", lambda *parts: True)
+    module = _build(label, options, 8)
+    q, k, v, _ = _inputs("cpu", False)
+    mask = padding(B, N, seed=3)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = module(*leaves, causal=False, key_padding_mask=mask)
+    ref = module.spec.reference(module, *leaves, causal=False, key_padding_mask=mask)
+    tol = TOLERANCE.get(label, 1e-10)
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    probe = torch.randn_like(out)
+    got = torch.autograd.grad((out * probe).sum(), leaves)
+    want = torch.autograd.grad((ref * probe).sum(), leaves)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-8, atol=1e-8)
+
+
+@pytest.mark.parametrize("label, options", [METHODS[0], METHODS[6]],
+                         ids=["performer", "hedgehog"])
+def test_fp32_non_causal_subtraction_keeps_fp32_accuracy(label, options):
+    """Every key minus the window's keys in fp32, where the window holds most of the estimate
+    (peaked logits), against the same module in float64: non-negative maps to fp32's rounding
+    (measured: 1.4e-6 and 2.5e-7 at most, as the two lagged passes this form replaced gave;
+    signed maps differ by their normaliser's condition number, as in kernelized.core)."""
+    module = _build(label, options, 32)
+    q, k, v = qkv(b=1, h=H, n=300, d=D, dv=DV, seed=5, scale=1.5)
+    with torch.no_grad():
+        want = module(q, k, v, causal=False)
+        got = module.float()(q.float(), k.float(), v.float(), causal=False)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

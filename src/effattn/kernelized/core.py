@@ -1670,9 +1670,18 @@ def read_normalised(state: RecurrentState, phi_q: Tensor, query_log_scale: Tenso
                     eps: float) -> tuple[Tensor, Normaliser]:
     """φ(Q) (B, H, N, F) read out of ``state``: the output (B, H, N, Dv) and its
     :class:`Normaliser`, with the queries' log-scales (B, H, N, 1) (None: 0)."""
+    return read_checked(state, phi_q, query_log_scale, eps)[:2]
+
+
+def read_checked(state: RecurrentState, phi_q: Tensor, query_log_scale: Tensor | None,
+                 eps: float) -> tuple[Tensor, Normaliser, Tensor | None]:
+    """:func:`read_normalised`, and whether a query that sees a key lost its denominator (0-d,
+    see :func:`_lost_rows`; None: not checked), unread (no host sync)."""
     raw = phi_q @ state.kv
     log_abs, sign = _normaliser(raw[..., -1:], eps, state.log_scale, query_log_scale)
-    return _ratio(raw, eps, state.log_scale), Normaliser(log_abs, sign)
+    with torch.no_grad():
+        lost = _lost_rows(raw, eps, state.log_scale)
+    return _ratio(raw, eps, state.log_scale), Normaliser(log_abs, sign), lost
 
 
 def step_state(

@@ -21,9 +21,17 @@ as FlashAttention merges blocks: the banded engine (``effattn.sparse``) gives th
 output and log-sum-exp; the causal kernelized core gives the rest's output and normaliser
 (:meth:`effattn.kernelized.core.CoreConfig.causal_normalised`) with its ``lag`` = window:
 query i sees keys up to i - window, exactly those causal attention leaves outside the window.
-Non-causal, the keys before i - window // 2 are one lagged causal pass and those after
-i + window // 2 the same pass over the reversed sequence. Both engines keep only
-their inputs, outputs and normalisers for the backward (no N x window or N x F tensor).
+Non-causal, the rest is one non-causal key state over every key, read by every query, minus the
+window's band of the kernel (Σ_{|i-j|<=window//2} κ_ij [v_j, 1], in blocks: O(N·window·F)), a
+third part with a negative normaliser. A subtraction can cancel: where a row's estimate over
+every key is mostly its window's, and the window's exact softmax does not outweigh it (peaked
+logits with an estimate far from e^s, or a large per-head factor), the difference would keep
+only its rounding (:func:`cancels`, one host sync per call); the call then computes the rest
+as two lagged causal passes, the keys before the window and (over the reversed sequence) those
+after it, which subtract nothing. A compiled graph always takes those two passes (no
+data-dependent branch). The engines keep only their inputs, outputs and normalisers for the
+backward, the band's slices are recomputed, and the merge keeps the merged output, not the
+kernelized parts' (:class:`_Merge`): no N x window or N x F tensor.
 
 Gated (RFA's gate): key j outside the window carries (1 - g_j) Π_{j<l<=i} g_l, the lagged
 state's weight times the gates of the window, Π_{i-window<l<=i} g_l, added to its log.
@@ -37,6 +45,7 @@ Shapes: B batch, H heads, N tokens, D head dim, Dv value dim, W window.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,11 +53,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
+from torch.utils.checkpoint import checkpoint
 
+from effattn.kernelized import exponents
 from effattn.kernelized.core import (
+    LOG_FLOOR,
     LOG_GATE_FLOOR,
+    CoreConfig,
     Normaliser,
     RecurrentState,
+    read_checked,
+    slice_tokens,
 )
 from effattn.sparse import banded_attention
 
@@ -223,14 +238,190 @@ def hybrid_attention(
     n = q.shape[2]
     parts = [window_part(attn, q, k, v, causal, key_padding_mask)]
     lag = window if causal else window // 2 + 1
-    if lag < n:  # else every key is in every window: exact softmax
-        parts.append(_lagged_part(attn, q, k, v, lag, key_padding_mask, gate))
-        if not causal:
-            flip = None if key_padding_mask is None else key_padding_mask.flip(1)
-            later = _lagged_part(attn, q.flip(2), k.flip(2), v.flip(2), lag, flip, None)
-            parts.append(Partial(later.out.flip(2), later.log_abs.flip(2),
-                                 None if later.sign is None else later.sign.flip(2)))
-    return merge(parts, attn.eps)
+    if lag >= n:  # every key is in every window: exact softmax
+        return merge(parts, attn.eps)
+    if causal:
+        return merge(parts + [_lagged_part(attn, q, k, v, lag, key_padding_mask, gate)],
+                     attn.eps)
+    if not torch.compiler.is_compiling():
+        half = window // 2
+        # The keys extended by ``half`` masked rows on both sides: every query's band is in.
+        masked = torch.ones(q.shape[0], n + 2 * half, dtype=torch.bool, device=q.device)
+        masked[:, half:half + n] = False if key_padding_mask is None else key_padding_mask
+        outside, lost = outside_window_parts(
+            attn, q, F.pad(k, (0, 0, half, half)), F.pad(v, (0, 0, half, half)), masked,
+            attn.core().key_state(k, v, key_padding_mask=key_padding_mask), half,
+        )
+        if not cancels(parts[0], *outside, lost):
+            return merge(parts + outside, attn.eps)
+    return merge(parts + _lagged_both_ways(attn, q, k, v, lag, key_padding_mask), attn.eps)
+
+
+def cancels(window: Partial, total: Partial, band: Partial, lost: Tensor) -> bool:
+    """Whether the non-causal form's subtraction (every key's estimate minus the window's band)
+    is unsafe: ``lost`` (0-d), a query's read-out of every key underflowed (as the core's
+    lost-row check finds it), or the subtraction loses more than a third of the digits of some
+    row's merged normaliser::
+
+        max(|n_total|, |n_band|) > ε^(-1/3) |n_window + n_total - n_band|
+
+    (ε of the parts' dtype): a query whose estimate over the window is most of its estimate over
+    every key, and is not outweighed by the window's exact softmax. Peaked logits with estimates
+    far from e^s do it (in fp32, rows that should carry weight would read their difference's
+    rounding, or 0). The caller then takes the two lagged passes, which subtract nothing. One
+    host sync per call."""
+    with torch.no_grad():
+        logs = torch.stack([window.log_abs, total.log_abs, band.log_abs])
+        top = logs.amax(0)
+        top = torch.where(torch.isfinite(top), top, 0.0)
+        sizes = torch.exp(logs - top)
+        signed = [size if part.sign is None else size * part.sign
+                  for size, part in zip(sizes, (window, total, band), strict=True)]
+        merged = (signed[0] + signed[1] + signed[2]).abs()
+        limit = torch.finfo(logs.dtype).eps ** (-1 / 3)
+        return bool((torch.maximum(sizes[1], sizes[2]) > limit * merged).any() | lost)
+
+
+def _lagged_both_ways(attn: KernelizedAttention, q: Tensor, k: Tensor, v: Tensor, lag: int,
+                      key_padding_mask: Tensor | None) -> list[Partial]:
+    """Non-causal, without a subtraction: the keys before i - lag + 1 by one lagged causal pass,
+    those after i + lag - 1 by the same pass over the reversed sequence."""
+    flip = None if key_padding_mask is None else key_padding_mask.flip(1)
+    later = _lagged_part(attn, q.flip(2), k.flip(2), v.flip(2), lag, flip, None)
+    return [_lagged_part(attn, q, k, v, lag, key_padding_mask, None),
+            Partial(later.out.flip(2), later.log_abs.flip(2),
+                    None if later.sign is None else later.sign.flip(2))]
+
+
+def outside_window_parts(attn: KernelizedAttention, q: Tensor, k: Tensor, v: Tensor,
+                         masked: Tensor, state: RecurrentState,
+                         half: int) -> tuple[list[Partial], Tensor]:
+    """Non-causal: the kernelized estimate over the keys outside each query's window,
+    |i - j| > half, as every key's estimate minus the window's::
+
+        Σ_{|i-j|>half} κ_ij [v_j, 1] = φ(q_i)·Σ_j φ(k_j) [v_j, 1] - Σ_{|i-j|<=half} κ_ij [v_j, 1]
+
+    two parts for :func:`merge`, the second with its sign turned: ``state``, the non-causal key
+    state of every key (``CoreConfig.key_state``), read by every query, and the window's band
+    of the kernel; and whether a query's read-out of the state underflowed (0-d, see
+    :func:`cancels`). q (B, H, N, D); k (B, H, N + 2 half, D), v (B, H, N + 2 half, Dv): the keys
+    from ``half`` before the first query to ``half`` after the last; ``masked`` (B, N + 2 half):
+    those that are padding or outside the sequence.
+
+    Slice by slice of the queries (:func:`_band_slice`); recording gradients, each slice is
+    recomputed in the backward (a checkpoint), so that only the inputs are kept, not the
+    slices' features or band scores.
+    """
+    config = attn.core()
+    b, h, n = q.shape[:3]
+    chunk = max(half, BAND_CHUNK)
+    step = slice_tokens(b * h, config.feature_dim + 2 * chunk, chunk, config.slice_elements)
+    recording = (torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                 and any(t.requires_grad for t in (q, k, v, state.kv)))
+    pieces = []
+    for a in range(0, n, step):
+        e = min(n, a + step)
+        args = (q[:, :, a:e], k[:, :, a:e + 2 * half], v[:, :, a:e + 2 * half],
+                masked[:, a:e + 2 * half], state.kv, state.log_scale)
+        if recording:
+            pieces.append(checkpoint(_band_slice, config, half, chunk, *args,
+                                     use_reentrant=False))
+        else:
+            pieces.append(_band_slice(config, half, chunk, *args))
+    lost = torch.stack([piece[-1] for piece in pieces]).any()
+    total, total_log, total_sign, band, band_log, band_sign = (
+        x[0] if len(pieces) == 1 else torch.cat(x, 2)
+        for x in zip(*(piece[:-1] for piece in pieces), strict=True))
+    return [linear_part(attn, total, Normaliser(total_log, total_sign)),
+            linear_part(attn, band, Normaliser(band_log, -band_sign))], lost
+
+
+# Queries per block of the band (at least the half window): the block's C queries meet its
+# C + 2 half keys in one GEMM, 2 half + 1 of each row's C + 2 half products in the window.
+BAND_CHUNK = 16
+
+
+def _band_slice(config: CoreConfig, half: int, chunk: int, q: Tensor, k: Tensor, v: Tensor,
+                masked: Tensor, kv: Tensor, log_scale: Tensor) -> tuple[Tensor, ...]:
+    """One slice of :func:`outside_window_parts`: S queries q (B, H, S, D), the keys from
+    ``half`` before the first to ``half`` after the last, k (B, H, S + 2 half, D), v, and which
+    of them are padding or outside the sequence, ``masked`` (B, S + 2 half); the key state
+    (kv, log_scale) of every key.
+
+    Returns the state's read-out (B, H, S, Dv), its log-normaliser and sign (B, H, S), and the
+    window's kernelized part, Σ_{|i-j|<=half} κ_ij [v_j, 1] (the core's convention: the keys at
+    exp(ls_j - M), M the slice's largest key log-scale, the queries' log-scale added to the
+    normaliser): its output, log-normaliser (-inf where no key) and sign.
+
+    The band in blocks of C queries: each block's keys are a window of width C + 2 half of the
+    keys, its products masked to the band |i - j| <= half. The (B, H) rows are padded to R rows
+    (a multiple of C, ``extra`` blocks more than the queries': R >= S + 2 half), laid one after
+    another, and the windows of every block of every row taken from that flat sequence by one
+    ``unfold`` (a view: no copy of φ(K)), so that one batched GEMM forms all the blocks (the
+    padding's rows are masked keys and unused queries)."""
+    b, h, s = q.shape[:3]
+    width = chunk + 2 * half
+    blocks, extra = -(-s // chunk), -(-2 * half // chunk)
+    rows = (blocks + extra) * chunk
+    q = F.pad(q, (0, 0, 0, rows - s))
+    k = F.pad(k, (0, 0, 0, rows - k.shape[2]))
+    values = F.pad(F.pad(v, (0, 0, 0, rows - v.shape[2])), (0, 1), value=1.0)  # [v, 1]
+    # Each key's weight: 0 for padding and the rows outside the sequence; with key log-scales,
+    # exp(ls_j - M) (M their largest).
+    masked = F.pad(masked, (0, rows - masked.shape[1]), value=True)[:, None, :]
+    scale = v.new_zeros(b, h, 1)
+    # The per-feature read-out's largest term is 1 (exponents module): nothing to lose.
+    lost = torch.zeros((), dtype=torch.bool, device=q.device)
+    if config.exponents is not None:
+        # Both the state's read-out and the band at the state's per-feature scale o: keys
+        # exp(u_k - o), queries exp(u_q + o - c) with c their log-scale (exponents.against).
+        u_q = config.exponents(q)
+        total, total_norm = exponents.read_normalised(RecurrentState(kv, log_scale),
+                                                      u_q[:, :, :s])
+        phi_q, query_log_scale = exponents.against(u_q, log_scale, is_query=True)
+        phi_k, _ = exponents.against(config.exponents(k), log_scale, is_query=False)
+        key_weight = (~masked).to(phi_k.dtype).expand(b, h, rows)
+    else:
+        phi_q, query_log_scale = config.features(q, is_query=True)
+        total, total_norm, check = read_checked(
+            RecurrentState(kv, log_scale), phi_q[:, :, :s],
+            None if query_log_scale is None else query_log_scale[:, :, :s], config.eps)
+        if check is not None:
+            lost = check
+        phi_k, key_log_scale = config.features(k, is_query=False)
+        if key_log_scale is None:
+            key_weight = (~masked).to(phi_k.dtype).expand(b, h, rows)
+        else:
+            key_log_scale = key_log_scale[..., 0].masked_fill(masked, -math.inf)
+            scale = key_log_scale.detach().amax(2, keepdim=True).clamp_min(LOG_FLOOR)
+            key_weight = torch.exp(key_log_scale - scale)
+    assert total_norm is not None
+    # Query u of a block and its key r (at u - half .. u + half): |r - half - u| <= half.
+    offsets = torch.arange(chunk, device=q.device)[:, None] + half
+    band = (torch.arange(width, device=q.device) - offsets).abs_() <= half
+    # The flat sequence's windows stop short of the last row's ``extra`` blocks (no queries).
+    count = b * h * (blocks + extra) - extra
+    keys = phi_k.reshape(-1, phi_k.shape[-1]).unfold(0, width, chunk)  # (count, F, C + 2 half)
+    queries = phi_q.reshape(-1, chunk, phi_q.shape[-1])[:count]
+    weights = key_weight.reshape(-1).unfold(0, width, chunk)[:, None]  # (count, 1, C + 2 half)
+    scores = torch.bmm(queries, keys) * (weights * band)  # (count, C, C + 2 half)
+    # Each row at its largest term: its sum is then >= 1 for positive maps, so the division
+    # below (and its gradient, -raw / den^2) stays in range however small the band's terms
+    # are at the keys' scale.
+    top = scores.detach().abs().amax(-1, keepdim=True)
+    top = torch.where(top > 0, top, 1.0)
+    raw = torch.bmm(scores / top, values.reshape(-1, values.shape[-1]).unfold(0, width, chunk)
+                    .transpose(1, 2))  # (count, C, Dv + 1)
+    raw = F.pad(raw, (0, 0, 0, 0, 0, extra)).view(b, h, rows, -1)[:, :, :s]
+    top = F.pad(top, (0, 0, 0, 0, 0, extra)).view(b, h, rows)[:, :, :s]
+    den = raw[..., -1]
+    empty = den == 0  # no key in the window (padding): nothing to subtract
+    div = torch.where(empty, 1.0, den)
+    log_abs = torch.log(div.abs()) + torch.log(top) + scale
+    if query_log_scale is not None:
+        log_abs = log_abs + query_log_scale[:, :, :s, 0]
+    return (total, total_norm.log_abs, total_norm.sign, raw[..., :-1] / div[..., None],
+            log_abs.masked_fill(empty, -math.inf), torch.sign(den).detach(), lost)
 
 
 @torch.no_grad()
