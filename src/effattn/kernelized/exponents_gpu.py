@@ -32,7 +32,12 @@ the slice's time), exactly as the CPU form's ``wide`` products, the query's expo
 :data:`~effattn.kernelized.exponents.GROWTH_LIMIT` (700; float64 holds e^709). In-chunk growth
 beyond that limit (a feature that rises by 700 inside C tokens) would lose the products of the
 queries before the rise; the growth across chunks has no limit. The CPU form instead checks the
-growth with a host sync and runs fp32 when it is small; here no flag is read back.
+growth with a host sync and runs fp32 when it is small; here no flag is read back. Cost: the
+float64 products are 2 n C F flops per (B, H) and slice (4.3 GFLOP at B·H = 8, N = 65536,
+C = 32, F = 128), which an H100's fp64 tensor cores (67 TFLOP/s by NVIDIA's sheet, the rate of
+its fp32 GEMMs without TF32) run in well under a millisecond; the float64 factors double the
+memory of u for the slice. On a GPU with slow fp64 (1/64 of fp32 on consumer parts) they would
+weigh more. None of this is measured yet.
 
 Training: :class:`_ChunkParallel` keeps q, k, v, the mask, the state entering each slice
 ((N / S) F E) and the tensors the exponents function reads, not u, the chunk states or the
