@@ -3,7 +3,8 @@
 Peers, each on the problem it solves:
 
 - ``effattn``: every kernelized method at its default options (the GPU strategy,
-  ``effattn.kernelized.gpu``, runs on CUDA tensors), computing its own features;
+  ``effattn.kernelized.gpu``, runs on CUDA tensors; hedgehog's exp form its per-feature form,
+  ``effattn.kernelized.exponents_gpu``), computing its own features;
 - ``fla``: flash-linear-attention (fla-core) on the *same* features, computed in the same
   timed call by the effattn module's map: ``chunk_linear_attn`` (normalised) for the ungated
   methods, ``chunk_simple_gla`` on [V, 1] for gated RFA, ``fused_chunk_based`` on the Taylor

@@ -14,7 +14,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import effattn
 from effattn import strategy
-from effattn.kernelized import core, gpu
+from effattn.kernelized import core, exponents_gpu, gpu
 
 VARIANTS = [
     ("performer", {"feature_map": "positive"}),
@@ -26,8 +26,9 @@ VARIANTS = [
     ("rfa", {"feature_map": "arccos", "sigma": 0.7}),
     ("rfa", {"learn_sigma": True}),
     ("linear", {}),
-    # hedgehog's exp form runs the per-feature core (kernelized.exponents) on every device:
-    # tests/test_exponents.py and the test below; its softmax form runs this strategy.
+    # hedgehog's exp form runs the per-feature core, on this strategy its chunk-parallel form
+    # (kernelized.exponents_gpu): tests/test_exponents_gpu.py and the test below; its softmax
+    # form runs the row core's.
     ("hedgehog", {"feature_map": "softmax_dim"}),
     ("taylor", {}),
 ]
@@ -315,15 +316,22 @@ def test_lost_rows_raise_on_the_gpu_strategy():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_hedgehog_exp_runs_the_per_feature_core_here_too(causal, calls):
-    """The exp form does not take this strategy: on a GPU device its per-feature core runs the
-    in-chunk products in float64 with the exact shift (no host sync to choose), which this
-    checks against the reference, with gradients."""
+def test_hedgehog_exp_runs_the_per_feature_core_in_its_gpu_form(causal, calls, monkeypatch):
+    """The exp form runs the per-feature core, whose causal form on this strategy is the
+    chunk-parallel one (kernelized.exponents_gpu, float64 in-chunk products, no host sync), not
+    the row core's entry points; checked against the reference, with gradients."""
     module = make("hedgehog", {})
     q, k, v = (t.requires_grad_(True) for t in qkv(n=63, d=21, dv=5, scale=0.5))
     mask = padding(2, 63)
+    ran, original = [], exponents_gpu.causal
+
+    def spy(*args, **kwargs):
+        ran.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(exponents_gpu, "causal", spy)
     out = module(q, k, v, causal=causal, key_padding_mask=mask)
-    assert sum(calls.values()) == 0
+    assert sum(calls.values()) == 0 and len(ran) == causal
     ref = module.spec.reference(module, q, k, v, causal=causal, key_padding_mask=mask)
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
     for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v, *module.parameters())),

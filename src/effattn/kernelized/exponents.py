@@ -30,8 +30,10 @@ incoming state's):
   :data:`FP32_GROWTH` inside its chunk (checked on the CPU, one host sync per slice), the GEMM
   runs in the input's dtype with c_i taken over the state and the query's own key (the keys in
   between can only raise it by that growth); otherwise in float64, whose range (e^±709) holds
-  any growth up to :data:`GROWTH_LIMIT`, with the exact c_i. A GPU, or a compiled graph, always
-  takes float64 rather than the host sync.
+  any growth up to :data:`GROWTH_LIMIT`, with the exact c_i. A compiled graph always takes
+  float64 rather than the host sync. On the GPU strategy the causal form is
+  :mod:`effattn.kernelized.exponents_gpu`'s (chunk-parallel, no host sync), and the non-causal
+  slices are device-sized.
 
 The state is a :class:`~effattn.kernelized.core.RecurrentState` whose ``log_scale`` is per
 feature, (B, H, F, 1); decoding (:func:`step_state`, :func:`read_normalised`) keeps it so, and
@@ -143,6 +145,9 @@ def key_state(k: Tensor, v: Tensor, exponents: ExponentFn, feature_dim: int, *,
     per-feature log-scales o (B, H, F, 1). Slice by slice of the keys, the state rescaled per
     feature between them, each slice recomputed in the backward: the forward saves no M x F
     tensor."""
+    from effattn.kernelized import exponents_gpu
+
+    slice_elements = exponents_gpu.slice_budget(slice_elements, k)
     b, h, m = k.shape[:3]
     state = _state(state, b, h, feature_dim, v.shape[-1], v)
     kv, scale = state.kv, state.log_scale
@@ -195,6 +200,9 @@ def read_queries(q: Tensor, state: RecurrentState, exponents: ExponentFn, *,
                  slice_elements: int = 1 << 20) -> Tensor:
     """Non-causal read-out: q (B, H, N, D) -> (B, H, N, Dv), slice by slice of the queries,
     each recomputed in the backward (no N x F tensor saved)."""
+    from effattn.kernelized import exponents_gpu
+
+    slice_elements = exponents_gpu.slice_budget(slice_elements, q)
     b, h, n = q.shape[:3]
     step = _slice_tokens(b, h, state.kv.shape[2], slice_elements)
     outs = []
@@ -282,9 +290,8 @@ def _causal_slice(q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None, kv: Tenso
         # R_c - max(R_{c-1}, the chunk's smallest key), per feature: below FP32_GROWTH the
         # chunk's products fit fp32; above, the exact shift and float64.
         top = (uq_c + torch.maximum(before, uk_c)).amax(-1, keepdim=True)
-        # A GPU (or a compiled graph) takes the float64 products rather than a host sync.
-        wide = (strategy.choose("kernelized", q.device) != "cpu"
-                or torch.compiler.is_compiling()
+        # A compiled graph takes the float64 products rather than a host sync.
+        wide = (torch.compiler.is_compiling()
                 or bool((end - torch.maximum(before, uk_c.amin(-2, keepdim=True))).amax()
                         > FP32_GROWTH))
         if wide:  # the running max of each feature up to i
@@ -328,6 +335,13 @@ def causal(q: Tensor, k: Tensor, v: Tensor, exponents: ExponentFn, feature_dim: 
     each recomputed in the backward when autograd records. ``lag`` > 0: query i sees keys
     j <= i - lag, as the row core's lagged form (queries lag.. against keys ..N-1-lag, as
     views; the first ``lag`` queries see no key; no entering state)."""
+    if strategy.choose("kernelized", q.device) == "gpu":
+        from effattn.kernelized import exponents_gpu
+
+        return exponents_gpu.causal(q, k, v, exponents, feature_dim, state,
+                                    key_padding_mask=key_padding_mask, chunk_size=chunk_size,
+                                    slice_elements=slice_elements, normaliser=normaliser,
+                                    lag=lag)
     b, h, n = q.shape[:3]
     if k.shape[2] != n:
         raise ValueError(f"causal needs N == M, got {n} and {k.shape[2]}")
