@@ -244,13 +244,9 @@ def hybrid_attention(
         return merge(parts + [_lagged_part(attn, q, k, v, lag, key_padding_mask, gate)],
                      attn.eps)
     if not torch.compiler.is_compiling():
-        half = window // 2
-        # The keys extended by ``half`` masked rows on both sides: every query's band is in.
-        masked = torch.ones(q.shape[0], n + 2 * half, dtype=torch.bool, device=q.device)
-        masked[:, half:half + n] = False if key_padding_mask is None else key_padding_mask
         outside, lost = outside_window_parts(
-            attn, q, F.pad(k, (0, 0, half, half)), F.pad(v, (0, 0, half, half)), masked,
-            attn.core().key_state(k, v, key_padding_mask=key_padding_mask), half,
+            attn, q, k, v, key_padding_mask,
+            attn.core().key_state(k, v, key_padding_mask=key_padding_mask), window // 2,
         )
         if not cancels(parts[0], *outside, lost):
             return merge(parts + outside, attn.eps)
@@ -294,7 +290,7 @@ def _lagged_both_ways(attn: KernelizedAttention, q: Tensor, k: Tensor, v: Tensor
 
 
 def outside_window_parts(attn: KernelizedAttention, q: Tensor, k: Tensor, v: Tensor,
-                         masked: Tensor, state: RecurrentState,
+                         key_padding_mask: Tensor | None, state: RecurrentState,
                          half: int) -> tuple[list[Partial], Tensor]:
     """Non-causal: the kernelized estimate over the keys outside each query's window,
     |i - j| > half, as every key's estimate minus the window's::
@@ -304,9 +300,7 @@ def outside_window_parts(attn: KernelizedAttention, q: Tensor, k: Tensor, v: Ten
     two parts for :func:`merge`, the second with its sign turned: ``state``, the non-causal key
     state of every key (``CoreConfig.key_state``), read by every query, and the window's band
     of the kernel; and whether a query's read-out of the state underflowed (0-d, see
-    :func:`cancels`). q (B, H, N, D); k (B, H, N + 2 half, D), v (B, H, N + 2 half, Dv): the keys
-    from ``half`` before the first query to ``half`` after the last; ``masked`` (B, N + 2 half):
-    those that are padding or outside the sequence.
+    :func:`cancels`). q, k (B, H, N, D), v (B, H, N, Dv), key_padding_mask (B, N).
 
     Slice by slice of the queries (:func:`_band_slice`); recording gradients, each slice is
     recomputed in the backward (a checkpoint), so that only the inputs are kept, not the
@@ -321,13 +315,17 @@ def outside_window_parts(attn: KernelizedAttention, q: Tensor, k: Tensor, v: Ten
     pieces = []
     for a in range(0, n, step):
         e = min(n, a + step)
-        args = (q[:, :, a:e], k[:, :, a:e + 2 * half], v[:, :, a:e + 2 * half],
-                masked[:, a:e + 2 * half], state.kv, state.log_scale)
+        # The keys from half before the slice's first query to half after its last, as views;
+        # those outside the sequence are padded in the slice only.
+        lo, hi = max(0, a - half), min(n, e + half)
+        args = (q[:, :, a:e], k[:, :, lo:hi], v[:, :, lo:hi],
+                None if key_padding_mask is None else key_padding_mask[:, lo:hi],
+                state.kv, state.log_scale)
         if recording:
-            pieces.append(checkpoint(_band_slice, config, half, chunk, *args,
+            pieces.append(checkpoint(_band_slice, config, half, chunk, lo - (a - half), *args,
                                      use_reentrant=False))
         else:
-            pieces.append(_band_slice(config, half, chunk, *args))
+            pieces.append(_band_slice(config, half, chunk, lo - (a - half), *args))
     lost = torch.stack([piece[-1] for piece in pieces]).any()
     total, total_log, total_sign, band, band_log, band_sign = (
         x[0] if len(pieces) == 1 else torch.cat(x, 2)
@@ -341,12 +339,13 @@ def outside_window_parts(attn: KernelizedAttention, q: Tensor, k: Tensor, v: Ten
 BAND_CHUNK = 16
 
 
-def _band_slice(config: CoreConfig, half: int, chunk: int, q: Tensor, k: Tensor, v: Tensor,
-                masked: Tensor, kv: Tensor, log_scale: Tensor) -> tuple[Tensor, ...]:
+def _band_slice(config: CoreConfig, half: int, chunk: int, left: int, q: Tensor,
+                k: Tensor, v: Tensor, mask: Tensor | None, kv: Tensor,
+                log_scale: Tensor) -> tuple[Tensor, ...]:
     """One slice of :func:`outside_window_parts`: S queries q (B, H, S, D), the keys from
-    ``half`` before the first to ``half`` after the last, k (B, H, S + 2 half, D), v, and which
-    of them are padding or outside the sequence, ``masked`` (B, S + 2 half); the key state
-    (kv, log_scale) of every key.
+    ``half`` before the first to ``half`` after the last that are in the sequence, k, v, with
+    their padding mask (B, ·) or None, and how many of the ``half`` before fall outside it
+    (``left``); the key state (kv, log_scale) of every key.
 
     Returns the state's read-out (B, H, S, Dv), its log-normaliser and sign (B, H, S), and the
     window's kernelized part, Σ_{|i-j|<=half} κ_ij [v_j, 1] (the core's convention: the keys at
@@ -363,12 +362,14 @@ def _band_slice(config: CoreConfig, half: int, chunk: int, q: Tensor, k: Tensor,
     width = chunk + 2 * half
     blocks, extra = -(-s // chunk), -(-2 * half // chunk)
     rows = (blocks + extra) * chunk
+    tail = rows - left - k.shape[2]  # the rows after the keys: outside the sequence, or none
     q = F.pad(q, (0, 0, 0, rows - s))
-    k = F.pad(k, (0, 0, 0, rows - k.shape[2]))
-    values = F.pad(F.pad(v, (0, 0, 0, rows - v.shape[2])), (0, 1), value=1.0)  # [v, 1]
+    k = F.pad(k, (0, 0, left, tail))
+    values = F.pad(F.pad(v, (0, 0, left, tail)), (0, 1), value=1.0)  # [v, 1]
     # Each key's weight: 0 for padding and the rows outside the sequence; with key log-scales,
     # exp(ls_j - M) (M their largest).
-    masked = F.pad(masked, (0, rows - masked.shape[1]), value=True)[:, None, :]
+    inside = torch.zeros(b, k.shape[2] - left - tail, dtype=torch.bool, device=q.device)
+    masked = F.pad(inside if mask is None else mask, (left, tail), value=True)[:, None, :]
     scale = v.new_zeros(b, h, 1)
     # The per-feature read-out's largest term is 1 (exponents module): nothing to lose.
     lost = torch.zeros((), dtype=torch.bool, device=q.device)
