@@ -124,10 +124,12 @@ def _shares(logs: list[Tensor], signs: list[Tensor | None],
 
 
 def _weighted_sum(outs: list[Tensor], shares: list[Tensor]) -> Tensor:
-    """Σ_p a_p out_p: outs (B, H, N, Dv), shares (B, H, N)."""
+    """Σ_p a_p out_p: outs (B, H, N, Dv), shares (B, H, N). Accumulated in place into one new
+    tensor: each further (B, H, N, Dv) temporary would cost a fresh allocation, whose page
+    faults on a CPU take longer than the arithmetic."""
     merged = outs[0] * shares[0][..., None]
     for out, share in zip(outs[1:], shares[1:], strict=True):
-        merged = merged + out * share[..., None]
+        merged.addcmul_(out, share[..., None])
     return merged
 
 
