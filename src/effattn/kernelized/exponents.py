@@ -57,9 +57,9 @@ the state S_{c+1} after the chunk::
 (exp(R_{c-1} - R_c) ⊙ scales the state's feature rows; the in-chunk terms run in float64
 where the forward's did). Non-causal, S = Σ_j exp(u_k(j) - o) [v_j, 1]^T and the read-out
 P = exp(u_q + o - c): ∂L/∂u_k = K ⊙ ([V, 1] ∂S^T), ∂L/∂[V, 1] = K ∂S, ∂L/∂u_q = P ⊙ (G S^T),
-∂S = P^T G (the row core's slice backwards, on these factors). Long inputs run in slices of
-about ``slice_elements / SLICE_SHARE`` feature values, so training memory grows with the
-slice, not the sequence. Under torch.compile autograd records the forward as it is.
+∂S = P^T G. Long inputs run in slices of about ``slice_elements / SLICE_SHARE`` feature
+values, forward and backward, so training memory grows with the slice, not the sequence.
+Under torch.compile autograd records the forward as it is.
 
 Shapes: B batch, H heads, N queries, M keys, F features (the width of u), Dv value dim.
 """
@@ -76,7 +76,6 @@ from torch.autograd.function import once_differentiable
 
 from effattn import strategy
 from effattn.kernelized.core import (
-    BACKWARD_SLICE_SHARE,
     LOG_FLOOR,
     RESCALE_MARGIN,
     Normaliser,
@@ -84,11 +83,9 @@ from effattn.kernelized.core import (
     _add,
     _backprop,
     _feature_inputs,
-    _key_slice_backward,
     _leaf,
     _needs_grad,
     _put,
-    _query_slice_backward,
     _ratio_grad,
     _recording,
     _spans,
@@ -107,10 +104,14 @@ GROWTH_LIMIT = 700.0
 # Below this largest in-chunk query exponent, the CPU computes the chunk in the input's dtype
 # (fp32: products up to e^60 times F·C terms stay far from e^88); above it, in float64.
 FP32_GROWTH = 60.0
-# A slice of this core holds slice_elements / SLICE_SHARE feature values: its backward
-# recomputes the slice with autograd, which keeps several slice-sized tensors (exponents,
-# factors, shifted copies) where the row core's hand-written backward keeps one or two.
-SLICE_SHARE = 2
+# A slice of this core holds slice_elements / SLICE_SHARE feature values, forward and backward.
+# It was 2 while autograd recomputed each slice; written by hand, a causal slice's forward and
+# backward still hold four to seven (B, H, S, F) tensors at once (the exponents, the query and
+# key factors, their gradients), the row core's one to three of φ, and a training step's peak
+# follows the slice: hedgehog's at 4096 tokens (128 features, B·H = 8, fp32, 1 thread) is
+# 63-65 MiB over the inputs at 2 and 53-54 at 4 causal (the row core's 54-60), 40-43 at 4
+# non-causal (the row core's 42-44), for 5-10% more time than at 2.
+SLICE_SHARE = 4
 
 
 def _padded(u_k: Tensor, key_padding_mask: Tensor | None) -> Tensor:
@@ -216,27 +217,41 @@ def key_state(k: Tensor, v: Tensor, exponents: ExponentFn, feature_dim: int, *,
     if _recording():
         tensors = _exponent_inputs(exponents, k, feature_tensors)
         if _needs_grad(k, v, state.kv, *tensors):
-            back = _slice_tokens(b, h, feature_dim, slice_elements // BACKWARD_SLICE_SHARE)
             kv, scale = _KeyState.apply(k, v, key_padding_mask, state.kv, state.log_scale,
-                                        exponents, step, back, *tensors)
+                                        exponents, step, *tensors)
             return RecurrentState(kv, scale, state.position + m)
     kv, scale = _key_slices(k, v, key_padding_mask, state.kv, state.log_scale, exponents, step)
     return RecurrentState(kv, scale, state.position + m)
 
 
+def _key_slice_backward(exponents: ExponentFn, k: Tensor, v: Tensor, pad: Tensor | None,
+                        top: Tensor, d_kv: Tensor,
+                        tensors: Sequence[Tensor]) -> tuple[Tensor, list[Tensor | None]]:
+    """One key slice of :class:`_KeyState`'s backward, from dKV (B, H, F, Dv + 1) at the final
+    scale o (``top``, B, H, F, 1): with K = exp(u_k - o) (0 where padded),
+    ∂L/∂u_k = K ⊙ ([V, 1] dKV^T) and ∂L/∂v = K dKV (the value columns), the former
+    backpropagated through the exponents recomputed under autograd. Returns ∂L/∂v and the
+    gradients of k (a leaf) and ``tensors``."""
+    with torch.enable_grad():
+        u = exponents(k)
+    keys = torch.sub(_padded(u.detach(), pad), top.transpose(-2, -1)).exp_()
+    d_v = keys @ d_kv[..., :-1]
+    d_u = (with_ones(v) @ d_kv.transpose(-2, -1)).mul_(keys)
+    del keys
+    return d_v, _backprop((u,), (d_u,), (k, *tensors))
+
+
 class _KeyState(torch.autograd.Function):
     """The state of :func:`key_state` from the state (kv, scale) before it, keeping k, v and
-    the scales only. Its gradient dKV reaches each key slice as the row core's
-    (:func:`effattn.kernelized.core._key_slice_backward`) with the keys' features
-    exp(u_k - o) at the final scale o (a constant), and the incoming kv as
-    dKV ⊙ exp(scale - o)."""
+    the scales only. Backward, slice by slice of the keys (:func:`_key_slice_backward`); the
+    incoming kv gets dKV ⊙ exp(scale - o)."""
 
     @staticmethod
     def forward(ctx: Any, k: Tensor, v: Tensor, pad: Tensor | None, kv: Tensor, scale: Tensor,
-                exponents: ExponentFn, step: int, back: int,
+                exponents: ExponentFn, step: int,
                 *tensors: Tensor) -> tuple[Tensor, Tensor]:
         kv, top = _key_slices(k, v, pad, kv, scale, exponents, step)
-        ctx.exponents, ctx.back = exponents, back
+        ctx.exponents, ctx.step = exponents, step
         ctx.save_for_backward(k, v, pad, scale if ctx.needs_input_grad[3] else None, top,
                               *tensors)
         ctx.mark_non_differentiable(top)
@@ -246,24 +261,18 @@ class _KeyState(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, d_kv: Tensor, _: Tensor | None) -> tuple[Tensor | None, ...]:
         k, v, pad, scale, top, *tensors = ctx.saved_tensors
-        need_k, need_v = ctx.needs_input_grad[:2]
-        dk = torch.empty_like(k) if need_k else None
-        dv = torch.empty_like(v) if need_v else None
+        dk = torch.empty_like(k) if ctx.needs_input_grad[0] else None
+        dv = torch.empty_like(v) if ctx.needs_input_grad[1] else None
         d_tensors: list[Tensor | None] = [None] * len(tensors)
-        offset = top.transpose(-2, -1)
-        for a, z in _spans(k.shape[2], ctx.back):
-            def keys(x: Tensor, *, is_query: bool,
-                     pad: Tensor | None = None if pad is None else pad[:, a:z]
-                     ) -> tuple[Tensor, None]:
-                return torch.exp(_padded(ctx.exponents(x), pad) - offset), None
-
-            grads = _key_slice_backward(keys, _leaf(k[:, :, a:z], need_k),
-                                        _leaf(v[:, :, a:z], need_v), None, top, d_kv, tensors)
+        for a, z in _spans(k.shape[2], ctx.step):
+            d_v, grads = _key_slice_backward(
+                ctx.exponents, _leaf(k[:, :, a:z], dk is not None), v[:, :, a:z],
+                None if pad is None else pad[:, a:z], top, d_kv, tensors)
             _put(dk, a, z, grads[0])
-            _put(dv, a, z, grads[1])
-            d_tensors = [_add(t, g) for t, g in zip(d_tensors, grads[2:], strict=True)]
+            _put(dv, a, z, d_v)
+            d_tensors = [_add(t, g) for t, g in zip(d_tensors, grads[1:], strict=True)]
         d_state = None if scale is None else d_kv * torch.exp(scale - top)
-        return dk, dv, None, d_state, None, None, None, None, *d_tensors
+        return dk, dv, None, d_state, None, None, None, *d_tensors
 
 
 def _read(u_q: Tensor, kv: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
@@ -305,22 +314,35 @@ def read_queries(q: Tensor, state: RecurrentState, exponents: ExponentFn, *,
     if _recording():
         tensors = _exponent_inputs(exponents, q, feature_tensors)
         if _needs_grad(q, state.kv, *tensors):
-            back = _slice_tokens(b, h, f, slice_elements // BACKWARD_SLICE_SHARE)
-            return _ReadQueries.apply(q, state.kv, state.log_scale, exponents, step, back,
+            return _ReadQueries.apply(q, state.kv, state.log_scale, exponents, step,
                                       *tensors)
     outs = [_finish(*_read(exponents(q_s), state.kv, state.log_scale), False)[0]
             for q_s in q.split(step, 2)]
     return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
 
 
+def _query_slice_backward(exponents: ExponentFn, q: Tensor, g: Tensor, kv: Tensor,
+                          scale: Tensor, d_kv: Tensor | None,
+                          tensors: Sequence[Tensor]) -> list[Tensor | None]:
+    """One query slice of :class:`_ReadQueries`'s backward, from g = ∂L/∂[num, den]
+    (B, H, n, Dv + 1): with P = exp(u_q + o - c), adds P^T g to ``d_kv`` (when given) and
+    returns the gradients of q (a leaf) and ``tensors`` through ∂L/∂u_q = P ⊙ (g [S, z]^T)."""
+    with torch.enable_grad():
+        u = exponents(q)
+    phi = against(u.detach(), scale, is_query=True)[0]
+    if d_kv is not None:
+        d_kv += phi.transpose(-2, -1) @ g
+    return _backprop((u,), ((g @ kv.transpose(-2, -1)).mul_(phi),), (q, *tensors))
+
+
 class _ReadQueries(torch.autograd.Function):
     """out = num / den with [num, den] = P [S, z], P = exp(u_q + o - c) (:func:`read_queries`),
-    keeping q, the output and its denominators. The backward is the row
-    core's (:func:`effattn.kernelized.core._query_slice_backward`) with P as the features."""
+    keeping q, the output and its denominators. Backward, slice by slice of the queries
+    (:func:`_query_slice_backward`)."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, kv: Tensor, scale: Tensor, exponents: ExponentFn,
-                step: int, back: int, *tensors: Tensor) -> Tensor:
+                step: int, *tensors: Tensor) -> Tensor:
         b, h, n = q.shape[:3]
         out = q.new_empty(b, h, n, kv.shape[-1] - 1)
         den = q.new_empty(b, h, n, 1)
@@ -328,7 +350,7 @@ class _ReadQueries(torch.autograd.Function):
             raw = _read(exponents(q[:, :, a:z]), kv, scale)[0]
             den[:, :, a:z] = raw[..., -1:]
             torch.div(raw[..., :-1], _divisors(raw[..., -1:])[0], out=out[:, :, a:z])
-        ctx.exponents, ctx.back = exponents, back
+        ctx.exponents, ctx.step = exponents, step
         ctx.save_for_backward(q, kv, scale, out, den, *tensors)
         return out
 
@@ -340,17 +362,13 @@ class _ReadQueries(torch.autograd.Function):
         dq = torch.empty_like(q) if need_q else None
         d_kv = torch.zeros_like(kv) if need_kv else None
         d_tensors: list[Tensor | None] = [None] * len(tensors)
-
-        def queries(x: Tensor, *, is_query: bool) -> tuple[Tensor, None]:
-            return against(ctx.exponents(x), scale, is_query=True)[0], None
-
-        for a, z in _spans(q.shape[2], ctx.back):
+        for a, z in _spans(q.shape[2], ctx.step):
             g = _ratio_grad(d_out[:, :, a:z], out[:, :, a:z], *_divisors(den[:, :, a:z]))
-            grads = _query_slice_backward(queries, _leaf(q[:, :, a:z], need_q), g, kv, d_kv,
-                                          tensors)
+            grads = _query_slice_backward(ctx.exponents, _leaf(q[:, :, a:z], need_q), g, kv,
+                                          scale, d_kv, tensors)
             _put(dq, a, z, grads[0])
             d_tensors = [_add(t, g) for t, g in zip(d_tensors, grads[1:], strict=True)]
-        return dq, d_kv, None, None, None, None, *d_tensors
+        return dq, d_kv, None, None, None, *d_tensors
 
 
 def step_state(state: RecurrentState | None, u_k: Tensor, v: Tensor) -> RecurrentState:
@@ -433,17 +451,14 @@ def _in_chunk(shifted: Tensor, uk_c: Tensor, end: Tensor, keys: Tensor,
     """The in-chunk factors Q' = exp(u_q - c + R_c) and K = exp(u_k - R_c) (B, H, nc, C, F),
     from the queries' shifted exponents u_q - c, in float64 when ``wide`` (the query factor's
     exponent clamped at GROWTH_LIMIT; also returned: where it was, which gets no gradient),
-    else in the input's dtype (K is ``keys``)."""
+    else in the input's dtype: K is ``keys``, and Q' is written over ``shifted`` (the callers'
+    own, used up by then: one (B, H, n, F) tensor less)."""
     if not wide:
-        return torch.add(shifted, end).exp_(), keys, None
+        return shifted.add_(end).exp_(), keys, None
     wide_end = end.double()
     exponent = shifted.double() + wide_end
     return (exponent.clamp_max(GROWTH_LIMIT).exp_(), (uk_c.double() - wide_end).exp_(),
             exponent > GROWTH_LIMIT)
-
-
-def _causal_mask(chunk: int, device: torch.device) -> Tensor:
-    return torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril_()
 
 
 def _causal_slice(q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None, kv: Tensor,
@@ -468,26 +483,29 @@ def _causal_slice(q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None, kv: Tenso
                         > FP32_GROWTH))
         if wide:  # the running max of each feature up to i
             top = (uq_c + torch.maximum(before, _prefix_max(uk_c))).amax(-1, keepdim=True)
-    # Each chunk's keys at the chunk's end scale: (B, H, nc, F, Dv + 1), every factor <= 1.
+    # Each chunk's keys at the chunk's end scale, every factor <= 1.
     keys = torch.sub(uk_c, end).exp_()
-    delta = keys.transpose(-2, -1) @ v_c
     decay = torch.exp(before - end).transpose(-2, -1)  # (B, H, nc, F, 1), <= 1
     shifted = uq_c - top
+    del uq_c
     queries = torch.add(shifted, before).exp_()
-    # Each chunk reads the state entering it, then updates it: the per-chunk states are never
-    # stacked (F / C times the size of the outputs).
+    # Each chunk reads the state entering it, then adds its keys to it: neither the per-chunk
+    # states nor their deltas are stacked (F / C times the size of the outputs each).
     reads = []
-    for q_c, delta_c, decay_c in zip(queries.unbind(2), delta.unbind(2), decay.unbind(2),
-                                     strict=True):
+    for q_c, k_c, v1_c, decay_c in zip(queries.unbind(2), keys.unbind(2), v_c.unbind(2),
+                                       decay.unbind(2), strict=True):
         reads.append(q_c @ kv)
-        kv = torch.addcmul(delta_c, kv, decay_c)
+        kv = torch.addcmul(k_c.transpose(-2, -1) @ v1_c, kv, decay_c)
+    del queries
     inter = torch.stack(reads, 2)
+    del reads
     # Inside the chunk (see the module's docstring): exp(u_q + R_c - top) can exceed 1.
     q_f, k_f, _ = _in_chunk(shifted, uk_c, end, keys, wide)
-    scores = torch.where(_causal_mask(chunk, q.device), q_f @ k_f.transpose(-2, -1),
-                         0.0).to(v_c.dtype)
-    raw = (inter + scores @ v_c).flatten(2, 3)[:, :, :n]
-    return raw, top.flatten(2, 3)[:, :, :n], kv, end[:, :, -1].transpose(-2, -1), wide
+    del shifted, uk_c
+    scores = (q_f @ k_f.transpose(-2, -1)).tril_().to(v_c.dtype)
+    raw = inter.add_(scores @ v_c).flatten(2, 3)[:, :, :n]
+    # The state's scale a copy, not a view that keeps every chunk's maxima alive.
+    return raw, top.flatten(2, 3)[:, :, :n], kv, end[:, :, -1].transpose(-2, -1).clone(), wide
 
 
 def _causal_slice_grads(u_q: Tensor, u_k: Tensor, v: Tensor, pad: Tensor | None, kv: Tensor,
@@ -497,36 +515,37 @@ def _causal_slice_grads(u_q: Tensor, u_k: Tensor, v: Tensor, pad: Tensor | None,
     autograd: from its exponents u_q, u_k (B, H, n, F), v (B, H, n, Dv), the state (kv, scale)
     entering it, the forward's shifts c (B, H, n, 1) and precision, g = ∂L/∂[num, den]
     (B, H, n, Dv + 1) and ∂L/∂(state after) (None: 0) -> ∂L/∂u_q, ∂L/∂u_k, ∂L/∂v and ∂L/∂kv.
-    Two loops over the chunks, as the row core's (one chunk's GEMMs at a time): forwards the
-    states S_c are recomputed from kv and read into ∂L/∂u_q, backwards ∂S runs into ∂L/∂u_k and
-    ∂L/∂v. The tail after n gets no gradient (its c is +inf: every factor of its queries 0)."""
+    The in-chunk part first, then two loops over the chunks, as the row core's (one chunk's
+    GEMMs at a time): forwards the states S_c are recomputed from kv and read into ∂L/∂u_q,
+    backwards ∂S runs into ∂L/∂u_k and ∂L/∂v. The tail after n gets no gradient (its c is
+    +inf: every factor of its queries is 0). Its own (B, H, n, F) tensors are dropped as soon
+    as they are used up: this is a training step's peak."""
     n, dv = u_q.shape[2], v.shape[-1]
     uq_c, uk_c, v_c = _chunked(u_q, u_k, v, pad, chunk)
     before, end = _running_max(uk_c, scale)
     tail = -n % chunk
-    top = F.pad(top, (0, 0, 0, tail), value=float("inf")).unflatten(2, (-1, chunk))
-    g = F.pad(g, (0, 0, 0, tail)).unflatten(2, (-1, chunk))
+    if tail:
+        top = F.pad(top, (0, 0, 0, tail), value=float("inf"))
+        g = F.pad(g, (0, 0, 0, tail))
+    top, g = top.unflatten(2, (-1, chunk)), g.unflatten(2, (-1, chunk))
     keys = torch.sub(uk_c, end).exp_()
     shifted = uq_c - top
+    del uq_c
     queries = torch.add(shifted, before).exp_()
     q_f, k_f, clamped = _in_chunk(shifted, uk_c, end, keys, wide)
-    del shifted
-    causal = _causal_mask(chunk, u_q.device)
-    d_scores = torch.where(causal, g @ v_c.transpose(-2, -1), 0.0).to(q_f.dtype)
-    d_uq = (d_scores @ k_f).mul_(q_f)
+    del shifted, uk_c
+    # Fresh C x C products, masked in place (j <= i).
+    d_v = (q_f @ k_f.transpose(-2, -1)).tril_().to(v_c.dtype).transpose(-2, -1) @ g
+    d_scores = (g @ v_c.transpose(-2, -1)).tril_().to(q_f.dtype)
+    d_uk = (d_scores.transpose(-2, -1) @ q_f).mul_(k_f).to(keys.dtype)
+    d_uq = q_f.mul_(d_scores @ k_f)  # q_f, this function's own, becomes its gradient
+    del d_scores, k_f
     if clamped is not None:
         d_uq.masked_fill_(clamped, 0.0)
-    d_uk = (d_scores.transpose(-2, -1) @ q_f).mul_(k_f).to(u_k.dtype)
-    d_uq = d_uq.to(u_q.dtype)
-    del d_scores
-    scores = torch.where(causal, q_f @ k_f.transpose(-2, -1), 0.0).to(v_c.dtype)
-    del q_f, k_f, clamped
-    d_v = scores.transpose(-2, -1) @ g
-    del scores
+    d_uq = d_uq.to(keys.dtype)
     decay = torch.exp(before - end).transpose(-2, -1)  # (B, H, nc, F, 1)
-    # Forwards: the state entering each chunk, read into ∂L/∂u_q (this function's own state,
-    # updated in place).
-    state = kv.clone()
+    # Forwards: the state entering each chunk, read into ∂L/∂u_q.
+    state = kv
     chunks = list(zip(queries.unbind(2), keys.unbind(2), v_c.unbind(2), g.unbind(2),
                       decay.unbind(2), d_uq.unbind(2), d_uk.unbind(2), d_v.unbind(2),
                       strict=True))
@@ -535,7 +554,7 @@ def _causal_slice_grads(u_q: Tensor, u_k: Tensor, v: Tensor, pad: Tensor | None,
         state = torch.addcmul(k_i.transpose(-2, -1) @ v_i, state, decay_i)
     del state
     # Backwards: ∂S from the state after the slice, into ∂L/∂u_k and ∂L/∂[v, 1].
-    d = torch.zeros_like(kv) if d_final is None else d_final.clone()
+    d = torch.zeros_like(kv) if d_final is None else d_final
     for q_i, k_i, v_i, g_i, decay_i, _, d_uk_i, d_v_i in reversed(chunks):
         d_uk_i.addcmul_(k_i, v_i @ d.transpose(-2, -1))
         d_v_i += k_i @ d
@@ -562,21 +581,26 @@ def _causal_slice_backward(exponents: ExponentFn, q: Tensor, k: Tensor, v: Tenso
 class _Causal(torch.autograd.Function):
     """The causal form after the state (kv, scale), slice by slice (:func:`causal`), keeping
     q, k, v, the output, its denominators and shifts c (B, H, N, 1) and the state entering each
-    slice. Backward, slice by slice from the last: the gradient of
-    [num, den] (the normaliser's log adding to the denominator's), then
-    :func:`_causal_slice_backward`, whose ∂L/∂kv goes on to the previous slice."""
+    slice (kv None: the empty state of ``feature_dim`` features, not kept but made again).
+    Backward, slice by slice from the last: the gradient of [num, den] (the normaliser's log
+    adding to the denominator's), then :func:`_causal_slice_backward`, whose ∂L/∂kv goes on to
+    the previous slice."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None, kv: Tensor,
-                scale: Tensor, exponents: ExponentFn, chunk: int, step: int, normaliser: bool,
-                *tensors: Tensor) -> tuple[Tensor, ...]:
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None,
+                kv: Tensor | None, scale: Tensor | None, exponents: ExponentFn, feature_dim: int,
+                chunk: int, step: int, normaliser: bool, *tensors: Tensor) -> tuple[Tensor, ...]:
         b, h, n = q.shape[:3]
         out = q.new_empty(b, h, n, v.shape[-1])
         den, top = q.new_empty(b, h, n, 1), q.new_empty(b, h, n, 1)
         log_abs, sign = (q.new_empty(b, h, n) if normaliser else q.new_empty(0) for _ in "ls")
-        entering, wide = [], []
+        entering: list[Tensor | None] = []
+        wide = []
         for a, z in _spans(n, step):
             entering += [kv, scale]
+            if kv is None or scale is None:
+                empty = _state(None, b, h, feature_dim, v.shape[-1], v)
+                kv, scale = empty.kv, empty.log_scale
             raw, top_s, kv, scale, w = _causal_slice(
                 q[:, :, a:z], k[:, :, a:z], v[:, :, a:z], None if pad is None else pad[:, a:z],
                 kv, scale, exponents, chunk)
@@ -588,6 +612,7 @@ class _Causal(torch.autograd.Function):
                 log_abs[:, :, a:z], sign[:, :, a:z] = _normaliser(den_s, div, top_s)
             wide.append(w)
         ctx.exponents, ctx.chunk, ctx.step, ctx.wide = exponents, chunk, step, wide
+        ctx.feature_dim = feature_dim
         ctx.save_for_backward(q, k, v, pad, out, den, top, *entering, *tensors)
         ctx.mark_non_differentiable(scale, sign)
         return out, kv, scale, log_abs, sign
@@ -610,16 +635,20 @@ class _Causal(torch.autograd.Function):
             g = _ratio_grad(d_out[:, :, a:z], out[:, :, a:z], div, factor)
             if d_log_abs.numel():  # log den + c: den receives d_log_abs / den (-factor)
                 g[..., -1:].sub_(d_log_abs[:, :, a:z, None] * factor)
+            kv, scale = entering[2 * i], entering[2 * i + 1]
+            if kv is None or scale is None:
+                empty = _state(None, *q.shape[:2], ctx.feature_dim, v.shape[-1], v)
+                kv, scale = empty.kv, empty.log_scale
             d_kv, d_v, got = _causal_slice_backward(
                 ctx.exponents, _leaf(q[:, :, a:z], need_q), _leaf(k[:, :, a:z], need_k),
-                v[:, :, a:z], None if pad is None else pad[:, a:z], entering[2 * i],
-                entering[2 * i + 1], top[:, :, a:z], ctx.wide[i], ctx.chunk, g, d_kv, tensors)
+                v[:, :, a:z], None if pad is None else pad[:, a:z], kv, scale, top[:, :, a:z],
+                ctx.wide[i], ctx.chunk, g, d_kv, tensors)
             _put(dq, a, z, got[0])
             _put(dk, a, z, got[1])
             _put(dv, a, z, d_v)
             d_tensors = [_add(t, part) for t, part in zip(d_tensors, got[2:], strict=True)]
         d_kv = d_kv if ctx.needs_input_grad[4] else None
-        return dq, dk, dv, None, d_kv, None, None, None, None, None, *d_tensors
+        return dq, dk, dv, None, d_kv, None, None, None, None, None, None, *d_tensors
 
 
 def causal(q: Tensor, k: Tensor, v: Tensor, exponents: ExponentFn, feature_dim: int,
@@ -650,15 +679,18 @@ def causal(q: Tensor, k: Tensor, v: Tensor, exponents: ExponentFn, feature_dim: 
         return lagged(run, q, k, v, key_padding_mask, None, state, lag, normaliser,
                       lambda: _state(None, b, h, feature_dim, v.shape[-1], v))
     f = feature_dim
+    given = state
     state = _state(state, b, h, f, v.shape[-1], v)
     kv, scale = state.kv, state.log_scale
     step = _slice_tokens(b, h, f, slice_elements, chunk_size)
     if _recording():
         tensors = _exponent_inputs(exponents, q, feature_tensors)
         if _needs_grad(q, k, v, kv, *tensors):
+            if given is None:
+                kv = scale = None
             out, kv, scale, log_abs, sign = _Causal.apply(
-                q, k, v, key_padding_mask, kv, scale, exponents, chunk_size, step, normaliser,
-                *tensors)
+                q, k, v, key_padding_mask, kv, scale, exponents, f, chunk_size, step,
+                normaliser, *tensors)
             return (out, RecurrentState(kv, scale, state.position + n),
                     Normaliser(log_abs, sign) if normaliser else None)
     parts = []
