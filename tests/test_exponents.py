@@ -423,3 +423,17 @@ def test_gradcheck(causal):
 
     inputs = [t.detach().clone().requires_grad_() for t in (q, k, v, before.kv, w, b)]
     assert torch.autograd.gradcheck(run, inputs, fast_mode=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_map_changed_before_the_backward_raises(causal):
+    """The module's W and b are inputs of the recomputing backward (saved, as any saved
+    tensor): changed in place between forward and backward, the backward raises rather than
+    recomputing other exponents."""
+    module = effattn.build("hedgehog", head_dim=21, heads=3, num_features=5, seed=0).double()
+    q, k, v = (t.requires_grad_() for t in qkv(b=2, h=3, n=40, d=21, dv=7))
+    out = module(q, k, v, causal=causal)
+    with torch.no_grad():
+        module.weight.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
