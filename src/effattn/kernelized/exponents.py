@@ -109,8 +109,8 @@ FP32_GROWTH = 60.0
 # backward still hold four to seven (B, H, S, F) tensors at once (the exponents, the query and
 # key factors, their gradients), the row core's one to three of φ, and a training step's peak
 # follows the slice: hedgehog's at 4096 tokens (128 features, B·H = 8, fp32, 1 thread) is
-# 63-65 MiB over the inputs at 2 and 53-54 at 4 causal (the row core's 54-60), 40-43 at 4
-# non-causal (the row core's 42-44), for 5-10% more time than at 2.
+# 61-64 MiB over the inputs at 2 and 52-54 at 4 causal (the row core's 57-58), 41-44 and 33-37
+# non-causal (the row core's 35-40), for 5-10% more time at 4 than at 2.
 SLICE_SHARE = 4
 
 
