@@ -58,7 +58,8 @@ the state S_{c+1} after the chunk::
 where the forward's did). Non-causal, S = Σ_j exp(u_k(j) - o) [v_j, 1]^T and the read-out
 P = exp(u_q + o - c): ∂L/∂u_k = K ⊙ ([V, 1] ∂S^T), ∂L/∂[V, 1] = K ∂S, ∂L/∂u_q = P ⊙ (G S^T),
 ∂S = P^T G. Long inputs run in slices of about ``slice_elements / SLICE_SHARE`` feature
-values, forward and backward, so training memory grows with the slice, not the sequence.
+values, forward and backward (``/ FORWARD_SLICE_SHARE`` without the backward), so training
+memory grows with the slice, not the sequence.
 Under torch.compile autograd records the forward as it is.
 
 Shapes: B batch, H heads, N queries, M keys, F features (the width of u), Dv value dim.
@@ -104,14 +105,19 @@ GROWTH_LIMIT = 700.0
 # Below this largest in-chunk query exponent, the CPU computes the chunk in the input's dtype
 # (fp32: products up to e^60 times F·C terms stay far from e^88); above it, in float64.
 FP32_GROWTH = 60.0
-# A slice of this core holds slice_elements / SLICE_SHARE feature values, forward and backward.
-# It was 2 while autograd recomputed each slice; written by hand, a causal slice's forward and
-# backward still hold four to seven (B, H, S, F) tensors at once (the exponents, the query and
-# key factors, their gradients), the row core's one to three of φ, and a training step's peak
-# follows the slice: hedgehog's at 4096 tokens (128 features, B·H = 8, fp32, 1 thread) is
-# 61-64 MiB over the inputs at 2 and 52-54 at 4 causal (the row core's 57-58), 41-44 and 33-37
-# non-causal (the row core's 35-40), for 5-10% more time at 4 than at 2.
+# Recording for the hand-written backward, a slice of this core holds slice_elements /
+# SLICE_SHARE feature values, forward and backward. It was 2 while autograd recomputed each
+# slice; written by hand, a causal slice's forward and backward still hold four to seven
+# (B, H, S, F) tensors at once (the exponents, the query and key factors, their gradients), the
+# row core's one to three of φ, and a training step's peak follows the slice: hedgehog's at
+# 4096 tokens (128 features, B·H = 8, fp32, 1 thread) is 61-64 MiB over the inputs at 2 and
+# 52-54 at 4 causal (the row core's 57-58), 41-44 and 33-37 non-causal (the row core's 35-40),
+# for 5-10% more time at 4 than at 2.
 SLICE_SHARE = 4
+# Without the backward (inference, or a compiled graph that records the forward), slices of
+# slice_elements / FORWARD_SLICE_SHARE: the forward alone holds up to four, and its time falls
+# with longer slices (hedgehog's non-causal forward at 4096 takes 10% less at 2 than at 4).
+FORWARD_SLICE_SHARE = 2
 
 
 def _padded(u_k: Tensor, key_padding_mask: Tensor | None) -> Tensor:
@@ -195,10 +201,11 @@ def _key_slices(k: Tensor, v: Tensor, pad: Tensor | None, kv: Tensor, scale: Ten
     return kv, scale
 
 
-def _slice_tokens(b: int, h: int, f: int, slice_elements: int, multiple: int = 1) -> int:
-    """Tokens per slice: about ``slice_elements / SLICE_SHARE`` feature values (B·H·S·F), a
+def _slice_tokens(b: int, h: int, f: int, slice_elements: int, share: int,
+                  multiple: int = 1) -> int:
+    """Tokens per slice: about ``slice_elements / share`` feature values (B·H·S·F), a
     multiple of ``multiple`` (the chunk)."""
-    tokens = slice_elements // SLICE_SHARE // max(1, b * h * f)
+    tokens = slice_elements // share // max(1, b * h * f)
     return max(multiple, tokens // multiple * multiple)
 
 
@@ -213,13 +220,14 @@ def key_state(k: Tensor, v: Tensor, exponents: ExponentFn, feature_dim: int, *,
     (:class:`_KeyState`). ``feature_tensors``: the tensors ``exponents`` reads (None: found)."""
     b, h, m = k.shape[:3]
     state = _state(state, b, h, feature_dim, v.shape[-1], v)
-    step = _slice_tokens(b, h, feature_dim, slice_elements)
     if _recording():
         tensors = _exponent_inputs(exponents, k, feature_tensors)
         if _needs_grad(k, v, state.kv, *tensors):
+            step = _slice_tokens(b, h, feature_dim, slice_elements, SLICE_SHARE)
             kv, scale = _KeyState.apply(k, v, key_padding_mask, state.kv, state.log_scale,
                                         exponents, step, *tensors)
             return RecurrentState(kv, scale, state.position + m)
+    step = _slice_tokens(b, h, feature_dim, slice_elements, FORWARD_SLICE_SHARE)
     kv, scale = _key_slices(k, v, key_padding_mask, state.kv, state.log_scale, exponents, step)
     return RecurrentState(kv, scale, state.position + m)
 
@@ -310,12 +318,13 @@ def read_queries(q: Tensor, state: RecurrentState, exponents: ExponentFn, *,
     recording, the forward keeps q, the output and its denominators (:class:`_ReadQueries`)."""
     b, h, n = q.shape[:3]
     f = state.kv.shape[2]
-    step = _slice_tokens(b, h, f, slice_elements)
     if _recording():
         tensors = _exponent_inputs(exponents, q, feature_tensors)
         if _needs_grad(q, state.kv, *tensors):
-            return _ReadQueries.apply(q, state.kv, state.log_scale, exponents, step,
+            return _ReadQueries.apply(q, state.kv, state.log_scale, exponents,
+                                      _slice_tokens(b, h, f, slice_elements, SLICE_SHARE),
                                       *tensors)
+    step = _slice_tokens(b, h, f, slice_elements, FORWARD_SLICE_SHARE)
     outs = [_finish(*_read(exponents(q_s), state.kv, state.log_scale), False)[0]
             for q_s in q.split(step, 2)]
     return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
@@ -659,10 +668,11 @@ def causal(q: Tensor, k: Tensor, v: Tensor, exponents: ExponentFn, feature_dim: 
     """Causal linear attention of φ = exp(u) with the per-feature stabiliser (module
     docstring): q, k (B, H, N, D), v (B, H, N, Dv), from ``state`` (or empty) -> the output
     (B, H, N, Dv), the state after the last token and, with ``normaliser``, the queries'
-    normalisers (differentiable). Slices of about ``slice_elements / SLICE_SHARE`` feature
-    values run one after the other; recording, the forward keeps the inputs, the output, two
-    scalars per query and the state entering each slice (:class:`_Causal`), and gradients reach
-    an incoming state that requires them. ``lag`` > 0: query i sees keys j <= i - lag, as the
+    normalisers (differentiable). Slices of about ``slice_elements`` / :data:`SLICE_SHARE`
+    (without the backward :data:`FORWARD_SLICE_SHARE`) feature values run one after the other;
+    recording, the forward keeps the inputs, the output, two scalars per query and the state
+    entering each slice (:class:`_Causal`), and gradients reach an incoming state that requires
+    them. ``lag`` > 0: query i sees keys j <= i - lag, as the
     row core's lagged form (queries lag.. against keys ..N-1-lag, as views; the first ``lag``
     queries see no key; no entering state). ``feature_tensors``: the tensors ``exponents``
     reads (None: found in its graph)."""
@@ -682,19 +692,20 @@ def causal(q: Tensor, k: Tensor, v: Tensor, exponents: ExponentFn, feature_dim: 
     given = state
     state = _state(state, b, h, f, v.shape[-1], v)
     kv, scale = state.kv, state.log_scale
-    step = _slice_tokens(b, h, f, slice_elements, chunk_size)
     if _recording():
         tensors = _exponent_inputs(exponents, q, feature_tensors)
         if _needs_grad(q, k, v, kv, *tensors):
             if given is None:
                 kv = scale = None
+            step = _slice_tokens(b, h, f, slice_elements, SLICE_SHARE, chunk_size)
             out, kv, scale, log_abs, sign = _Causal.apply(
                 q, k, v, key_padding_mask, kv, scale, exponents, f, chunk_size, step,
                 normaliser, *tensors)
             return (out, RecurrentState(kv, scale, state.position + n),
                     Normaliser(log_abs, sign) if normaliser else None)
     parts = []
-    for a, z in _spans(n, step):
+    for a, z in _spans(n, _slice_tokens(b, h, f, slice_elements, FORWARD_SLICE_SHARE,
+                                        chunk_size)):
         raw, top, kv, scale, _ = _causal_slice(
             q[:, :, a:z], k[:, :, a:z], v[:, :, a:z],
             None if key_padding_mask is None else key_padding_mask[:, a:z], kv, scale,
