@@ -288,3 +288,152 @@ def test_lag_equals_the_reference_with_gradients(lag):
     for a, b in zip(torch.autograd.grad((out * probe).sum(), params),
                     torch.autograd.grad((ref * probe).sum(), params), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+# The hand-written backward (kernelized.exponents, "Gradients are written by hand") against
+# autograd through the same forward (the path torch.compile records), in float64.
+
+def _stored(monkeypatch):
+    monkeypatch.setattr(ex, "_recording", lambda: False)
+
+
+def _grads(run, inputs, probes):
+    outs = run()
+    loss = sum((o.masked_fill(~torch.isfinite(o), 0.0) * p).sum()
+               for o, p in zip(outs, probes[:len(outs)], strict=True))
+    return outs, torch.autograd.grad(loss, inputs, allow_unused=True)
+
+
+def _same(got, want, tol=1e-10):
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert (a is None) == (b is None), f"gradient {i} reached only one path"
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol,
+                                       msg=lambda text, i=i: f"gradient {i}: {text}")
+
+
+CASES = {
+    # N = 63, chunks of 16: the last chunk is partial; slices of one chunk (several slices).
+    "one-slice": {},
+    "slices": {"slice_elements": 700},
+    "padded-slices": {"slice_elements": 700, "padded": True},
+    # The in-chunk products in float64 (a GPU's and a compiled graph's path), exponents ~30.
+    "float64-in-chunk": {"slice_elements": 700, "padded": True, "fp32_growth": -1.0,
+                         "size": 30.0},
+    # Exponents whose growth inside a chunk passes the clamp: no gradient past it, as autograd.
+    "clamped": {"fp32_growth": -1.0, "growth_limit": 0.5, "size": 3.0},
+    "lag": {"slice_elements": 700, "padded": True, "lag": 5},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_equals_autograd_through_the_forward(case, causal, monkeypatch):
+    """Outputs, the causal normaliser's log and the gradients of q, k, v, W and b (through the
+    normaliser's log too) equal autograd through the same forward."""
+    opts = CASES[case]
+    if not causal and ("lag" in opts or "growth_limit" in opts):
+        pytest.skip("a causal setting")
+    monkeypatch.setattr(ex, "FP32_GROWTH", opts.get("fp32_growth", ex.FP32_GROWTH))
+    monkeypatch.setattr(ex, "GROWTH_LIMIT", opts.get("growth_limit", ex.GROWTH_LIMIT))
+    q, k, v = (t.requires_grad_() for t in qkv(b=3, h=3, n=63, d=21, dv=7))
+    w, b = (t.requires_grad_() for t in weights(size=opts.get("size", 1.0)))
+    mask = key_mask(3, 63) if opts.get("padded") else None
+    slices = opts.get("slice_elements", 1 << 20)
+
+    def run():
+        exponents = map_of(w, b)
+        if not causal:
+            return (attend(q, k, v, exponents, False, mask, slice_elements=slices),)
+        out, state, norm = ex.causal(q, k, v, exponents, 10, key_padding_mask=mask,
+                                     chunk_size=16, slice_elements=slices, normaliser=True,
+                                     lag=opts.get("lag", 0))
+        return out, norm.log_abs, state.kv
+
+    g = torch.Generator().manual_seed(1)
+    probes = [torch.randn(s, generator=g, dtype=torch.float64)
+              for s in ((3, 3, 63, 7), (3, 3, 63), (3, 3, 10, 8))]
+    inputs = (q, k, v, w, b)
+    outs, grads = _grads(run, inputs, probes)
+    _stored(monkeypatch)
+    outs_s, grads_s = _grads(run, inputs, probes)
+    for a, b_ in zip(outs, outs_s, strict=True):
+        torch.testing.assert_close(a, b_, rtol=1e-12, atol=1e-12)
+    _same(grads, grads_s)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradient_reaches_an_incoming_state(causal, monkeypatch):
+    """A split prefill (causal) or a key state continued (non-causal), the first part's state
+    requiring grad as sequence parallelism's incoming state does: every gradient, the state's
+    included, equals autograd through the forward."""
+    q, k, v = (t.requires_grad_() for t in qkv(b=2, h=3, n=63, d=21, dv=7))
+    w, b = (t.requires_grad_() for t in weights(size=10.0))
+    mask = key_mask(2, 63)
+
+    def run():
+        exponents = map_of(w, b)
+        if causal:
+            first, mid, _ = ex.causal(q[:, :, :23], k[:, :, :23], v[:, :, :23], exponents, 10,
+                                      key_padding_mask=mask[:, :23], chunk_size=16)
+            rest, end, norm = ex.causal(q[:, :, 23:], k[:, :, 23:], v[:, :, 23:], exponents, 10,
+                                        mid, key_padding_mask=mask[:, 23:], chunk_size=16,
+                                        slice_elements=700, normaliser=True)
+            return torch.cat([first, rest], 2), end.kv, norm.log_abs
+        state = ex.key_state(k[:, :, :25], v[:, :, :25], exponents, 10,
+                             key_padding_mask=mask[:, :25])
+        state = ex.key_state(k[:, :, 25:], v[:, :, 25:], exponents, 10, state=state,
+                             key_padding_mask=mask[:, 25:], slice_elements=700)
+        return ex.read_queries(q, state, exponents, slice_elements=700), state.kv
+
+    g = torch.Generator().manual_seed(2)
+    probes = [torch.randn(s, generator=g, dtype=torch.float64)
+              for s in ((2, 3, 63, 7), (2, 3, 10, 8), (2, 3, 40))]
+    inputs = (q, k, v, w, b)
+    _, grads = _grads(run, inputs, probes)
+    _stored(monkeypatch)
+    _, grads_s = _grads(run, inputs, probes)
+    _same(grads, grads_s)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradcheck(causal):
+    """torch.autograd.gradcheck of the hand-written backward: a tiny case (N = 11, chunks of
+    4, slices of one chunk) from an incoming state that requires grad, with the causal
+    normaliser's log as an output."""
+    q, k, v = qkv(b=1, h=2, n=11, d=3, dv=2, seed=3)
+    w, b = weights(h=2, d=3, f=2, size=3.0, seed=3)
+    exponents = map_of(w, b)
+    before = ex.causal(q, k, v, exponents, 4, chunk_size=4)[1] if causal else ex.key_state(
+        k, v, exponents, 4)
+    scale = before.log_scale
+    slices = 1 * 2 * 4 * 4 * ex.SLICE_SHARE
+
+    def true_scale(state):  # the state's kv at its scale moves with the largest key; this not
+        return state.kv * state.log_scale.exp()
+
+    def run(q, k, v, kv, w, b):
+        state = RecurrentState(kv, scale)
+        if causal:
+            out, after, norm = ex.causal(q, k, v, map_of(w, b), 4, state, chunk_size=4,
+                                         slice_elements=slices, normaliser=True)
+            return out, norm.log_abs, true_scale(after)
+        after = ex.key_state(k, v, map_of(w, b), 4, state=state, slice_elements=slices)
+        return ex.read_queries(q, after, map_of(w, b), slice_elements=slices), true_scale(after)
+
+    inputs = [t.detach().clone().requires_grad_() for t in (q, k, v, before.kv, w, b)]
+    assert torch.autograd.gradcheck(run, inputs, fast_mode=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_map_changed_before_the_backward_raises(causal):
+    """The module's W and b are inputs of the recomputing backward (saved, as any saved
+    tensor): changed in place between forward and backward, the backward raises rather than
+    recomputing other exponents."""
+    module = effattn.build("hedgehog", head_dim=21, heads=3, num_features=5, seed=0).double()
+    q, k, v = (t.requires_grad_() for t in qkv(b=2, h=3, n=40, d=21, dv=7))
+    out = module(q, k, v, causal=causal)
+    with torch.no_grad():
+        module.weight.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()

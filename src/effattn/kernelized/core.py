@@ -1535,7 +1535,8 @@ class CoreConfig:
             return exponents.attention(q, k, v, self.exponents, self.feature_dim,
                                        is_causal=causal, key_padding_mask=key_padding_mask,
                                        chunk_size=self.chunk_size,
-                                       slice_elements=self.slice_elements)
+                                       slice_elements=self.slice_elements,
+                                       feature_tensors=self.feature_tensors)
         return kernelized_attention(
             q, k, v, self.features, feature_dim=self.feature_dim, causal=causal,
             key_padding_mask=key_padding_mask, gate=gate, chunk_size=self.chunk_size,
@@ -1551,7 +1552,8 @@ class CoreConfig:
 
             return exponents.key_state(k, v, self.exponents, self.feature_dim,
                                        key_padding_mask=key_padding_mask,
-                                       slice_elements=self.slice_elements)
+                                       slice_elements=self.slice_elements,
+                                       feature_tensors=self.feature_tensors)
         return key_state(k, v, self.features, feature_dim=self.feature_dim,
                          key_padding_mask=key_padding_mask, slice_elements=self.slice_elements,
                          feature_tensors=self.feature_tensors)
@@ -1562,7 +1564,8 @@ class CoreConfig:
             from effattn.kernelized import exponents
 
             return exponents.read_queries(q, state, self.exponents,
-                                          slice_elements=self.slice_elements)
+                                          slice_elements=self.slice_elements,
+                                          feature_tensors=self.feature_tensors)
         return read_queries(q, state, self.features, feature_dim=self.feature_dim, eps=self.eps,
                             slice_elements=self.slice_elements,
                             feature_tensors=self.feature_tensors)
@@ -1598,7 +1601,7 @@ class CoreConfig:
                                     key_padding_mask=key_padding_mask,
                                     chunk_size=self.chunk_size,
                                     slice_elements=self.slice_elements, normaliser=normaliser,
-                                    lag=lag)
+                                    lag=lag, feature_tensors=self.feature_tensors)
         return _causal(q, k, v, self.features, state, self.feature_dim, key_padding_mask, gate,
                        self.chunk_size, self.eps, self.slice_elements, self.feature_tensors,
                        normaliser, lag)
