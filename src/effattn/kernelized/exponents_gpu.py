@@ -75,14 +75,19 @@ def slice_budget(slice_elements: int, x: Tensor) -> int:
     return slice_elements
 
 
+# A slice of this form holds slice_elements / SLICE_SHARE feature values: its backward
+# recomputes the slice under autograd, which holds several slice-sized tensors (u, shifted
+# copies, the float64 in-chunk factors). The CPU form's hand-written backward has its own share
+# (exponents.SLICE_SHARE).
+SLICE_SHARE = 2
+
+
 def slice_tokens(batch_heads: int, feature_dim: int, value_dim: int, chunk_size: int,
                  slice_elements: int) -> int:
     """Tokens per causal slice, a multiple of the chunk: the GPU strategy's causal slice
-    (:func:`effattn.kernelized.gpu.slice_tokens`) of ``slice_elements / SLICE_SHARE``, since a
-    slice's recomputed backward holds several slice-sized tensors (u, shifted copies, the
-    float64 in-chunk factors)."""
+    (:func:`effattn.kernelized.gpu.slice_tokens`) of ``slice_elements / SLICE_SHARE``."""
     return gpu.slice_tokens(batch_heads, feature_dim, value_dim, chunk_size,
-                            slice_elements // ex.SLICE_SHARE)
+                            slice_elements // SLICE_SHARE)
 
 
 def causal(q: Tensor, k: Tensor, v: Tensor, exponents: ex.ExponentFn, feature_dim: int,
