@@ -294,3 +294,15 @@ def test_causal_flop_model_counts_the_chunkwise_gemms():
     state = 2 * 128 * 64 * 17  # the scan over chunks is elementwise: no GEMM FLOPs
     assert causal == 2 * 2 * (features + intra + state)
     assert causal > flops.forward_flops("performer", opts, causal=False, **kw)
+
+
+def test_the_warm_up_runs_past_a_window():
+    """The warm-up call takes the measured call's paths: a window hybrid shorter than its
+    window is exact softmax, so its warm-up runs past the window (2 W + 2 tokens, capped by the
+    length); other methods warm up at WARM_LENGTH."""
+    hybrid = effattn.build("performer", head_dim=8, heads=2, window=64)
+    plain = effattn.build("performer", head_dim=8, heads=2)
+    assert speed.warm_length(Config("performer", 4096, "fwdbwd"), hybrid) == 130
+    assert speed.warm_length(Config("performer", 100, "fwdbwd"), hybrid) == 100
+    assert speed.warm_length(Config("performer", 4096, "fwdbwd"), plain) == speed.WARM_LENGTH
+    assert speed.warm_length(Config("performer", 16, "fwdbwd"), plain) == 16
