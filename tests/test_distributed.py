@@ -27,6 +27,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 TIMEOUT = 30  # seconds, for every collective in the workers
+# Seconds for the workers to run every case: a guard against a hang that the collectives'
+# timeout misses, not a speed limit. Four processes on two busy cores took over 120 s.
+DEADLINE = 900
 B, H, D, DV = 2, 2, 7, 5
 
 # (id, method, options, dtype): every method that can be split, with the variants that change
@@ -257,12 +260,12 @@ def verdicts(tmp_path_factory):
     out = tmp_path_factory.mktemp("workers")
     context = mp.start_processes(_worker, args=(4, str(out / "init"), str(out)),
                                  nprocs=4, join=False, start_method="spawn")
-    deadline = time.monotonic() + 4 * TIMEOUT
+    deadline = time.monotonic() + DEADLINE
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
-            pytest.fail(f"the workers did not finish within {4 * TIMEOUT} s")
+            pytest.fail(f"the workers did not finish within {DEADLINE} s")
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
     return {key: [verdict[key] for verdict in ranks if key in verdict]
             for key in (f"{p}/{case}" for p in (2, 4) for case in CASES)}
