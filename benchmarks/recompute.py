@@ -1,7 +1,9 @@
 """The kernelized core against a baseline copy of it, timed in one process, paired and alternating.
 
 The baseline is another checkout's ``src/effattn/kernelized/core.py`` (e.g. from
-``git worktree add --detach /tmp/effattn-base <commit>``), loaded under another module name:
+``git worktree add --detach /tmp/effattn-base <commit>``) from before the CPU strategy moved
+into ``kernelized/cpu.py`` (a self-contained core.py; a later one is refused), loaded under
+another module name:
 both cores run the same modules' feature maps on the same inputs (B = 1, H = 8, D = 64, fp32,
 each method's default options), so the ratio is the core's alone. For each method, non-causal
 and causal: the forward (inference mode) and forward + backward (q, k, v require grad,
@@ -39,6 +41,11 @@ KERNELIZED = ("performer", "favor", "rfa", "linear")
 
 
 def load_baseline(path: Path) -> ModuleType:
+    if (path.parent / "cpu.py").exists():
+        # Such a core.py imports its strategies (cpu.py, gpu.py) by the package's name when
+        # called: they would be this checkout's, and the "baseline" this one's CPU strategy.
+        raise SystemExit(f"{path}: a core.py whose strategies live beside it (cpu.py) cannot be "
+                         "loaded alone; give a baseline from before the CPU strategy's own module")
     spec = importlib.util.spec_from_file_location("effattn_baseline_core", path)
     if spec is None or spec.loader is None:
         raise SystemExit(f"cannot load {path}")

@@ -14,7 +14,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import effattn
 from effattn import strategy
-from effattn.kernelized import core, exponents_gpu, gpu
+from effattn.kernelized import chunkwise, core, cpu, exponents_gpu, gpu
 
 VARIANTS = [
     ("performer", {"feature_map": "positive"}),
@@ -205,11 +205,11 @@ def test_decayed_prefix_equals_the_cpu_strategys_recurrence(n, scaled, gated, em
     if empty:
         state = core.RecurrentState.empty(b, h, f, dv, v)
         state.position = 5
-    q_c, k_c = core._chunk_major(phi_q, chunk), core._chunk_major(phi_k, chunk)
-    ls_c = None if ls is None else core._chunk_major(ls, chunk)
+    q_c, k_c = chunkwise._chunk_major(phi_q, chunk), chunkwise._chunk_major(phi_k, chunk)
+    ls_c = None if ls is None else chunkwise._chunk_major(ls, chunk)
     args = (q_c, k_c, ls_c, v, state, mask, gate, chunk)
     out, scale, after = gpu.chunk_parallel(*args)
-    out_cpu, scale_cpu, after_cpu = core._causal_group(*args)
+    out_cpu, scale_cpu, after_cpu = cpu._causal_group(*args)
     torch.testing.assert_close(scale, scale_cpu, rtol=0, atol=0)
     torch.testing.assert_close(out, out_cpu, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(after.kv, after_cpu.kv, rtol=1e-12, atol=1e-12)

@@ -24,11 +24,24 @@ one slice are computed, consumed and dropped, so no N x F tensor is ever materia
 slice stays in cache. A slice hands a :class:`RecurrentState` to the next; decoding is the same
 state fed one token at a time.
 
-This module is the engine's CPU strategy (the slices, the chunk loop of :func:`_chunk_scan` and
-its hand-written backward) and its entry points. :func:`key_state`, :func:`read_queries`, the
-causal form and :func:`step_state` ask :mod:`effattn.strategy` which strategy runs them; the GPU
-strategy (:mod:`effattn.kernelized.gpu`: device-sized slices, chunk-parallel, no host sync
-per decoded token) reuses this module's factors and conventions.
+This module holds what the engine's strategies share, and its entry points: the state, the
+floors, the divisor and its eps, the normaliser and the lost-row check; the non-causal key
+state and read-out with their recomputing backward (each strategy sizes their slices);
+the lagged causal form; decoding (:func:`step_state`); :class:`CoreConfig`. The strategies
+live in modules of their own, one layer above this one::
+
+    core.py        conventions, entry points, dispatch, decoding  (imports no strategy)
+    chunkwise.py   the causal form's chunk-major layout and per-token factors (on core)
+    cpu.py         the CPU strategy: cache-sized slices, a chunk loop, a hand-written backward
+    gpu.py         the GPU strategy: device-sized slices, chunk-parallel, a recomputing backward
+    exponents.py   the per-feature core of exponent maps (on core; its GPU form
+                   exponents_gpu.py), which :class:`CoreConfig` runs for them
+
+cpu.py and gpu.py import this module and chunkwise.py, never each other. :func:`key_state`,
+:func:`read_queries` and the causal form ask :mod:`effattn.strategy` which strategy runs them
+and call that module's function of the same name (:func:`_strategy_module`, the one dispatch
+point, imports it at the call: an import at the top would be a cycle). :func:`step_state` is
+shared; it only takes its branch-free form (no host sync per decoded token) on the GPU strategy.
 
 Precision of decoding. The causal forward (chunkwise GEMMs, and prefill, the same code) and
 :func:`linear_attention_step` (one token at a time) sum the same terms w_ij φ(q_i)·φ(k_j) [v_j, 1]
@@ -65,6 +78,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -73,7 +87,6 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from effattn import strategy
-from effattn.kernelized.features import LOG2E
 
 # Smallest log-scale the core works with: keeps exp(a - b) finite when every key is padding. It
 # must lie below every real key's log-scale, about -|x̃|²/2 for positive features (below -1e4
@@ -342,392 +355,6 @@ def _read_out(state: RecurrentState, phi_q: Tensor, eps: float) -> tuple[Tensor,
     return _ratio(out, eps, state.log_scale), _lost_rows(out, eps, state.log_scale)
 
 
-def _chunk_major(x: Tensor, chunk: int, fill: float | None = 0.0) -> Tensor:
-    """(B, H, n, ...) -> (nc, B, H, C, ...): the sequence cut into nc = ceil(n / C) chunks, chunk
-    first, so that each chunk's (B·H, C, ...) block is contiguous (a GEMM from or into a strided
-    one runs one small GEMM per matrix, and the per-chunk loops feed them one chunk at a time).
-    The tail is filled with ``fill``, or with copies of the last row (None: inputs of a feature
-    map, which must stay finite there; no gradient comes back through them)."""
-    b, h, n = x.shape[:3]
-    rest = x.shape[3:]
-    tail = -n % chunk
-    if tail:
-        if fill is None:
-            x = torch.cat([x, x[:, :, -1:].expand(b, h, tail, *rest)], 2)
-        else:
-            x = F.pad(x, (0, 0) * len(rest) + (0, tail), value=fill)
-    return x.reshape(b, h, -1, chunk, *rest).movedim(2, 0).contiguous()
-
-
-def _from_chunks(x: Tensor, n: int) -> Tensor:
-    """(nc, B, H, C, ...) -> (B, H, n, ...), the inverse of :func:`_chunk_major`."""
-    return x.movedim(0, 2).flatten(2, 3)[:, :, :n]
-
-
-def _chunk_features(
-    features: FeatureFn, x: Tensor, chunk: int, is_query: bool
-) -> tuple[Tensor, Tensor | None]:
-    """φ of x (B, H, n, D), chunk-major (nc, B, H, C, F), and the log-scales (nc, B, H, C, 1) or
-    None: the map runs on the chunk-major input as a batch of nc·B sequences of C tokens."""
-    x_c = _chunk_major(x, chunk, fill=None)
-    phi, log_scale = features(x_c.flatten(0, 1), is_query=is_query)
-    nc, b = x_c.shape[:2]
-    return phi.unflatten(0, (nc, b)), None if log_scale is None else log_scale.unflatten(0, (nc, b))
-
-
-@dataclass
-class _Factors:
-    """The per-token weights of a causal group of n tokens, chunk-major over nc chunks of C.
-
-    With P_j the prefix max of the key log-scales inside j's chunk, g the gate and Λ_j the
-    inclusive cumulative log-gate inside the chunk:
-
-    - v (nc, B, H, C, Dv + 1): [v_j, 1] (1 - g_j) exp(ls_j - P_j), 0 at padded and tail keys;
-    - prefix: P (nc, B, H, C, 1), no gradient;
-    - log_weight: a_j = Λ_j + P_last - P_j (nc, B, H, C), None when every a_j is 0;
-    - cum: Λ (nc, B, H, C), None ungated.
-    """
-
-    v: Tensor
-    prefix: Tensor
-    log_weight: Tensor | None
-    cum: Tensor | None
-
-
-def _factors(v: Tensor, key_log_scale: Tensor | None, key_padding_mask: Tensor | None,
-             gate: Tensor | None, chunk: int) -> _Factors:
-    """Per-token weights from v (B, H, n, Dv), the keys' chunk-major log-scales
-    (nc, B, H, C, 1) or None, the padding mask (B, n) and the gate (B, H, n)."""
-    b, h, n = v.shape[:3]
-    log_gate = None
-    if gate is None and key_padding_mask is None:
-        v_c = _values_chunk_major(v, chunk)
-    else:
-        v1 = with_ones(v)
-        if gate is not None:
-            v1 = v1 * (1.0 - gate)[..., None]
-            log_gate = torch.log(gate).clamp_min(LOG_GATE_FLOOR)
-        if key_padding_mask is not None:
-            pad = key_padding_mask[:, None, :]
-            v1 = v1.masked_fill(pad[..., None], 0.0)
-            if log_gate is not None:
-                log_gate = log_gate.masked_fill(pad, 0.0)  # a padded token leaves the state alone
-        v_c = _chunk_major(v1, chunk)  # zero rows after n
-    nc = v_c.shape[0]
-    if key_padding_mask is not None and key_log_scale is None:
-        # Scale 0 from the first unpadded key on, the floor before it: queries that see no
-        # key keep the floor (see _lost_rows).
-        key_log_scale = v.new_zeros(nc, b, h, chunk, 1)
-    if key_log_scale is not None and (key_padding_mask is not None or n % chunk):
-        # Padded keys and the tail after n carry no scale.
-        dropped = torch.ones(key_padding_mask.shape[0] if key_padding_mask is not None else 1,
-                             nc * chunk, dtype=torch.bool, device=v.device)
-        dropped[:, :n] = False if key_padding_mask is None else key_padding_mask
-        dropped = dropped.view(-1, nc, chunk).movedim(1, 0)[:, :, None, :, None]
-        key_log_scale = key_log_scale.masked_fill(dropped, float("-inf"))
-    # Query i of a chunk sums its keys j <= i at the prefix-max scale P_i = max_{j<=i} ls_j: a
-    # key later in the chunk cannot set the scale of earlier queries (their keys would underflow
-    # against it). Key j enters at exp(ls_j - P_j) <= 1 and moves to scale P_i through
-    # exp(P_j - P_i) <= 1, a C x C factor of the same form as the gate's decay exp(Λ_i - Λ_j):
-    # both are exp(a_i - a_j) with a = Λ - P. The last prefix max is the chunk's max, the
-    # scale of its delta for later chunks, which only see it complete.
-    # Only differences of a enter, so its stabiliser part is taken from the chunk's max,
-    # P_last - P_j >= 0: the log-scales themselves can be large (|x̃|²/2 ~ 56 for trigonometric
-    # keys of norm 30 at D = 64), and -P_j * log2(e) rounded at that size put ~ε|P| of error into
-    # every weight exp2(a_i - a_j) (5e-6 at 56, 1e-4 at 1024), which decoding, subtracting
-    # log-scales first, does not have.
-    log_weight = None
-    if key_log_scale is None:
-        prefix = v_c.new_zeros(nc, b, h, chunk, 1)
-    else:
-        with torch.no_grad():
-            prefix = torch.cummax(key_log_scale, -2).values.clamp_min_(LOG_FLOOR)
-        entry = torch.exp(key_log_scale - prefix)
-        # v_c is this function's own: scaled in place unless autograd records the product.
-        recorded = torch.is_grad_enabled() and _needs_grad(v_c, entry)
-        v_c = v_c * entry if recorded else v_c.mul_(entry)
-        log_weight = prefix[..., -1:, 0] - prefix[..., 0]
-    cum = None
-    if log_gate is not None:
-        cum = _chunk_major(log_gate, chunk).cumsum(-1)
-        log_weight = cum if log_weight is None else cum + log_weight
-    return _Factors(v_c, prefix, log_weight, cum)
-
-
-def _values_chunk_major(v: Tensor, chunk: int) -> Tensor:
-    """[v, 1] of v (B, H, n, Dv), chunk-major (nc, B, H, C, Dv + 1), 0 after n: one pass over v
-    (the ones column is written by the same pad, not by a concatenation copied again)."""
-    b, h, n, dv = v.shape
-    tail = -n % chunk
-    if tail:
-        v = F.pad(v, (0, 0, 0, tail))
-    v_c = F.pad(v.unflatten(2, (-1, chunk)).movedim(2, 0), (0, 1), value=1.0)
-    if tail:
-        v_c[-1, :, :, chunk - tail:, dv] = 0.0
-    return v_c
-
-
-def _intra_weights(log_weight: Tensor, row: Tensor | None = None) -> Tensor:
-    """exp(a_i - a_j) for j <= i, 0 above the diagonal: (nc, B, H, C) -> (nc, B, H, C, C); times
-    exp(row_i) when a row factor's log (nc, B, H, C) is given (folded into the C x C weights,
-    C wide, rather than applied to their (C, Dv + 1) product)."""
-    chunk = log_weight.shape[-1]
-    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=log_weight.device).triu_(1)
-    log2_weight = log_weight * LOG2E  # exp2 on the C x C weights (see features.LOG2E)
-    log2_row = log2_weight if row is None else (log_weight + row) * LOG2E
-    return (log2_row[..., :, None] - log2_weight[..., None, :]).masked_fill_(
-        upper, float("-inf")
-    ).exp2_()
-
-
-def _to_end(log_weight: Tensor) -> Tensor:
-    """exp(a_last - a_j), key j's weight in its chunk's state delta: (nc, B, H, C, 1)."""
-    return torch.exp(log_weight[..., -1:] - log_weight)[..., None]
-
-
-def _scan_factors(
-    state_scale: Tensor, chunk_max: Tensor, chunk_log_decay: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Scales and factors of the recurrence over the chunks (see :func:`_chunk_scan`).
-
-    With ΔS_c at log-scale r_c (``chunk_max`` (nc, B, H)), a_c the total gate of chunk c
-    (``chunk_log_decay``) and the incoming state at scale R_0 = s (``state_scale`` (B, H, 1, 1)),
-    the state before chunk c + 1 is kept at R_{c+1} = max(R_c, r_c):
-
-        S_{c+1} = keep_c S_c + enter_c ΔS_c,
-        keep_c = exp(R_c - R_{c+1} + log a_c),  enter_c = exp(r_c - R_{c+1}).
-
-    Every exponent is <= 0: nothing overflows. Returns R_0..R_nc (nc + 1, B, H) and keep, enter
-    (nc, B, H, 1, 1); only keep carries a gradient (the gate's).
-    """
-    scales = torch.cat([state_scale.reshape(1, *chunk_max.shape[1:]), chunk_max])
-    running = torch.cummax(scales, 0).values
-    log_keep = running[:-1] - running[1:]
-    if chunk_log_decay is not None:
-        log_keep = log_keep + chunk_log_decay
-    keep = torch.exp(log_keep)[..., None, None]
-    enter = torch.exp(chunk_max - running[1:])[..., None, None]
-    return running, keep, enter
-
-
-def _out_weights(fac: _Factors, running: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Query i of chunk c reads the state at scale R_c and its chunk at P_i; its output is held
-    at the larger, m_i = max(P_i, R_c). Returns the state's weight exp(R_c - m_i + Λ_i), the
-    chunk's exp(P_i - m_i) and m_i, each (nc, B, H, C, 1)."""
-    state_scale = running[:-1, ..., None, None]
-    common = torch.maximum(fac.prefix, state_scale)
-    inter = torch.exp(state_scale - common)
-    if fac.cum is not None:
-        inter = inter * fac.cum.exp()[..., None]  # decay of the entering state to i
-    return inter, torch.exp(fac.prefix - common), common
-
-
-def _causal_group(
-    q_c: Tensor,
-    k_c: Tensor,
-    key_log_scale: Tensor | None,
-    v: Tensor,
-    state: RecurrentState,
-    key_padding_mask: Tensor | None,
-    gate: Tensor | None,
-    chunk: int,
-) -> tuple[Tensor, Tensor, RecurrentState]:
-    """Causal attention of n tokens after ``state``, chunkwise (see :func:`kernelized_causal`), from
-    chunk-major φ(Q), φ(K) (nc, B, H, C, F) and key log-scales (nc, B, H, C, 1) (see
-    :func:`_chunk_major`), v (B, H, n, Dv), the padding mask (B, n) and the gate (B, H, n).
-
-    Returns [num, den] (nc, B, H, C, Dv + 1) at log-scale m (nc, B, H, C, 1), chunk-major, and
-    the state after.
-    """
-    fac = _factors(v, key_log_scale, key_padding_mask, gate, chunk)
-    running, keep, enter = _scan_factors(
-        state.log_scale, fac.prefix[..., -1, 0], None if fac.cum is None else fac.cum[..., -1]
-    )
-    inter, _, common = _out_weights(fac, running)
-    # (nc·B·H, C, ·) batches: a bmm of 3-d views, not matmul's broadcasting of 5-d ones.
-    scores = torch.bmm(q_c.flatten(0, 2), k_c.flatten(0, 2).transpose(1, 2))  # (nc·B·H, C, C)
-    v_flat = fac.v.flatten(0, 2)
-    if fac.log_weight is None:
-        # No log-scale, padding or gate: every key enters at scale 0, and the state entering
-        # is at 0 or, empty (zeros), at LOG_FLOOR (maps without log-scales make no other), so
-        # keep, enter and the output weights are 1 (or multiply zeros): the read-outs add onto
-        # the chunks' own parts, no pass over the state or the output is spent on them.
-        intra = torch.bmm(scores.tril_(), v_flat).view_as(fac.v)
-        out, kv = _chunk_scan(state.kv, q_c, k_c, fac.v, None, intra)
-    else:
-        # The chunk's own part reaches m_i through exp(P_i - m_i), folded into the weights' rows.
-        weight = _intra_weights(fac.log_weight, (fac.prefix - common)[..., 0]).flatten(0, 2)
-        u = fac.v * (_to_end(fac.log_weight) * enter)
-        read, kv = _chunk_scan(state.kv, q_c, k_c, u, keep, None)
-        # In place on fresh GEMM outputs (bmm keeps its inputs, not its output, for backward)
-        # unless autograd records the product (a gate's weights and ω carry gradients): the
-        # read-outs scaled to m_i, and the chunks' own parts accumulated onto them by the GEMM.
-        if torch.is_grad_enabled() and _needs_grad(weight, inter, read, v_flat):
-            out = (read * inter).flatten(0, 2).baddbmm(scores * weight, v_flat).view_as(read)
-        else:
-            out = read.mul_(inter)
-            out.flatten(0, 2).baddbmm_(scores.mul_(weight), v_flat)
-    return out, common, RecurrentState(kv, running[-1, ..., None, None],
-                                       state.position + v.shape[2])
-
-
-def _chunk_scan(
-    kv: Tensor, q_c: Tensor, k_c: Tensor, u: Tensor, keep: Tensor | None, acc: Tensor | None
-) -> tuple[Tensor, Tensor]:
-    """The chunks' read-outs φ(Q_c) S_c (nc, B, H, C, E) of the states before them, added to
-    ``acc`` when given, and the state after the last (B, H, F, E), by the recurrence of
-    :func:`_scan_factors`, S_{c+1} = keep_c S_c + φ(K_c)^T U_c, from the state kv (B, H, F, E),
-    chunk-major φ(Q), φ(K) (nc, B, H, C, F) and rows U (nc, B, H, C, E) (enter_c folded in);
-    keep (nc, B, H, 1, 1), None: 1.
-
-    A loop over the chunks: the same states as one (nc + 1) x nc GEMM over the chunk axis, whose
-    inner dimension (nc) is too short for a GEMM to run anywhere near its rate, and no
-    subtraction of large partial sums can cancel (unlike an exclusive cumsum formed as
-    cumsum - ΔS). Each chunk reads the running state, then scales it and adds its delta GEMM
-    onto it: the (nc, F, E) states (as large as φ(K)) are never formed, and the state stays in
-    cache between its GEMMs. Without autograd in place; recorded (autograd, torch.compile) as
-    the same operations on fresh tensors, so that both agree to the last bit.
-    """
-    recorded = torch.compiler.is_compiling() or (
-        torch.is_grad_enabled() and _needs_grad(kv, q_c, k_c, u, keep, acc)
-    )
-    nc, b, h = q_c.shape[:3]
-    s3 = kv.to(q_c.dtype, copy=not recorded).flatten(0, 1)  # (B·H, F, E)
-    keeps = [None] * nc if keep is None else _per_chunk(keep)
-    accs = [None] * nc if acc is None else _per_chunk(acc)
-    if recorded:
-        reads = []
-        for q_i, k_i, u_i, acc_i, keep_i in zip(_per_chunk(q_c), _per_chunk(k_c.transpose(-1, -2)),
-                                                _per_chunk(u), accs, keeps, strict=True):
-            reads.append(torch.bmm(q_i, s3) if acc_i is None else torch.baddbmm(acc_i, q_i, s3))
-            s3 = torch.baddbmm(s3 if keep_i is None else s3 * keep_i, k_i, u_i)
-        return torch.stack(reads).unflatten(1, (b, h)), s3.unflatten(0, (b, h))
-    out = q_c.new_empty(*q_c.shape[:-1], u.shape[-1]) if acc is None else acc
-    for q_i, k_i, u_i, out_i, keep_i in zip(_per_chunk(q_c), _per_chunk(k_c.transpose(-1, -2)),
-                                            _per_chunk(u), _per_chunk(out), keeps, strict=True):
-        if acc is None:
-            torch.bmm(q_i, s3, out=out_i)
-        else:
-            out_i.baddbmm_(q_i, s3)
-        if keep_i is not None:
-            s3.mul_(keep_i)
-        s3.baddbmm_(k_i, u_i)
-    return out, s3.unflatten(0, (b, h))
-
-
-def _per_chunk(x: Tensor) -> tuple[Tensor, ...]:
-    """(nc, B, H, ...) -> nc (B·H, ...) views, in one call (per-chunk indexing and reshaping
-    cost more than the small GEMMs they feed); contiguous for a chunk-major x."""
-    return x.flatten(1, 2).unbind(0)
-
-
-def _causal_group_backward(
-    q_c: Tensor,
-    k_c: Tensor,
-    fac_v: Tensor,
-    weight: Tensor | None,
-    to_end: Tensor | None,
-    keep: Tensor,
-    enter: Tensor,
-    inter: Tensor,
-    intra_weight: Tensor,
-    kv: Tensor,
-    g: Tensor,
-    d_final: Tensor | None,
-    needs: tuple[bool, bool, bool, bool],
-    query_backward: Callable[[Tensor], None],
-) -> tuple[Tensor | None, ...]:
-    """Gradients of one causal group, from recomputed values (no autograd).
-
-    The forward of :func:`_causal_group`, per chunk: A = (φ(Q) φ(K)^T) ⊙ W (W: the weights
-    exp(a_i - a_j), or the causal mask), intra = A V', U = V' ⊙ t (t = enter exp(a_last - a)),
-    the scan S_{c+1} = keep S_c + φ(K)^T U, and o = (φ(Q) S_c) ⊙ ω + intra ⊙ ν. From
-    G = ∂L/∂o (nc, B, H, C, E), with G1 = G ⊙ ω, G2 = G ⊙ ν, dA = G2 V'^T and
-    dX = dA ⊙ W:
-
-        dφ(Q) = G1 S_c^T + dX φ(K),   dφ(K) = dX^T φ(Q) + U ∂S_{c+1}^T,
-        dV' = A^T G2 + (φ(K) ∂S_{c+1}) ⊙ t,   ∂S_c = keep_c ∂S_{c+1} + φ(Q_c)^T G1_c,
-
-    with ∂S_c = ∂L/∂S_c. Two loops over the chunks, one chunk's GEMMs at a time: forwards,
-    the states S_c are recomputed from kv (B, H, F, E), the state entering the group, and read
-    into dφ(Q); backwards, ∂S runs from ∂S_nc = ``d_final`` (None: 0) into dφ(K) and dV'. No
-    per-chunk tensor of states is kept but for the gate's dkeep. For the factors that carry the
-    gate's gradient (``needs``: W, exp(a_last - a), keep, ω): dW = dA ⊙ X,
-    d exp(a_last - a) = enter rowsum((φ(K) ∂S_{c+1}) ⊙ V'), dkeep_c = <∂S_{c+1}, S_c>,
-    dω = rowsum(G ⊙ φ(Q) S_c). Without W (no log-scale, padding or gate: see
-    :func:`_causal_group`) every factor is 1 but keep_0 (0 after an empty state).
-    dφ(Q) goes to ``query_backward`` as soon as it is complete (so that it and the queries'
-    recomputed graph are freed before the keys' part). Returns dφ(K), dV', dW,
-    d exp(a_last - a), dkeep, dω (None where not needed) and ∂L/∂kv. Inputs are chunk-major
-    values (nc, B, H, C, ·).
-    """
-    need_weight, need_to_end, need_keep, need_inter = needs
-    nc, b, h, c, f = q_c.shape
-    e = g.shape[-1]
-    scaled = weight is not None
-    scores = q_c @ k_c.transpose(-1, -2)  # X
-    # X and dA are this function's own: masked or weighted in place unless dW needs them both
-    # (every fresh (C, C) or (C, Dv + 1) tensor per group is memory the allocator faults in).
-    if scaled:
-        a = scores * weight if need_weight else scores.mul_(weight)
-        t = to_end * enter
-        u, g1, g2 = fac_v * t, g * inter, g * intra_weight
-    else:
-        a, u, g1, g2 = scores.tril_(), fac_v, g, g
-    # A bmm of 3-d views: matmul would copy the transposed 5-d V' before its GEMM.
-    d_a = torch.bmm(g2.flatten(0, 2), fac_v.flatten(0, 2).transpose(1, 2)).view_as(scores)
-    d_scores = (d_a * weight if need_weight else d_a.mul_(weight)) if scaled else d_a.tril_()
-    d_weight = d_a.mul_(scores) if need_weight else None
-    del scores, d_a
-    d_v = a.transpose(-1, -2) @ g2
-    del a
-    d_q = torch.empty_like(q_c)
-    d_inter = inter.new_empty(inter.shape) if need_inter else None
-    states = q_c.new_empty(nc, b, h, f, e) if need_keep else None
-    state = kv.to(q_c.dtype, copy=True)
-    s3 = state.flatten(0, 1)
-    keeps = _per_chunk(keep) if scaled else [None] * nc
-    k_t = _per_chunk(k_c.transpose(-1, -2))
-    chunks = zip(_per_chunk(q_c), k_t, _per_chunk(u), _per_chunk(g1), _per_chunk(d_q), keeps,
-                 strict=True)
-    for i, (q_i, k_i, u_i, g1_i, d_q_i, keep_i) in enumerate(chunks):
-        if states is not None:
-            states[i] = state
-        torch.bmm(g1_i, s3.transpose(1, 2), out=d_q_i)
-        if d_inter is not None:
-            d_inter[i] = (g[i] * torch.bmm(q_i, s3).view(b, h, c, e)).sum(-1, keepdim=True)
-        if keep_i is not None:
-            s3.mul_(keep_i)
-        s3.baddbmm_(k_i, u_i)
-    del state, s3
-    d_q.flatten(0, 2).baddbmm_(d_scores.flatten(0, 2), k_c.flatten(0, 2))
-    query_backward(d_q)
-    del d_q
-    d_k = d_scores.transpose(-1, -2) @ q_c
-    del d_scores
-    d_u = torch.empty_like(fac_v)
-    d_keep = keep.new_empty(keep.shape) if need_keep else None
-    # ∂S_{i+1}, this function's own: updated in place (no state-sized tensor per chunk).
-    d = (torch.zeros_like(kv) if d_final is None else d_final.clone()).flatten(0, 1)
-    chunks = zip(_per_chunk(q_c), _per_chunk(k_c), _per_chunk(u), _per_chunk(g1),
-                 _per_chunk(d_k), _per_chunk(d_u), keeps, strict=True)
-    for i, (q_i, k_i, u_i, g1_i, d_k_i, d_u_i, keep_i) in reversed(list(enumerate(chunks))):
-        d_k_i.baddbmm_(u_i, d.transpose(1, 2))
-        torch.bmm(k_i, d, out=d_u_i)
-        if d_keep is not None:
-            d_keep[i] = (d.view(b, h, f, e) * states[i]).sum((-2, -1), keepdim=True)
-        if keep_i is not None:
-            d.mul_(keep_i)
-        d.baddbmm_(q_i.transpose(1, 2), g1_i)
-    d = d.view(b, h, f, e)
-    if not scaled:
-        # keep_0 = ω = 0 for the first chunk after an empty state (at LOG_FLOOR), 1 otherwise.
-        return d_k, d_v.add_(d_u), None, None, None, None, d * keep[0]
-    d_to_end = (d_u * fac_v).sum(-1, keepdim=True).mul_(enter) if need_to_end else None
-    d_v += d_u.mul_(t)
-    return d_k, d_v, d_weight, d_to_end, d_keep, d_inter, d
-
-
 def slice_tokens(batch_heads: int, feature_dim: int, chunk_size: int, slice_elements: int) -> int:
     """Tokens per slice: about ``slice_elements`` feature values, a multiple of the chunk."""
     tokens = max(1, slice_elements // max(1, batch_heads * feature_dim))
@@ -779,7 +406,8 @@ def kernelized_attention(
     Non-causal cost: 2·(N + M)·F·(Dv + 1) flops per (B, H) besides the features. Causal adds the
     C x C intra-chunk products, 2·N·C·(F + Dv + 1), and (N/C)·F·(Dv + 1) states. Peak memory
     O(S·F + F·Dv), not O(N·F), in training too: the backward recomputes the features slice by
-    slice (:class:`_KeyState`, :class:`_ReadQueries`, :class:`_Causal`).
+    slice (:class:`_KeyState`, :class:`_ReadQueries`, the CPU strategy's
+    :class:`effattn.kernelized.cpu._Causal`).
     Raises :class:`DenominatorUnderflowError` (a ValueError), after the last slice (one host
     sync), where a query that sees a key gets a denominator of 0 (see :func:`_lost_rows`).
     """
@@ -811,19 +439,12 @@ def key_state(
 
     The non-causal half of :func:`kernelized_attention`, and the memory a decoder's
     cross-attention forms once per source. Recording gradients, it keeps k and v only
-    (:class:`_KeyState`). On the GPU strategy (:mod:`effattn.kernelized.gpu`), device-sized
-    slices.
+    (:class:`_KeyState`), in slices sized by the strategy (:func:`_strategy_module`).
     """
-    if _strategy(k) == "gpu":
-        from effattn.kernelized import gpu
-
-        return gpu.key_state(k, v, features, feature_dim=feature_dim,
-                             key_padding_mask=key_padding_mask, slice_elements=slice_elements,
-                             feature_tensors=feature_tensors)
-    bh = k.shape[0] * k.shape[1]
-    step = slice_tokens(bh, feature_dim, 1, slice_elements)
-    back = slice_tokens(bh, feature_dim, 1, slice_elements // BACKWARD_SLICE_SHARE)
-    return key_state_in_slices(k, v, features, key_padding_mask, feature_tensors, step, back)
+    return _strategy_module(k).key_state(k, v, features, feature_dim=feature_dim,
+                                         key_padding_mask=key_padding_mask,
+                                         slice_elements=slice_elements,
+                                         feature_tensors=feature_tensors)
 
 
 def key_state_in_slices(
@@ -835,7 +456,8 @@ def key_state_in_slices(
     step: int,
     back: int,
 ) -> RecurrentState:
-    """:func:`key_state` in slices of ``step`` keys forward and ``back`` keys backward."""
+    """:func:`key_state` in slices of ``step`` keys forward and ``back`` keys backward: the
+    strategies' shared form, each sizing the slices for its device."""
     if _recording():
         tensors = _feature_inputs(features, k, False, feature_tensors)
         if _needs_grad(k, v, *tensors):
@@ -866,18 +488,12 @@ def read_queries(
 ) -> Tensor:
     """Queries q (B, H, N, D) against a finished :func:`key_state`, in slices: (B, H, N, Dv).
 
-    Recording gradients, it keeps q, the output and the divisors only (:class:`_ReadQueries`).
-    On the GPU strategy (:mod:`effattn.kernelized.gpu`), device-sized slices.
+    Recording gradients, it keeps q, the output and the divisors only (:class:`_ReadQueries`),
+    in slices sized by the strategy (:func:`_strategy_module`).
     """
-    if _strategy(q) == "gpu":
-        from effattn.kernelized import gpu
-
-        return gpu.read_queries(q, state, features, feature_dim=feature_dim, eps=eps,
-                                slice_elements=slice_elements, feature_tensors=feature_tensors)
-    bh = q.shape[0] * q.shape[1]
-    step = slice_tokens(bh, feature_dim, 1, slice_elements)
-    back = slice_tokens(bh, feature_dim, 1, slice_elements // BACKWARD_SLICE_SHARE)
-    return read_queries_in_slices(q, state, features, eps, feature_tensors, step, back)
+    return _strategy_module(q).read_queries(q, state, features, feature_dim=feature_dim,
+                                            eps=eps, slice_elements=slice_elements,
+                                            feature_tensors=feature_tensors)
 
 
 def read_queries_in_slices(
@@ -889,7 +505,8 @@ def read_queries_in_slices(
     step: int,
     back: int,
 ) -> Tensor:
-    """:func:`read_queries` in slices of ``step`` queries forward and ``back`` backward."""
+    """:func:`read_queries` in slices of ``step`` queries forward and ``back`` backward: the
+    strategies' shared form, each sizing the slices for its device."""
     if _recording():
         tensors = _feature_inputs(features, q, True, feature_tensors)
         if _needs_grad(q, state.kv, *tensors):
@@ -904,6 +521,19 @@ def read_queries_in_slices(
 def _strategy(x: Tensor) -> str:
     """The kernelized engine's strategy for tensors like x (see :mod:`effattn.strategy`)."""
     return strategy.choose("kernelized", x.device)
+
+
+def _strategy_module(x: Tensor) -> ModuleType:
+    """The module of the strategy that runs tensors like x: :mod:`effattn.kernelized.cpu` or
+    :mod:`effattn.kernelized.gpu`, each with ``key_state``, ``read_queries`` and ``causal`` of
+    one signature. Imported here, not at the top: both import this module."""
+    if _strategy(x) == "gpu":
+        from effattn.kernelized import gpu
+
+        return gpu
+    from effattn.kernelized import cpu
+
+    return cpu
 
 
 def _slices(step: int, *tensors: tuple[Tensor | None, int]) -> list[list[Tensor | None]]:
@@ -1148,8 +778,8 @@ def kernelized_causal(
 
     This is prefill for decoding: the prompt runs chunkwise, and decoding picks up the state.
     Recording gradients, it keeps q, k, v, the gate, the output and the state entering each
-    slice (:class:`_Causal`). ``lag`` > 0: query i sees keys j <= i - lag (see
-    :func:`lagged`).
+    slice (:class:`effattn.kernelized.cpu._Causal` on the CPU strategy). ``lag`` > 0: query i
+    sees keys j <= i - lag (see :func:`lagged`).
     """
     out, state, _ = _causal(q, k, v, features, state, feature_dim, key_padding_mask, gate,
                             chunk_size, eps, slice_elements, feature_tensors, False, lag)
@@ -1230,29 +860,11 @@ def _causal(
             return RecurrentState.empty(b, h, phi.shape[-1], v.shape[-1], phi)
 
         return lagged(run, q, k, v, key_padding_mask, gate, state, lag, normaliser, empty)
-    if _strategy(q) == "gpu":
-        from effattn.kernelized import gpu
-
-        return gpu.causal(q, k, v, features, state, feature_dim=feature_dim,
-                          key_padding_mask=key_padding_mask, gate=gate, chunk_size=chunk_size,
-                          eps=eps, slice_elements=slice_elements,
-                          feature_tensors=feature_tensors, normaliser=normaliser)
-    step = causal_slice_tokens(b * h, feature_dim, v.shape[-1], chunk_size, slice_elements)
-    if _recording():
-        tensors = _feature_inputs(features, q, True, feature_tensors)
-        if feature_tensors is None:
-            tensors = _unique(tensors + _feature_inputs(features, k, False, None))
-        if _needs_grad(q, k, v, gate, None if state is None else state.kv, *tensors):
-            kv, scale = (None, None) if state is None else (state.kv, state.log_scale)
-            out, kv, scale, log_abs, sign = _Causal.apply(
-                q, k, v, gate, key_padding_mask, kv, scale, features, chunk_size, eps, step,
-                normaliser, *tensors,
-            )
-            return (out, RecurrentState(kv, scale, n + (0 if state is None else state.position)),
-                    Normaliser(log_abs, sign) if normaliser else None)
-    out, state, _, _, norm = _causal_forward(q, k, v, gate, key_padding_mask, state, features,
-                                             chunk_size, eps, step, None, normaliser)
-    return out, state, norm
+    return _strategy_module(q).causal(q, k, v, features, state, feature_dim=feature_dim,
+                                      key_padding_mask=key_padding_mask, gate=gate,
+                                      chunk_size=chunk_size, eps=eps,
+                                      slice_elements=slice_elements,
+                                      feature_tensors=feature_tensors, normaliser=normaliser)
 
 
 CausalFn = Callable[[Tensor, Tensor, Tensor, "Tensor | None", "Tensor | None"],
@@ -1294,69 +906,6 @@ def lagged(run: CausalFn, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Ten
     return F.pad(out, (0, 0, lag, 0)), after, norm
 
 
-def _causal_forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    gate: Tensor | None,
-    key_padding_mask: Tensor | None,
-    state: RecurrentState | None,
-    features: FeatureFn,
-    chunk: int,
-    eps: float,
-    step: int,
-    entering: list[Tensor] | None,
-    normaliser: bool,
-) -> tuple[Tensor, RecurrentState, Tensor | None, Tensor | None, Normaliser | None]:
-    """The slices of :func:`kernelized_causal`: output (B, H, N, Dv) and state after. Without
-    autograd the output is written in place, with the divisors and gradient factors of
-    :func:`_ratio_into` (B, H, N, 1) when ``entering`` (a list) is given, which then receives
-    the state (kv, log_scale) entering each slice; recorded, as autograd needs (None, None).
-    With ``normaliser``, also each query's :class:`Normaliser` (recorded: differentiable)."""
-    b, h, n = q.shape[:3]
-    recorded = torch.is_grad_enabled() or torch.compiler.is_compiling()
-    outs, lost = [], []
-    out = None if recorded else q.new_empty(b, h, n, v.shape[-1])
-    div = sign = None
-    if entering is not None:
-        div, sign = q.new_empty(b, h, n, 1), q.new_empty(b, h, n, 1)
-    norms = []
-    for a, e in _spans(n, step):
-        phi_q, query_log_scale = _chunk_features(features, q[:, :, a:e], chunk, True)
-        phi_k, key_log_scale = _chunk_features(features, k[:, :, a:e], chunk, False)
-        _check_shapes(phi_q, phi_k, None, key_log_scale)
-        state = _state_of(state, b, h, phi_k.shape[-1], v.shape[-1], phi_k)
-        if entering is not None:
-            entering += [state.kv, state.log_scale]
-        raw, out_scale, state = _causal_group(
-            phi_q, phi_k, key_log_scale, v[:, :, a:e], state,
-            None if key_padding_mask is None else key_padding_mask[:, a:e],
-            None if gate is None else gate[:, :, a:e], chunk,
-        )
-        raw, out_scale = _from_chunks(raw, e - a), _from_chunks(out_scale, e - a)
-        if out is None:
-            outs.append(_ratio(raw, eps, out_scale))
-        else:
-            d, s = _ratio_into(out[:, :, a:e], raw, eps, out_scale)
-            if div is not None and sign is not None:
-                div[:, :, a:e], sign[:, :, a:e] = d, s
-        if normaliser:
-            norms.append(_normaliser(
-                raw[..., -1:], eps, out_scale,
-                None if query_log_scale is None else _from_chunks(query_log_scale, e - a),
-            ))
-        # A gate can decay what a query sees to a legitimate 0: only ungated rows are checked.
-        lost.append(None if gate is not None else _lost_rows(raw, eps, out_scale))
-    _raise_if_lost(lost, q.dtype)
-    if out is None:
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)
-    norm = None
-    if normaliser:
-        log_abs, signs = zip(*norms, strict=True)
-        norm = Normaliser(torch.cat(log_abs, 2), torch.cat(signs, 2))
-    return out, state, div, sign, norm
-
-
 def _normaliser(den: Tensor, eps: float, log_scale: Tensor,
                 query_log_scale: Tensor | None) -> tuple[Tensor, Tensor]:
     """(log |d|, sign d) (B, H, n) of the divisor d = :func:`_divisor` of ``den`` (B, H, n, 1) at
@@ -1372,127 +921,6 @@ def _normaliser(den: Tensor, eps: float, log_scale: Tensor,
 
 def _unique(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     return tuple({id(t): t for t in tensors}.values())
-
-
-class _Causal(torch.autograd.Function):
-    """Causal attention of q, k, v after the state (kv, log_scale) (:func:`kernelized_causal`),
-    slice by slice, keeping q, k, v, the gate, the output, its divisors and the state entering
-    each slice (S tokens): O(N·(D + Dv) + (N / S)·F·(Dv + 1)).
-
-    Backward, slice by slice from the last: recompute φ(Q), φ(K) and the per-token factors
-    under autograd, then :func:`_causal_group_backward` recomputes the slice's chunk states from
-    the state entering it and gives the gradients of the features, of the factors and of the
-    entering state, which goes on to the previous slice; autograd through the recomputed
-    features and factors gives dq, dk, dv, the gate's and the feature tensors'. The per-chunk
-    states (N/C of F x (Dv + 1): as large as φ(K)) are never kept: recomputing a slice's costs
-    one chunk GEMM per chunk.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None,
-                key_padding_mask: Tensor | None, kv: Tensor | None, log_scale: Tensor | None,
-                features: FeatureFn, chunk: int, eps: float, step: int, normaliser: bool,
-                *tensors: Tensor) -> tuple[Tensor, ...]:
-        entering: list[Tensor] = []
-        out, state, div, sign, norm = _causal_forward(
-            q, k, v, gate, key_padding_mask, None if kv is None else RecurrentState(kv, log_scale),
-            features, chunk, eps, step, entering, normaliser,
-        )
-        ctx.features, ctx.chunk, ctx.step, ctx.slices = features, chunk, step, len(entering) // 2
-        ctx.normaliser = normaliser
-        ctx.save_for_backward(q, k, v, gate, key_padding_mask, out, div, sign, *entering,
-                              *tensors)
-        if norm is None:
-            norm = Normaliser(out.new_empty(0), out.new_empty(0))
-        ctx.mark_non_differentiable(state.log_scale, norm.sign)
-        return out, state.kv, state.log_scale, norm.log_abs, norm.sign
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, d_out: Tensor, d_kv: Tensor | None, _: Tensor | None,
-                 d_log_abs: Tensor | None, __: Tensor | None) -> tuple[Tensor | None, ...]:
-        q, k, v, gate, pad, out, div, sign, *rest = ctx.saved_tensors
-        entering, tensors = rest[:2 * ctx.slices], rest[2 * ctx.slices:]
-        need_q, need_k, need_v, need_gate = ctx.needs_input_grad[:4]
-        grads = [torch.empty_like(t) if need else None
-                 for t, need in zip((q, k, v, gate), (need_q, need_k, need_v, need_gate),
-                                    strict=True)]
-        d_tensors: list[Tensor | None] = [None] * len(tensors)
-        spans = _spans(q.shape[2], ctx.step)
-        for i in range(len(spans) - 1, -1, -1):
-            a, e = spans[i]
-            leaves = [_leaf(None if t is None else t[:, :, a:e], need)
-                      for t, need in zip((q, k, v, gate), (need_q, need_k, need_v, need_gate),
-                                         strict=True)]
-            g = _ratio_grad(d_out[:, :, a:e], out[:, :, a:e], div[:, :, a:e], sign[:, :, a:e])
-            d_query_scale = None
-            if ctx.normaliser and d_log_abs is not None:
-                # log |d| + scale: d receives d_log_abs / d where it is the denominator (-back).
-                d_query_scale = d_log_abs[:, :, a:e, None]
-                g[..., -1:].sub_(d_query_scale * sign[:, :, a:e])
-            d_kv, got = _causal_slice_backward(
-                ctx.features, *leaves, None if pad is None else pad[:, a:e],
-                entering[2 * i], entering[2 * i + 1], ctx.chunk, g, d_kv, tensors,
-                d_query_scale,
-            )
-            for total, part in zip(grads, got[:4], strict=True):
-                _put(total, a, e, part)
-            d_tensors = [_add(t, part) for t, part in zip(d_tensors, got[4:], strict=True)]
-        d_kv = d_kv if ctx.needs_input_grad[5] else None
-        return (*grads, None, d_kv, None, None, None, None, None, None, *d_tensors)
-
-
-def _causal_slice_backward(
-    features: FeatureFn,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    gate: Tensor | None,
-    pad: Tensor | None,
-    kv: Tensor,
-    log_scale: Tensor,
-    chunk: int,
-    g: Tensor,
-    d_final: Tensor | None,
-    tensors: Sequence[Tensor],
-    d_query_scale: Tensor | None,
-) -> tuple[Tensor, list[Tensor | None]]:
-    """One slice of :class:`_Causal`'s backward: q, k, v, gate (leaves), the state (kv,
-    log_scale) entering the slice, g = ∂L/∂[num, den] (B, H, n, Dv + 1), ∂L/∂(state after)
-    and ∂L/∂(the queries' log-scales) (B, H, n, 1) (None: not used).
-    Returns ∂L/∂kv and the gradients of q, k, v, gate and ``tensors``. The tail after n is
-    padded with copies of the last token (see :func:`_chunk_major`): no gradient reaches them
-    (their keys are masked and their queries' g is 0)."""
-    with torch.enable_grad():
-        phi_q, query_log_scale = _chunk_features(features, q, chunk, True)
-        phi_k, key_log_scale = _chunk_features(features, k, chunk, False)
-        fac = _factors(v, key_log_scale, pad, gate, chunk)
-        weight = to_end = None
-        if fac.log_weight is not None:
-            weight, to_end = _intra_weights(fac.log_weight), _to_end(fac.log_weight)
-        running, keep, enter = _scan_factors(
-            log_scale, fac.prefix[..., -1, 0], None if fac.cum is None else fac.cum[..., -1]
-        )
-        inter, intra_weight, _ = _out_weights(fac, running)
-    values = [None if t is None else t.detach() for t in (weight, to_end, keep, inter)]
-    needs = tuple(t is not None and t.requires_grad for t in (weight, to_end, keep, inter))
-    inputs = (q, k, v, *(() if gate is None else (gate,)), *tensors)
-    grads: list[Tensor | None] = [None] * len(inputs)
-
-    def query_backward(d_q: Tensor) -> None:
-        d_scale = None if d_query_scale is None else _chunk_major(d_query_scale, chunk)
-        grads[:] = _backprop((phi_q, query_log_scale), (d_q, d_scale), inputs)
-
-    d_k, *d_rest, d_kv = _causal_group_backward(
-        phi_q.detach(), phi_k.detach(), fac.v.detach(), values[0], values[1], values[2], enter,
-        values[3], intra_weight, kv.detach(), _chunk_major(g, chunk), d_final, needs,
-        query_backward,
-    )
-    keys = _backprop((phi_k, fac.v, weight, to_end, keep, inter), (d_k, *d_rest), inputs)
-    grads = [_add(a, b) for a, b in zip(grads, keys, strict=True)]
-    if gate is None:
-        grads.insert(3, None)
-    return d_kv, grads
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The GPU strategy of the kernelized engine: chunk-parallel, a few large batched GEMMs per call.
 
-The CPU strategy (:mod:`effattn.kernelized.core`) walks long sequences in cache-sized slices and
+The CPU strategy (:mod:`effattn.kernelized.cpu`) walks long sequences in cache-sized slices and
 the chunks of a slice in a Python loop: right for a few cores with a cache, thousands of tiny
 kernel launches on a GPU. This strategy computes the same sums under the same conventions
 (:class:`~effattn.kernelized.core.RecurrentState` with z the last column of [V, 1], the key
@@ -22,7 +22,7 @@ tokens), not per chunk:
       o_c    = (φ(Q_c) S_c) ⊙ ω_c + ((φ(Q_c) φ(K_c)^T) ⊙ W_c) V'_c
 
   with E = Dv + 1 and the per-token factors (U, ω, W, V') of the CPU strategy's
-  :func:`~effattn.kernelized.core._factors` (the stabiliser and the gate folded into one log
+  :func:`~effattn.kernelized.chunkwise._factors` (the stabiliser and the gate folded into one log
   weight a with every exp(a_i - a_j) <= 1). The decays between chunks come from the same
   running max R_c of the chunks' key log-scales r_c and the chunks' total log-gates d_c:
 
@@ -75,7 +75,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from effattn.kernelized import core
+from effattn.kernelized import chunkwise, core
 from effattn.kernelized.core import (
     FeatureFn,
     Normaliser,
@@ -217,18 +217,18 @@ def _forward(
     state after, the normaliser (``normaliser``: else None) and the lost-row flag (a 0-d bool
     tensor, read by the caller; None: not checked)."""
     b, h, n = q.shape[:3]
-    phi_q, query_log_scale = core._chunk_features(features, q, chunk, True)
-    phi_k, key_log_scale = core._chunk_features(features, k, chunk, False)
+    phi_q, query_log_scale = chunkwise._chunk_features(features, q, chunk, True)
+    phi_k, key_log_scale = chunkwise._chunk_features(features, k, chunk, False)
     core._check_shapes(phi_q, phi_k, None, key_log_scale)
     state = core._state_of(state, b, h, phi_k.shape[-1], v.shape[-1], phi_k)
     raw, out_scale, state = chunk_parallel(phi_q, phi_k, key_log_scale, v, state,
                                            key_padding_mask, gate, chunk)
-    raw, out_scale = core._from_chunks(raw, n), core._from_chunks(out_scale, n)
+    raw, out_scale = chunkwise._from_chunks(raw, n), chunkwise._from_chunks(out_scale, n)
     norm = None
     if normaliser:
         norm = Normaliser(*core._normaliser(
             raw[..., -1:], eps, out_scale,
-            None if query_log_scale is None else core._from_chunks(query_log_scale, n),
+            None if query_log_scale is None else chunkwise._from_chunks(query_log_scale, n),
         ))
     # A gate can decay what a query sees to a legitimate 0: only ungated rows are checked.
     lost = None if gate is not None else core._lost_rows(raw, eps, out_scale)
@@ -252,22 +252,22 @@ def chunk_parallel(
     Returns [num, den] (nc, B, H, C, Dv + 1) at log-scale m (nc, B, H, C, 1), chunk-major,
     and the state after: what the CPU strategy's ``_causal_group`` returns, without its loop.
     """
-    fac = core._factors(v, key_log_scale, key_padding_mask, gate, chunk)
+    fac = chunkwise._factors(v, key_log_scale, key_padding_mask, gate, chunk)
     chunk_max = fac.prefix[..., -1, 0]
     chunk_decay = None if fac.cum is None else fac.cum[..., -1]
-    running, _, _ = core._scan_factors(state.log_scale, chunk_max, chunk_decay)
-    inter, _, common = core._out_weights(fac, running)
+    running, _, _ = chunkwise._scan_factors(state.log_scale, chunk_max, chunk_decay)
+    inter, _, common = chunkwise._out_weights(fac, running)
     scores = phi_q @ phi_k.transpose(-1, -2)  # (nc, B, H, C, C)
     k_t = phi_k.transpose(-1, -2)
     if fac.log_weight is None:
-        # Every key at scale 0, the entering state at 0 or empty (see core._causal_group):
+        # Every key at scale 0, the entering state at 0 or empty (see cpu._causal_group):
         # T = t = 1, and ω multiplies zeros where it is not 1.
         states = torch.cat([state.kv[None].to(phi_k.dtype), k_t @ fac.v]).cumsum(0)
         before, after = states[:-1], states[-1]
         out = phi_q @ before + scores.tril() @ fac.v
     else:
-        weight = core._intra_weights(fac.log_weight, (fac.prefix - common)[..., 0])
-        deltas = k_t @ (fac.v * core._to_end(fac.log_weight))
+        weight = chunkwise._intra_weights(fac.log_weight, (fac.prefix - common)[..., 0])
+        deltas = k_t @ (fac.v * chunkwise._to_end(fac.log_weight))
         before, after = decayed_prefix(state.kv.to(phi_k.dtype), deltas, running, chunk_max,
                                        chunk_decay)
         out = (phi_q @ before) * inter + (scores * weight) @ fac.v
