@@ -78,20 +78,12 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from effattn import strategy
+from effattn.kernelized import core
 from effattn.kernelized.core import (
     LOG_FLOOR,
     RESCALE_MARGIN,
     Normaliser,
     RecurrentState,
-    _add,
-    _backprop,
-    _feature_inputs,
-    _leaf,
-    _needs_grad,
-    _put,
-    _ratio_grad,
-    _recording,
-    _spans,
     lagged,
     with_ones,
 )
@@ -155,7 +147,7 @@ def _normaliser(den: Tensor, div: Tensor, top: Tensor) -> tuple[Tensor, Tensor]:
 
 def _divisors(den: Tensor) -> tuple[Tensor, Tensor]:
     """The denominators den (..., 1) as divided by, 1 where no key is seen (den = 0: the
-    output 0 / 1 and its gradient stay 0), and the gradient factor of :func:`_ratio_grad`,
+    output 0 / 1 and its gradient stay 0), and the gradient factor of :func:`core._ratio_grad`,
     -1 / den (0 where no key is seen): what the row core's divisor is with eps = 0."""
     div = torch.where(den == 0, 1.0, den)
     return div, torch.where(den == 0, 0.0, -1.0 / div)
@@ -178,7 +170,7 @@ def _exponent_inputs(exponents: ExponentFn, x: Tensor,
     """The tensors ``exponents`` reads, as inputs of the recomputing autograd functions: the
     row core's rule (:func:`effattn.kernelized.core._feature_inputs`: given ones are saved, so
     that one changed in place before the backward raises; else those found in the graph)."""
-    return _feature_inputs(lambda y, *, is_query: (exponents(y), None), x, True,
+    return core._feature_inputs(lambda y, *, is_query: (exponents(y), None), x, True,
                            feature_tensors)
 
 
@@ -197,7 +189,7 @@ def _key_slices(k: Tensor, v: Tensor, pad: Tensor | None, kv: Tensor, scale: Ten
                 exponents: ExponentFn, step: int) -> tuple[Tensor, Tensor]:
     """The keys into the state (kv, scale), ``step`` at a time, the state rescaled per feature
     between slices."""
-    for a, z in _spans(k.shape[2], step):
+    for a, z in core._spans(k.shape[2], step):
         kv, scale = _key_state(k[:, :, a:z], v[:, :, a:z],
                                None if pad is None else pad[:, a:z], kv, scale, exponents)
     return kv, scale
@@ -225,9 +217,9 @@ def key_state(k: Tensor, v: Tensor, exponents: ExponentFn, feature_dim: int, *,
     slice_elements = exponents_gpu.slice_budget(slice_elements, k)
     b, h, m = k.shape[:3]
     state = _state(state, b, h, feature_dim, v.shape[-1], v)
-    if _recording():
+    if core._recording():
         tensors = _exponent_inputs(exponents, k, feature_tensors)
-        if _needs_grad(k, v, state.kv, *tensors):
+        if core._needs_grad(k, v, state.kv, *tensors):
             step = _slice_tokens(b, h, feature_dim, slice_elements, SLICE_SHARE)
             kv, scale = _KeyState.apply(k, v, key_padding_mask, state.kv, state.log_scale,
                                         exponents, step, *tensors)
@@ -251,7 +243,7 @@ def _key_slice_backward(exponents: ExponentFn, k: Tensor, v: Tensor, pad: Tensor
     d_v = keys @ d_kv[..., :-1]
     d_u = (with_ones(v) @ d_kv.transpose(-2, -1)).mul_(keys)
     del keys
-    return d_v, _backprop((u,), (d_u,), (k, *tensors))
+    return d_v, core._backprop((u,), (d_u,), (k, *tensors))
 
 
 class _KeyState(torch.autograd.Function):
@@ -277,13 +269,13 @@ class _KeyState(torch.autograd.Function):
         dk = torch.empty_like(k) if ctx.needs_input_grad[0] else None
         dv = torch.empty_like(v) if ctx.needs_input_grad[1] else None
         d_tensors: list[Tensor | None] = [None] * len(tensors)
-        for a, z in _spans(k.shape[2], ctx.step):
+        for a, z in core._spans(k.shape[2], ctx.step):
             d_v, grads = _key_slice_backward(
-                ctx.exponents, _leaf(k[:, :, a:z], dk is not None), v[:, :, a:z],
+                ctx.exponents, core._leaf(k[:, :, a:z], dk is not None), v[:, :, a:z],
                 None if pad is None else pad[:, a:z], top, d_kv, tensors)
-            _put(dk, a, z, grads[0])
-            _put(dv, a, z, d_v)
-            d_tensors = [_add(t, g) for t, g in zip(d_tensors, grads[1:], strict=True)]
+            core._put(dk, a, z, grads[0])
+            core._put(dv, a, z, d_v)
+            d_tensors = [core._add(t, g) for t, g in zip(d_tensors, grads[1:], strict=True)]
         d_state = None if scale is None else d_kv * torch.exp(scale - top)
         return dk, dv, None, d_state, None, None, None, *d_tensors
 
@@ -326,9 +318,9 @@ def read_queries(q: Tensor, state: RecurrentState, exponents: ExponentFn, *,
     slice_elements = exponents_gpu.slice_budget(slice_elements, q)
     b, h, n = q.shape[:3]
     f = state.kv.shape[2]
-    if _recording():
+    if core._recording():
         tensors = _exponent_inputs(exponents, q, feature_tensors)
-        if _needs_grad(q, state.kv, *tensors):
+        if core._needs_grad(q, state.kv, *tensors):
             return _ReadQueries.apply(q, state.kv, state.log_scale, exponents,
                                       _slice_tokens(b, h, f, slice_elements, SLICE_SHARE),
                                       *tensors)
@@ -349,7 +341,7 @@ def _query_slice_backward(exponents: ExponentFn, q: Tensor, g: Tensor, kv: Tenso
     phi = against(u.detach(), scale, is_query=True)[0]
     if d_kv is not None:
         d_kv += phi.transpose(-2, -1) @ g
-    return _backprop((u,), ((g @ kv.transpose(-2, -1)).mul_(phi),), (q, *tensors))
+    return core._backprop((u,), ((g @ kv.transpose(-2, -1)).mul_(phi),), (q, *tensors))
 
 
 class _ReadQueries(torch.autograd.Function):
@@ -363,7 +355,7 @@ class _ReadQueries(torch.autograd.Function):
         b, h, n = q.shape[:3]
         out = q.new_empty(b, h, n, kv.shape[-1] - 1)
         den = q.new_empty(b, h, n, 1)
-        for a, z in _spans(n, step):
+        for a, z in core._spans(n, step):
             raw = _read(exponents(q[:, :, a:z]), kv, scale)[0]
             den[:, :, a:z] = raw[..., -1:]
             torch.div(raw[..., :-1], _divisors(raw[..., -1:])[0], out=out[:, :, a:z])
@@ -379,12 +371,12 @@ class _ReadQueries(torch.autograd.Function):
         dq = torch.empty_like(q) if need_q else None
         d_kv = torch.zeros_like(kv) if need_kv else None
         d_tensors: list[Tensor | None] = [None] * len(tensors)
-        for a, z in _spans(q.shape[2], ctx.step):
-            g = _ratio_grad(d_out[:, :, a:z], out[:, :, a:z], *_divisors(den[:, :, a:z]))
-            grads = _query_slice_backward(ctx.exponents, _leaf(q[:, :, a:z], need_q), g, kv,
+        for a, z in core._spans(q.shape[2], ctx.step):
+            g = core._ratio_grad(d_out[:, :, a:z], out[:, :, a:z], *_divisors(den[:, :, a:z]))
+            grads = _query_slice_backward(ctx.exponents, core._leaf(q[:, :, a:z], need_q), g, kv,
                                           scale, d_kv, tensors)
-            _put(dq, a, z, grads[0])
-            d_tensors = [_add(t, g) for t, g in zip(d_tensors, grads[1:], strict=True)]
+            core._put(dq, a, z, grads[0])
+            d_tensors = [core._add(t, g) for t, g in zip(d_tensors, grads[1:], strict=True)]
         return dq, d_kv, None, None, None, *d_tensors
 
 
@@ -591,7 +583,7 @@ def _causal_slice_backward(exponents: ExponentFn, q: Tensor, k: Tensor, v: Tenso
         u_q, u_k = exponents(q), exponents(k)
     d_uq, d_uk, d_v, d_kv = _causal_slice_grads(u_q.detach(), u_k.detach(), v, pad, kv, scale,
                                                 top, wide, chunk, g, d_final)
-    return d_kv, d_v, _backprop((u_q, u_k), (d_uq, d_uk), (q, k, *tensors))
+    return d_kv, d_v, core._backprop((u_q, u_k), (d_uq, d_uk), (q, k, *tensors))
 
 
 class _Causal(torch.autograd.Function):
@@ -612,7 +604,7 @@ class _Causal(torch.autograd.Function):
         log_abs, sign = (q.new_empty(b, h, n) if normaliser else q.new_empty(0) for _ in "ls")
         entering: list[Tensor | None] = []
         wide = []
-        for a, z in _spans(n, step):
+        for a, z in core._spans(n, step):
             entering += [kv, scale]
             if kv is None or scale is None:
                 empty = _state(None, b, h, feature_dim, v.shape[-1], v)
@@ -644,11 +636,11 @@ class _Causal(torch.autograd.Function):
         dq, dk, dv = (torch.empty_like(t) if need else None
                       for t, need in zip((q, k, v), (need_q, need_k, need_v), strict=True))
         d_tensors: list[Tensor | None] = [None] * len(tensors)
-        spans = _spans(q.shape[2], ctx.step)
+        spans = core._spans(q.shape[2], ctx.step)
         for i in range(slices - 1, -1, -1):
             a, z = spans[i]
             div, factor = _divisors(den[:, :, a:z])
-            g = _ratio_grad(d_out[:, :, a:z], out[:, :, a:z], div, factor)
+            g = core._ratio_grad(d_out[:, :, a:z], out[:, :, a:z], div, factor)
             if d_log_abs.numel():  # log den + c: den receives d_log_abs / den (-factor)
                 g[..., -1:].sub_(d_log_abs[:, :, a:z, None] * factor)
             kv, scale = entering[2 * i], entering[2 * i + 1]
@@ -656,13 +648,13 @@ class _Causal(torch.autograd.Function):
                 empty = _state(None, *q.shape[:2], ctx.feature_dim, v.shape[-1], v)
                 kv, scale = empty.kv, empty.log_scale
             d_kv, d_v, got = _causal_slice_backward(
-                ctx.exponents, _leaf(q[:, :, a:z], need_q), _leaf(k[:, :, a:z], need_k),
+                ctx.exponents, core._leaf(q[:, :, a:z], need_q), core._leaf(k[:, :, a:z], need_k),
                 v[:, :, a:z], None if pad is None else pad[:, a:z], kv, scale, top[:, :, a:z],
                 ctx.wide[i], ctx.chunk, g, d_kv, tensors)
-            _put(dq, a, z, got[0])
-            _put(dk, a, z, got[1])
-            _put(dv, a, z, d_v)
-            d_tensors = [_add(t, part) for t, part in zip(d_tensors, got[2:], strict=True)]
+            core._put(dq, a, z, got[0])
+            core._put(dk, a, z, got[1])
+            core._put(dv, a, z, d_v)
+            d_tensors = [core._add(t, part) for t, part in zip(d_tensors, got[2:], strict=True)]
         d_kv = d_kv if ctx.needs_input_grad[4] else None
         return dq, dk, dv, None, d_kv, None, None, None, None, None, None, *d_tensors
 
@@ -706,9 +698,9 @@ def causal(q: Tensor, k: Tensor, v: Tensor, exponents: ExponentFn, feature_dim: 
     given = state
     state = _state(state, b, h, f, v.shape[-1], v)
     kv, scale = state.kv, state.log_scale
-    if _recording():
+    if core._recording():
         tensors = _exponent_inputs(exponents, q, feature_tensors)
-        if _needs_grad(q, k, v, kv, *tensors):
+        if core._needs_grad(q, k, v, kv, *tensors):
             if given is None:
                 kv = scale = None
             step = _slice_tokens(b, h, f, slice_elements, SLICE_SHARE, chunk_size)
@@ -718,7 +710,7 @@ def causal(q: Tensor, k: Tensor, v: Tensor, exponents: ExponentFn, feature_dim: 
             return (out, RecurrentState(kv, scale, state.position + n),
                     Normaliser(log_abs, sign) if normaliser else None)
     parts = []
-    for a, z in _spans(n, _slice_tokens(b, h, f, slice_elements, FORWARD_SLICE_SHARE,
+    for a, z in core._spans(n, _slice_tokens(b, h, f, slice_elements, FORWARD_SLICE_SHARE,
                                         chunk_size)):
         raw, top, kv, scale, _ = _causal_slice(
             q[:, :, a:z], k[:, :, a:z], v[:, :, a:z],
