@@ -4,6 +4,7 @@ awkward shapes, padding, slices), at exponents far beyond fp32's range of exp, b
 in-chunk precisions, decoding == forward, no future key setting a scale, and its errors."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -260,6 +261,21 @@ def test_features_against_a_state_give_the_kernel():
     torch.testing.assert_close((phi_q @ phi_k.transpose(-2, -1)).log() + top, log_kernel)
     raw = phi_q @ state.kv
     torch.testing.assert_close(raw[..., :-1] / raw[..., -1:], ex.read_queries(q, state, exponents))
+
+
+def test_keys_a_rounding_above_the_scale_keep_their_gradient():
+    """``against`` clamps a key above the state's scale at exp(0) = 1 (padding rows) but passes
+    the gradient: the key that set a feature's scale, recomputed with other rounding, lands a
+    rounding above it and must keep d exp(u - o) / du = 1 (a clamp would give 0, as a window
+    hybrid's band over several slices did)."""
+    scale = torch.zeros(1, 1, 3, 1, dtype=torch.float64)
+    u = torch.tensor([[[[1e-15, -1.0, 5.0]]]], dtype=torch.float64, requires_grad=True)
+    phi, _ = ex.against(u, scale, is_query=False)
+    assert torch.equal(phi.detach(), torch.tensor([[[[1.0, math.exp(-1.0), 1.0]]]],
+                                                  dtype=torch.float64))
+    (grad,) = torch.autograd.grad(phi.sum(), u)
+    torch.testing.assert_close(grad, torch.tensor([[[[1.0, math.exp(-1.0), 1.0]]]],
+                                                  dtype=torch.float64))
 
 
 @pytest.mark.parametrize("lag", [0, 1, 5, 62, 63, 70])

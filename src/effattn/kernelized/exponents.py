@@ -299,10 +299,15 @@ def against(u: Tensor, scale: Tensor, *, is_query: bool) -> tuple[Tensor, Tensor
     per-feature scale o (B, H, F, 1) of a state that holds the keys: keys exp(u - o) (<= 1 for
     every key the state holds; clamped at 1 for others, e.g. padding rows), queries
     exp(u + o - c) with their log-scale c = max_f (u + o). Then φ̃(q)·φ̃(k) e^c = φ(q)·φ(k),
-    and φ̃(q) times the state's kv reads it at scale e^c (the window hybrid's band uses both)."""
+    and φ̃(q) times the state's kv reads it at scale e^c (the window hybrid's band uses both).
+
+    The clamp passes the gradient through: a key that set o, its exponents recomputed with
+    other rounding, can land a rounding above it, and must keep its gradient."""
     offset = scale.transpose(-2, -1)  # (B, H, 1, F)
     if not is_query:
-        return torch.sub(u, offset).clamp_max_(0.0).exp_(), None
+        shifted = torch.sub(u, offset)
+        # Value 0 above the scale, gradient 1 (shifted - shifted.detach() is 0 with grad 1).
+        return torch.where(shifted > 0, shifted - shifted.detach(), shifted).exp_(), None
     shifted = u + offset
     top = shifted.detach().amax(-1, keepdim=True)
     return shifted.sub_(top).exp_(), top
