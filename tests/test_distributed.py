@@ -27,9 +27,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 TIMEOUT = 30  # seconds, for every collective in the workers
-# Seconds for the workers to run every case: a guard against a hang that the collectives'
-# timeout misses, not a speed limit. Four processes on two busy cores took over 120 s.
-DEADLINE = 900
+# Seconds for the workers to run every case (about 15 on two quiet cores): a guard against a
+# hang, not a speed limit. A case that fails on one rank only leaves the others waiting in a
+# collective that gloo does not time out, so this is also how long such a failure takes to show.
+DEADLINE = 300
 B, H, D, DV = 2, 2, 7, 5
 
 # (id, method, options, dtype): every method that can be split, with the variants that change
