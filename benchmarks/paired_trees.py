@@ -1,11 +1,13 @@
-"""Two checkouts of effattn timed against each other in one process, paired and alternating.
+"""Two checkouts of effattn timed against each other, paired and alternating.
 
-Each tree's ``src`` is imported as its own copy of the package (the module cache is cleared
-between the two imports), each method is built from both with the same seed, and every repeat
-runs the two in an order that alternates, so that a machine shared with other work slows both
-alike: the ratio new / old holds where the milliseconds do not. Forward in inference mode and
-forward + backward of ``out.sum()``; B = 1, H = 8, D = 64, fp32, each method's defaults. The two
-outputs are compared too (``|diff|``: a change of engine should not change the answer).
+Each tree runs in a worker process of its own, which imports that tree's ``src`` and nothing
+else (two copies of effattn in one process would register its torch.library operator twice).
+Every method is built in both with the same seed, on the same q, k, v, and every repeat asks the
+two workers in turn, in an order that alternates, so that a machine shared with other work slows
+both alike: the ratio new / old holds where the milliseconds do not. The workers time their own
+calls (no pipe in the measurement). Forward in inference mode and forward + backward of
+``out.sum()``; B = 1, H = 8, D = 64, fp32, each method's defaults. The two outputs are compared
+too (``|diff|``: a change of engine should not change the answer).
 
     git worktree add --detach /tmp/effattn-old main
     python3 benchmarks/paired_trees.py --old /tmp/effattn-old/src --new src \\
@@ -17,48 +19,81 @@ Say how loaded the machine was (``uptime``) beside the numbers.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import statistics
+import subprocess
 import sys
-from functools import partial
+import tempfile
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
 import torch
 
-from effattn.tools.bench.timing import paired
+# The worker: imports the tree at argv[1] (refusing any other effattn), then answers one JSON
+# request per line: {"method", "n", "causal", "pass": "out" | "fwd" | "fwdbwd", "path"} with
+# {"s": seconds of one call} (or, for "out", the forward's output saved at "path").
+WORKER = r"""
+import json, sys, time
+from pathlib import Path
+src = sys.argv[1]
+sys.path.insert(0, src)
+import torch
+import effattn
+if not str(Path(effattn.__file__).resolve()).startswith(src):
+    sys.exit(f"{src} holds no effattn package (imported {effattn.__file__})")
+torch.set_num_threads(int(sys.argv[2]))
+built = {}
+for line in sys.stdin:
+    ask = json.loads(line)
+    key = (ask["method"], ask["n"])
+    if key not in built:
+        g = torch.Generator().manual_seed(ask["n"])
+        qkv = [torch.randn(1, 8, ask["n"], 64, generator=g) for _ in range(3)]
+        built[key] = (effattn.build(ask["method"], head_dim=64, heads=8, seed=0), qkv)
+    module, qkv = built[key]
+    causal = ask["causal"]
+    if ask["pass"] == "out":
+        with torch.no_grad():
+            torch.save(module(*qkv, causal=causal), ask["path"])
+        print("{}", flush=True)
+        continue
+    start = time.perf_counter()
+    if ask["pass"] == "fwd":
+        with torch.inference_mode():
+            module(*qkv, causal=causal)
+    else:
+        leaves = [t.clone().requires_grad_() for t in qkv]
+        module(*leaves, causal=causal).sum().backward()
+    print(json.dumps({"s": time.perf_counter() - start}), flush=True)
+"""
 
 
-def load(src: Path) -> ModuleType:
-    """Import the effattn package found under ``src`` as a copy of its own."""
-    for name in [m for m in sys.modules if m == "effattn" or m.startswith("effattn.")]:
-        del sys.modules[name]
-    sys.path.insert(0, str(src))
-    try:
-        mod = importlib.import_module("effattn")
-    finally:
-        sys.path.remove(str(src))
-    if not str(mod.__file__).startswith(str(src)):
-        raise SystemExit(f"--old/--new: {src} holds no effattn package (imported {mod.__file__})")
-    return mod
+class Tree:
+    """A worker process running one tree's effattn."""
+
+    def __init__(self, src: Path, threads: int) -> None:
+        self.src = src
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", WORKER, str(src), str(threads)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+
+    def ask(self, **request: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"the worker of {self.src} stopped (exit {self.proc.wait()})")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait()
 
 
-def forward(m: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            causal: bool) -> None:
-    with torch.inference_mode():
-        m(q, k, v, causal=causal)
-
-
-def backward(m: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             causal: bool) -> None:
-    m(q, k, v, causal=causal).sum().backward()
-    q.grad = k.grad = v.grad = None
-
-
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--old", type=Path, required=True, help="the baseline tree's src folder")
     p.add_argument("--new", type=Path, required=True, help="the changed tree's src folder")
@@ -68,41 +103,55 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, help="write the results here as JSON")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     try:
         lengths = [int(x) for x in a.lengths.split(",")]
     except ValueError:
         p.error(f"--lengths: expected integers, got {a.lengths!r}")
-    torch.set_num_threads(a.threads)
-    trees = {"old": load(a.old.resolve()), "new": load(a.new.resolve())}
-    b, h, d = 1, 8, 64
+    for name in ("old", "new"):
+        if not (getattr(a, name) / "effattn").is_dir():
+            p.error(f"--{name}: {getattr(a, name)} holds no effattn package")
+    trees = {"old": Tree(a.old.resolve(), a.threads), "new": Tree(a.new.resolve(), a.threads)}
     results = {}
-    for n in lengths:
-        g = torch.Generator().manual_seed(n)
-        q, k, v = (torch.randn(b, h, n, d, generator=g) for _ in range(3))
-        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
-        for entry in a.methods.split(","):
-            name, _, flag = entry.partition(":")
-            causal = flag == "causal"
-            mods = {t: e.build(name, head_dim=d, heads=h, seed=0) for t, e in trees.items()}
-
-            with torch.no_grad():
-                diff = (mods["old"](q, k, v, causal=causal)
-                        - mods["new"](q, k, v, causal=causal)).abs().max().item()
-            for pas, fn, args in (("fwd", forward, (q, k, v)), ("fwdbwd", backward, (qg, kg, vg))):
-                samples = paired({t: partial(fn, m, *args, causal) for t, m in mods.items()},
-                                 a.repeats)
-                med = {t: statistics.median(v) for t, v in samples.items()}
-                key = f"{entry} N={n} {pas}"
-                results[key] = {"old_ms": med["old"] * 1e3, "new_ms": med["new"] * 1e3,
-                                "new_over_old": med["new"] / med["old"], "max_abs_diff": diff}
-                print(f"{key:36s} old {med['old'] * 1e3:8.1f} ms  new {med['new'] * 1e3:8.1f} ms"
-                      f"  new/old {med['new'] / med['old']:5.3f}  |diff| {diff:.1e}", flush=True)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for n in lengths:
+                for entry in a.methods.split(","):
+                    name, _, flag = entry.partition(":")
+                    call = {"method": name, "n": n, "causal": flag == "causal"}
+                    outs = {}
+                    for t, tree in trees.items():
+                        path = str(Path(tmp) / f"{t}.pt")
+                        tree.ask(**call, path=path, **{"pass": "out"})
+                        outs[t] = torch.load(path)
+                    diff = (outs["old"] - outs["new"]).abs().max().item()
+                    for pas in ("fwd", "fwdbwd"):
+                        samples: dict[str, list[float]] = {"old": [], "new": []}
+                        for r in range(a.repeats + 1):  # the first round warms up
+                            for t in ("old", "new") if r % 2 == 0 else ("new", "old"):
+                                s = trees[t].ask(**call, **{"pass": pas})["s"]
+                                if r:
+                                    samples[t].append(s)
+                        med = {t: statistics.median(v) for t, v in samples.items()}
+                        key = f"{entry} N={n} {pas}"
+                        results[key] = {"old_ms": med["old"] * 1e3, "new_ms": med["new"] * 1e3,
+                                        "new_over_old": statistics.median(
+                                            x / y for x, y in zip(samples["new"], samples["old"],
+                                                                  strict=True)),
+                                        "max_abs_diff": diff}
+                        print(f"{key:36s} old {med['old'] * 1e3:8.1f} ms  new "
+                              f"{med['new'] * 1e3:8.1f} ms  new/old "
+                              f"{results[key]['new_over_old']:5.3f}  |diff| {diff:.1e}",
+                              flush=True)
+    finally:
+        for tree in trees.values():
+            tree.close()
     if a.out:
-        tmp = a.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(results, indent=1))
-        tmp.replace(a.out)
+        tmp_out = a.out.with_suffix(".tmp")
+        tmp_out.write_text(json.dumps(results, indent=1))
+        tmp_out.replace(a.out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""benchmarks/paired_trees.py: two trees (here the same one twice) timed in a worker process each,
+their outputs compared; the results written as JSON; a folder without effattn refused."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "paired_trees.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("paired_trees_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_same_tree_twice_gives_equal_outputs_and_a_ratio(tmp_path, capsys):
+    out = tmp_path / "paired.json"
+    src = str(ROOT / "src")
+    assert _script().main(["--old", src, "--new", src, "--methods", "linear,linear:causal",
+                           "--lengths", "40", "--repeats", "2", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert sorted(results) == [f"linear{flag} N=40 {p}" for flag in ("", ":causal")
+                               for p in ("fwd", "fwdbwd")]
+    for row in results.values():
+        assert row["max_abs_diff"] == 0.0  # one tree, one seed: the same numbers
+        assert row["old_ms"] > 0 and row["new_ms"] > 0 and row["new_over_old"] > 0
+    assert "new/old" in capsys.readouterr().out
+
+
+def test_a_folder_without_effattn_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as err:
+        _script().main(["--old", str(tmp_path), "--new", str(ROOT / "src")])
+    assert err.value.code == 2
+    assert "--old" in capsys.readouterr().err
