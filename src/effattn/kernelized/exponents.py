@@ -680,13 +680,6 @@ def causal(q: Tensor, k: Tensor, v: Tensor, exponents: ExponentFn, feature_dim: 
     row core's lagged form (queries lag.. against keys ..N-1-lag, as views; the first ``lag``
     queries see no key; no entering state). ``feature_tensors``: the tensors ``exponents``
     reads (None: found in its graph)."""
-    if strategy.choose("kernelized", q.device) == "gpu":
-        from effattn.kernelized import exponents_gpu
-
-        return exponents_gpu.causal(q, k, v, exponents, feature_dim, state,
-                                    key_padding_mask=key_padding_mask, chunk_size=chunk_size,
-                                    slice_elements=slice_elements, normaliser=normaliser,
-                                    lag=lag)
     b, h, n = q.shape[:3]
     if k.shape[2] != n:
         raise ValueError(f"causal needs N == M, got {n} and {k.shape[2]}")
@@ -699,6 +692,12 @@ def causal(q: Tensor, k: Tensor, v: Tensor, exponents: ExponentFn, feature_dim: 
 
         return lagged(run, q, k, v, key_padding_mask, None, state, lag, normaliser,
                       lambda: _state(None, b, h, feature_dim, v.shape[-1], v))
+    if strategy.choose("kernelized", q.device) == "gpu":
+        from effattn.kernelized import exponents_gpu
+
+        return exponents_gpu.causal(q, k, v, exponents, feature_dim, state,
+                                    key_padding_mask=key_padding_mask, chunk_size=chunk_size,
+                                    slice_elements=slice_elements, normaliser=normaliser)
     f = feature_dim
     given = state
     state = _state(state, b, h, f, v.shape[-1], v)

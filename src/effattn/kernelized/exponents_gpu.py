@@ -64,7 +64,7 @@ from torch.autograd.function import once_differentiable
 from effattn import strategy
 from effattn.kernelized import core, gpu
 from effattn.kernelized import exponents as ex
-from effattn.kernelized.core import LOG_FLOOR, Normaliser, RecurrentState, lagged, with_ones
+from effattn.kernelized.core import LOG_FLOOR, Normaliser, RecurrentState, with_ones
 
 
 def slice_budget(slice_elements: int, x: Tensor) -> int:
@@ -92,24 +92,14 @@ def slice_tokens(batch_heads: int, feature_dim: int, value_dim: int, chunk_size:
 
 def causal(q: Tensor, k: Tensor, v: Tensor, exponents: ex.ExponentFn, feature_dim: int,
            state: RecurrentState | None = None, *, key_padding_mask: Tensor | None = None,
-           chunk_size: int = 32, slice_elements: int = 1 << 20, normaliser: bool = False,
-           lag: int = 0) -> tuple[Tensor, RecurrentState, Normaliser | None]:
-    """:func:`effattn.kernelized.exponents.causal` (same arguments, outputs and state) in the
-    chunk-parallel form of the module docstring: q, k (B, H, N, D), v (B, H, N, Dv) -> the
-    output (B, H, N, Dv), the state after (per-feature log-scales (B, H, F, 1)) and, with
-    ``normaliser``, the queries' normalisers (B, H, N); slices of :func:`slice_tokens` tokens."""
+           chunk_size: int = 32, slice_elements: int = 1 << 20,
+           normaliser: bool = False) -> tuple[Tensor, RecurrentState, Normaliser | None]:
+    """:func:`effattn.kernelized.exponents.causal` (same arguments, outputs and state; its
+    shape check and ``lag`` are handled there, before it hands over) in the chunk-parallel form
+    of the module docstring: q, k (B, H, N, D), v (B, H, N, Dv) -> the output (B, H, N, Dv),
+    the state after (per-feature log-scales (B, H, F, 1)) and, with ``normaliser``, the
+    queries' normalisers (B, H, N); slices of :func:`slice_tokens` tokens."""
     b, h, n = q.shape[:3]
-    if k.shape[2] != n:
-        raise ValueError(f"causal needs N == M, got {n} and {k.shape[2]}")
-    if lag:
-        def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
-                _: Tensor | None) -> tuple[Tensor, RecurrentState, Normaliser | None]:
-            return causal(q, k, v, exponents, feature_dim, key_padding_mask=mask,
-                          chunk_size=chunk_size, slice_elements=slice_elements,
-                          normaliser=normaliser)
-
-        return lagged(run, q, k, v, key_padding_mask, None, state, lag, normaliser,
-                      lambda: ex._state(None, b, h, feature_dim, v.shape[-1], v))
     state = ex._state(state, b, h, feature_dim, v.shape[-1], v)
     step = slice_tokens(b * h, feature_dim, v.shape[-1], chunk_size, slice_elements)
     args = (q, k, v, key_padding_mask, state.kv, state.log_scale, exponents, chunk_size, step,
