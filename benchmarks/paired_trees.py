@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -43,20 +44,23 @@ if not str(Path(effattn.__file__).resolve()).startswith(src):
     sys.exit(f"{src} holds no effattn package (imported {effattn.__file__})")
 torch.set_num_threads(int(sys.argv[2]))
 built = {}
-for line in sys.stdin:
-    ask = json.loads(line)
+
+
+def answer(ask):
     key = (ask["method"], ask["n"])
     if key not in built:
+        try:
+            module = effattn.build(ask["method"], head_dim=64, heads=8, seed=0)
+        except (KeyError, ValueError, TypeError) as err:
+            return {"error": str(err).strip('"')}
         g = torch.Generator().manual_seed(ask["n"])
-        qkv = [torch.randn(1, 8, ask["n"], 64, generator=g) for _ in range(3)]
-        built[key] = (effattn.build(ask["method"], head_dim=64, heads=8, seed=0), qkv)
+        built[key] = (module, [torch.randn(1, 8, ask["n"], 64, generator=g) for _ in range(3)])
     module, qkv = built[key]
     causal = ask["causal"]
     if ask["pass"] == "out":
         with torch.no_grad():
             torch.save(module(*qkv, causal=causal), ask["path"])
-        print("{}", flush=True)
-        continue
+        return {}
     start = time.perf_counter()
     if ask["pass"] == "fwd":
         with torch.inference_mode():
@@ -64,7 +68,14 @@ for line in sys.stdin:
     else:
         leaves = [t.clone().requires_grad_() for t in qkv]
         module(*leaves, causal=causal).sum().backward()
-    print(json.dumps({"s": time.perf_counter() - start}), flush=True)
+    return {"s": time.perf_counter() - start}
+
+
+try:
+    for line in sys.stdin:
+        print(json.dumps(answer(json.loads(line))), flush=True)
+except KeyboardInterrupt:  # the parent reports it
+    sys.exit(130)
 """
 
 
@@ -85,7 +96,11 @@ class Tree:
         line = self.proc.stdout.readline()
         if not line:
             raise SystemExit(f"the worker of {self.src} stopped (exit {self.proc.wait()})")
-        return json.loads(line)
+        reply = json.loads(line)
+        if "error" in reply:
+            print(f"paired_trees: --methods: {reply['error']}", file=sys.stderr)
+            raise SystemExit(2)
+        return reply
 
     def close(self) -> None:
         if self.proc.stdin is not None:
@@ -111,38 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("old", "new"):
         if not (getattr(a, name) / "effattn").is_dir():
             p.error(f"--{name}: {getattr(a, name)} holds no effattn package")
+    if a.out is not None and not (a.out.parent.is_dir() and os.access(a.out.parent, os.W_OK)):
+        p.error(f"--out: cannot write in {a.out.parent}")
     trees = {"old": Tree(a.old.resolve(), a.threads), "new": Tree(a.new.resolve(), a.threads)}
-    results = {}
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            for n in lengths:
-                for entry in a.methods.split(","):
-                    name, _, flag = entry.partition(":")
-                    call = {"method": name, "n": n, "causal": flag == "causal"}
-                    outs = {}
-                    for t, tree in trees.items():
-                        path = str(Path(tmp) / f"{t}.pt")
-                        tree.ask(**call, path=path, **{"pass": "out"})
-                        outs[t] = torch.load(path)
-                    diff = (outs["old"] - outs["new"]).abs().max().item()
-                    for pas in ("fwd", "fwdbwd"):
-                        samples: dict[str, list[float]] = {"old": [], "new": []}
-                        for r in range(a.repeats + 1):  # the first round warms up
-                            for t in ("old", "new") if r % 2 == 0 else ("new", "old"):
-                                s = trees[t].ask(**call, **{"pass": pas})["s"]
-                                if r:
-                                    samples[t].append(s)
-                        med = {t: statistics.median(v) for t, v in samples.items()}
-                        key = f"{entry} N={n} {pas}"
-                        results[key] = {"old_ms": med["old"] * 1e3, "new_ms": med["new"] * 1e3,
-                                        "new_over_old": statistics.median(
-                                            x / y for x, y in zip(samples["new"], samples["old"],
-                                                                  strict=True)),
-                                        "max_abs_diff": diff}
-                        print(f"{key:36s} old {med['old'] * 1e3:8.1f} ms  new "
-                              f"{med['new'] * 1e3:8.1f} ms  new/old "
-                              f"{results[key]['new_over_old']:5.3f}  |diff| {diff:.1e}",
-                              flush=True)
+        results = _measure(trees, a.methods.split(","), lengths, a.repeats)
+    except KeyboardInterrupt:
+        print("interrupted: nothing written; run the same command again", file=sys.stderr)
+        return 130
     finally:
         for tree in trees.values():
             tree.close()
@@ -151,6 +142,40 @@ def main(argv: list[str] | None = None) -> int:
         tmp_out.write_text(json.dumps(results, indent=1))
         tmp_out.replace(a.out)
     return 0
+
+
+def _measure(trees: dict[str, Tree], entries: list[str], lengths: list[int],
+             repeats: int) -> dict[str, dict[str, float]]:
+    """Every method x length x pass, paired between the trees; prints a line per result."""
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in lengths:
+            for entry in entries:
+                name, _, flag = entry.partition(":")
+                call = {"method": name, "n": n, "causal": flag == "causal"}
+                outs = {}
+                for t, tree in trees.items():
+                    path = str(Path(tmp) / f"{t}.pt")
+                    tree.ask(**call, path=path, **{"pass": "out"})
+                    outs[t] = torch.load(path)
+                diff = (outs["old"] - outs["new"]).abs().max().item()
+                for pas in ("fwd", "fwdbwd"):
+                    samples: dict[str, list[float]] = {"old": [], "new": []}
+                    for r in range(repeats + 1):  # the first round warms up
+                        for t in ("old", "new") if r % 2 == 0 else ("new", "old"):
+                            seconds = trees[t].ask(**call, **{"pass": pas})["s"]
+                            if r:
+                                samples[t].append(seconds)
+                    med = {t: statistics.median(v) for t, v in samples.items()}
+                    ratio = statistics.median(
+                        x / y for x, y in zip(samples["new"], samples["old"], strict=True))
+                    key = f"{entry} N={n} {pas}"
+                    results[key] = {"old_ms": med["old"] * 1e3, "new_ms": med["new"] * 1e3,
+                                    "new_over_old": ratio, "max_abs_diff": diff}
+                    print(f"{key:36s} old {med['old'] * 1e3:8.1f} ms  new "
+                          f"{med['new'] * 1e3:8.1f} ms  new/old {ratio:5.3f}  |diff| {diff:.1e}",
+                          flush=True)
+    return results
 
 
 if __name__ == "__main__":

@@ -37,3 +37,15 @@ def test_a_folder_without_effattn_is_refused(tmp_path, capsys):
         _script().main(["--old", str(tmp_path), "--new", str(ROOT / "src")])
     assert err.value.code == 2
     assert "--old" in capsys.readouterr().err
+
+
+def test_an_unknown_method_and_an_unwritable_out_are_refused(tmp_path, capsys):
+    src = str(ROOT / "src")
+    with pytest.raises(SystemExit) as err:
+        _script().main(["--old", src, "--new", src, "--methods", "nosuch", "--lengths", "40"])
+    assert err.value.code == 2
+    assert "--methods: unknown attention method 'nosuch'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as err:
+        _script().main(["--old", src, "--new", src, "--out", str(tmp_path / "no" / "x.json")])
+    assert err.value.code == 2
+    assert "--out: cannot write" in capsys.readouterr().err
