@@ -28,15 +28,17 @@ from effattn.kernelized.core import LOG_FLOOR, LOG_GATE_FLOOR, FeatureFn, with_o
 from effattn.kernelized.features import LOG2E
 
 
-def _chunk_major(x: Tensor, chunk: int, fill: float | None = 0.0) -> Tensor:
-    """(B, H, n, ...) -> (nc, B, H, C, ...): the sequence cut into nc = ceil(n / C) chunks, chunk
-    first, so that each chunk's (B·H, C, ...) block is contiguous (a GEMM from or into a strided
-    one runs one small GEMM per matrix, and the per-chunk loops feed them one chunk at a time).
-    The tail is filled with ``fill``, or with copies of the last row (None: inputs of a feature
-    map, which must stay finite there; no gradient comes back through them)."""
+def _chunk_major(x: Tensor, chunk: int, fill: float | None = 0.0,
+                 chunks: int | None = None) -> Tensor:
+    """(B, H, n, ...) -> (nc, B, H, C, ...): the sequence cut into nc = ceil(n / C) chunks (or
+    ``chunks`` >= that many), chunk first, so that each chunk's (B·H, C, ...) block is
+    contiguous (a GEMM from or into a strided one runs one small GEMM per matrix, and the
+    per-chunk loops feed them one chunk at a time). The tail is filled with ``fill``, or with
+    copies of the last row (None: inputs of a feature map, which must stay finite there; no
+    gradient comes back through them)."""
     b, h, n = x.shape[:3]
     rest = x.shape[3:]
-    tail = -n % chunk
+    tail = (chunks * chunk if chunks else -(-n // chunk) * chunk) - n
     if tail:
         if fill is None:
             x = torch.cat([x, x[:, :, -1:].expand(b, h, tail, *rest)], 2)
@@ -81,13 +83,14 @@ class _Factors:
 
 
 def _factors(v: Tensor, key_log_scale: Tensor | None, key_padding_mask: Tensor | None,
-             gate: Tensor | None, chunk: int) -> _Factors:
+             gate: Tensor | None, chunk: int, chunks: int | None = None) -> _Factors:
     """Per-token weights from v (B, H, n, Dv), the keys' chunk-major log-scales
-    (nc, B, H, C, 1) or None, the padding mask (B, n) and the gate (B, H, n)."""
+    (nc, B, H, C, 1) or None, the padding mask (B, n) and the gate (B, H, n); nc = ceil(n / C),
+    or ``chunks`` (>= that: the chunks after n are empty)."""
     b, h, n = v.shape[:3]
     log_gate = None
     if gate is None and key_padding_mask is None:
-        v_c = _values_chunk_major(v, chunk)
+        v_c = _values_chunk_major(v, chunk, chunks)
     else:
         v1 = with_ones(v)
         if gate is not None:
@@ -98,13 +101,13 @@ def _factors(v: Tensor, key_log_scale: Tensor | None, key_padding_mask: Tensor |
             v1 = v1.masked_fill(pad[..., None], 0.0)
             if log_gate is not None:
                 log_gate = log_gate.masked_fill(pad, 0.0)  # a padded token leaves the state alone
-        v_c = _chunk_major(v1, chunk)  # zero rows after n
+        v_c = _chunk_major(v1, chunk, chunks=chunks)  # zero rows after n
     nc = v_c.shape[0]
     if key_padding_mask is not None and key_log_scale is None:
         # Scale 0 from the first unpadded key on, the floor before it: queries that see no
         # key keep the floor (see core._lost_rows).
         key_log_scale = v.new_zeros(nc, b, h, chunk, 1)
-    if key_log_scale is not None and (key_padding_mask is not None or n % chunk):
+    if key_log_scale is not None and (key_padding_mask is not None or nc * chunk != n):
         # Padded keys and the tail after n carry no scale.
         dropped = torch.ones(key_padding_mask.shape[0] if key_padding_mask is not None else 1,
                              nc * chunk, dtype=torch.bool, device=v.device)
@@ -135,21 +138,23 @@ def _factors(v: Tensor, key_log_scale: Tensor | None, key_padding_mask: Tensor |
         log_weight = prefix[..., -1:, 0] - prefix[..., 0]
     cum = None
     if log_gate is not None:
-        cum = _chunk_major(log_gate, chunk).cumsum(-1)
+        cum = _chunk_major(log_gate, chunk, chunks=chunks).cumsum(-1)
         log_weight = cum if log_weight is None else cum + log_weight
     return _Factors(v_c, prefix, log_weight, cum)
 
 
-def _values_chunk_major(v: Tensor, chunk: int) -> Tensor:
-    """[v, 1] of v (B, H, n, Dv), chunk-major (nc, B, H, C, Dv + 1), 0 after n: one pass over v
-    (the ones column is written by the same pad, not by a concatenation copied again)."""
+def _values_chunk_major(v: Tensor, chunk: int, chunks: int | None = None) -> Tensor:
+    """[v, 1] of v (B, H, n, Dv), chunk-major (nc, B, H, C, Dv + 1) (nc = ceil(n / C), or
+    ``chunks``), 0 after n: one pass over v (the ones column is written by the same pad, not by
+    a concatenation copied again)."""
     b, h, n, dv = v.shape
-    tail = -n % chunk
+    tail = (chunks * chunk if chunks else -(-n // chunk) * chunk) - n
     if tail:
         v = F.pad(v, (0, 0, 0, tail))
     v_c = F.pad(v.unflatten(2, (-1, chunk)).movedim(2, 0), (0, 1), value=1.0)
     if tail:
-        v_c[-1, :, :, chunk - tail:, dv] = 0.0
+        after = torch.arange(n + tail, device=v.device).view(-1, chunk) >= n
+        v_c[..., dv].masked_fill_(after[:, None, None, :], 0.0)
     return v_c
 
 
