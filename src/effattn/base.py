@@ -31,11 +31,11 @@ def check_qkv(
     q: (B, H, N, D), k: (B, H, M, D), v: (B, H, M, Dv), key_padding_mask: bool (B, M).
     Shapes, dtypes and devices are always checked, without reading a value; NaN/inf only in
     eager mode (not while ``torch.compiler.is_compiling()``), by one host sync for the three
-    tensors: the finiteness of q.sum() + k.sum() + v.sum() (summed in at least fp32), the
-    only value read back to the host when the inputs are fine. Only when it is not finite are
-    q, k, v read one by one, to name the one holding a NaN or inf (an overflowing sum of finite
-    values is not an error). On a GPU every read back stalls the queue of launches: one per
-    call, not one per tensor.
+    tensors: whether q.sum(), k.sum() and v.sum() (each in at least fp32) are all finite, one
+    flag read back to the host. Only when it is not are q, k, v read one by one, to name the
+    one holding a NaN or inf (an overflowing sum of finite values is not an error). On a GPU
+    every read stalls the queue of launches: one per call, not one per tensor. A module's
+    forward, ``step`` and ``prefill`` fold their call inputs' checks into the same read.
     """
     _check_qkv_layout(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
     _check_values([("q", q, None), ("k", k, None), ("v", v, None)])
