@@ -276,3 +276,14 @@ def test_an_overflowing_sum_of_finite_values_is_not_an_error(syncs):
     half = tuple(t.half() for t in (q, k, torch.full_like(v, 6e4)))
     module(*half, causal=True)
     assert device_syncs(syncs).get("_check_values") == 1
+
+
+def test_the_functional_form_checks_values_once(syncs):
+    """``effattn.attention`` checks the layout before building, the module's forward the
+    values: one value check, as a module's call."""
+    q, k, v, _ = inputs()
+    syncs.clear()
+    effattn.attention(q, k, v, method="linear", causal=True, seed=0)
+    assert device_syncs(syncs) == {"_check_values": 1, "_raise_if_lost": 1}
+    with pytest.raises(ValueError, match="^k contains NaN or inf"):
+        effattn.attention(q, _poison(k, float("nan")), v, method="linear")
