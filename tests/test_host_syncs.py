@@ -58,7 +58,7 @@ def _id(variant):
 
 def build(name, opts):
     options = dict(opts)
-    if name in effattn.methods() and "chunk_size" in effattn.spec(name).options:
+    if "chunk_size" in effattn.spec(name).options:
         options.setdefault("chunk_size", 8)
     if name in ("performer", "favor", "rfa"):
         options.setdefault("num_features", 16)
@@ -67,10 +67,11 @@ def build(name, opts):
     return effattn.build(name, head_dim=D, heads=H, seed=0, **options)
 
 
-def inputs(seed=0, n=N, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, H, n, D, generator=g).to(dtype) for _ in range(3))
-    gate = 0.05 + 0.9 * torch.rand(B, H, n, generator=g)
+def inputs():
+    """q, k, v (B, H, N, D) in fp32 and a gate (B, H, N) inside (0, 1)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, N, D, generator=g) for _ in range(3))
+    gate = 0.05 + 0.9 * torch.rand(B, H, N, generator=g)
     return q, k, v, gate
 
 
@@ -120,8 +121,8 @@ def assert_forward_syncs(seen, *, hybrid_non_causal=False):
 @pytest.mark.parametrize("variant", KERNELIZED, ids=_id)
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
 def test_forward_and_backward(variant, training, syncs):
-    """(a) causal, (b) non-causal forward: at most one sync outside the lost-row check (the value
-    check); (c) their backward: none."""
+    """Causal and non-causal forward: one sync besides the lost-row check (the value check);
+    their backward: none."""
     module = build(*variant).train(training)
     q, k, v, gate = inputs()
     q.requires_grad_(True)
@@ -147,7 +148,7 @@ def decoding_variants():
 @pytest.mark.parametrize("variant", decoding_variants(), ids=_id)
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 def test_every_public_step_takes_one_sync(variant, grad, syncs):
-    """(d) the public step of every decoding method: one sync per token, the value check (the
+    """The public step of every decoding method: one sync per token, the value check (the
     kernelized state update is branch-free on this strategy)."""
     module = build(*variant).eval()
     q, k, v, gate = inputs()
@@ -163,7 +164,7 @@ def test_every_public_step_takes_one_sync(variant, grad, syncs):
 
 @pytest.mark.parametrize("variant", KERNELIZED, ids=_id)
 def test_prefill_then_step(variant, syncs):
-    """(e) prefill: the value check and at most the lost-row check; the steps after it one."""
+    """Prefill: the value check and at most the lost-row check; the steps after it one."""
     module = build(*variant).eval()
     q, k, v, gate = inputs()
     syncs.clear()
