@@ -29,9 +29,27 @@ def check_qkv(
     """Raise ``ValueError`` naming the argument when q, k, v or the mask break the contract.
 
     q: (B, H, N, D), k: (B, H, M, D), v: (B, H, M, Dv), key_padding_mask: bool (B, M).
-    Shapes, dtypes and devices are always checked; NaN/inf only in eager mode (not while
-    ``torch.compiler.is_compiling()``).
+    Shapes, dtypes and devices are always checked, without reading a value; NaN/inf only in
+    eager mode (not while ``torch.compiler.is_compiling()``), by one host sync for the three
+    tensors: whether q.sum(), k.sum() and v.sum() (each in at least fp32) are all finite, one
+    flag read back to the host. Only when it is not are q, k, v read one by one, to name the
+    one holding a NaN or inf (an overflowing sum of finite values is not an error). On a GPU
+    every read stalls the queue of launches: one per call, not one per tensor. A module's
+    forward, ``step`` and ``prefill`` fold their call inputs' checks into the same read.
     """
+    _check_qkv_layout(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+    _check_values([("q", q, None), ("k", k, None), ("v", v, None)])
+
+
+def _check_qkv_layout(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool,
+    key_padding_mask: Tensor | None,
+) -> None:
+    """The checks of :func:`check_qkv` that read no value: types, shapes, dtypes, devices."""
     for arg, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise ValueError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
@@ -78,15 +96,47 @@ def check_qkv(
             raise ValueError(
                 f"key_padding_mask is on {key_padding_mask.device}, k on {k.device}"
             )
+
+
+# A tensor whose values are checked: its name in the error, the tensor, and the closed interval
+# its values must lie in (None: finite is enough).
+ValueCheck = tuple[str, Tensor, tuple[float, float] | None]
+
+
+def _check_values(checks: list[ValueCheck]) -> None:
+    """Raise ``ValueError`` naming the first tensor of ``checks`` that holds a NaN or inf, or a
+    value outside its bounds; eager only (under torch.compile, nothing).
+
+    One host sync for all of them: each check is reduced to a 0-d flag on the device (an
+    unbounded tensor by its sum, a bounded one elementwise), and the flags are read back
+    together. Only when that read fails are the tensors read one by one, to find the culprit.
+    """
     if torch.compiler.is_compiling():
         # Reading values is a host sync, and a graph break under torch.compile: compiled
-        # callers get the shape and dtype checks above, eager ones this one too.
+        # callers get the shape and dtype checks, eager ones these too.
         return
-    for arg, t in (("q", q), ("k", k), ("v", v)):
-        # One reduction pass; the elementwise check runs only when the sum is not finite
-        # (a NaN/inf, or an overflowing sum of finite values, which is not an error).
-        if not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
-            raise ValueError(f"{arg} contains NaN or inf (shape {tuple(t.shape)})")
+    flags = []
+    for _, t, bounds in checks:
+        if bounds is None:
+            # The sum in at least fp32: a half-precision sum of finite values overflows easily,
+            # and would send every call down the elementwise reads below.
+            flags.append(torch.isfinite(t.sum(dtype=compute_dtype(t.dtype))))
+        else:
+            flags.append(_within(t, bounds).all())
+    if bool(torch.stack(flags).all()):
+        return
+    for name, t, bounds in checks:
+        if bounds is None:
+            if not torch.isfinite(t).all():
+                raise ValueError(f"{name} contains NaN or inf (shape {tuple(t.shape)})")
+        elif not _within(t, bounds).all():
+            low, high = bounds
+            raise ValueError(f"{name} values must lie in [{low:g}, {high:g}]")
+
+
+def _within(t: Tensor, bounds: tuple[float, float]) -> Tensor:
+    """Elementwise: finite and in the closed interval ``bounds`` (False at a NaN)."""
+    return torch.isfinite(t) & (t >= bounds[0]) & (t <= bounds[1])
 
 
 def check_positive_int(name: str, value: Any) -> int:
@@ -195,8 +245,10 @@ class AttentionMethod(nn.Module):
         ``max_len`` and for a call input that is missing, not enabled, of the wrong shape or out
         of bounds; ``TypeError`` for a keyword the spec does not declare in ``call_inputs``.
         Wrappers that compute the attention themselves (``effattn.distributed``) call it first.
+        The values (NaN/inf in q, k, v and the call inputs, their bounds) are checked last, in
+        eager mode, by one host sync (see :func:`check_qkv`).
         """
-        check_qkv(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+        _check_qkv_layout(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
         if q.shape[1] != self.heads:
             raise ValueError(
                 f"q has {q.shape[1]} heads, the module was built with heads={self.heads}"
@@ -216,11 +268,23 @@ class AttentionMethod(nn.Module):
                 f"sequence length {max(q.shape[2], k.shape[2])} exceeds max_len={self.max_len}"
             )
         self._check_call(call, q, k, v, causal)
+        self._check_input_values(call, q, k, v)
+
+    def _check_input_values(
+        self, call: dict[str, Tensor | int | None], q: Tensor, k: Tensor, v: Tensor
+    ) -> None:
+        """NaN/inf in q, k, v and the tensor call inputs given, and the bounds of those that
+        have some, in one host sync (:func:`_check_values`); after :meth:`_check_call`, which
+        leaves only the inputs this module takes in ``call``."""
+        inputs = [(c.name, call[c.name], c.bounds) for c in self.spec.call_inputs
+                  if c.kind == "tensor" and call.get(c.name) is not None]
+        _check_values([("q", q, None), ("k", k, None), ("v", v, None), *inputs])
 
     def _check_call(
         self, call: dict[str, Tensor | int | None], q: Tensor, k: Tensor, v: Tensor, causal: bool
     ) -> None:
-        """The call inputs of ``call`` against the spec's ``call_inputs`` (see :meth:`validate`)."""
+        """The call inputs of ``call`` against the spec's ``call_inputs`` (see :meth:`validate`),
+        all but their values (:meth:`_check_input_values`)."""
         if not call and not self.spec.call_inputs:
             return  # the common case, kept cheap: step runs this once per decoded token
         declared = {c.name: c for c in self.spec.call_inputs}
@@ -262,15 +326,6 @@ class AttentionMethod(nn.Module):
                                  f"got {tuple(value.shape)}")
             if value.device != q.device:
                 raise ValueError(f"{c.name} is on {value.device}, q on {q.device}")
-            # Reading values is a host sync: eager only (a graph break under torch.compile).
-            if torch.compiler.is_compiling():
-                continue
-            if c.bounds is not None:
-                low, high = c.bounds
-                if not torch.isfinite(value).all() or value.min() < low or value.max() > high:
-                    raise ValueError(f"{c.name} values must lie in [{low:g}, {high:g}]")
-            elif not torch.isfinite(value).all():
-                raise ValueError(f"{c.name} contains NaN or inf (shape {tuple(value.shape)})")
 
     def prepare_call(self) -> None:
         """Advance the module's per-call state, once per forward call, before computing.
@@ -304,7 +359,7 @@ class AttentionMethod(nn.Module):
     def _check_decoding(self, q: Tensor, k: Tensor, v: Tensor, what: str) -> None:
         if not self.spec.decoding:
             self._refuse("decoding", f"recurrent decoding ({what})")
-        check_qkv(q, k, v, causal=True)
+        _check_qkv_layout(q, k, v, causal=True, key_padding_mask=None)
         if q.shape[1] != self.heads or q.shape[-1] != self.head_dim:
             raise ValueError(
                 f"q has shape {tuple(q.shape)}, the module was built with heads={self.heads}, "
@@ -326,6 +381,7 @@ class AttentionMethod(nn.Module):
             )
         self._check_decoding(q, k, v, "step")
         self._check_call(call, q, k, v, causal=True)
+        self._check_input_values(call, q, k, v)
         out, state = self._step(q, k, v, state, **_given(call))
         return out.to(q.dtype), state
 
@@ -339,6 +395,7 @@ class AttentionMethod(nn.Module):
         """
         self._check_decoding(q, k, v, "prefill")
         self._check_call(call, q, k, v, causal=True)
+        self._check_input_values(call, q, k, v)
         out, state = self._prefill(q, k, v, state, **_given(call))
         return out.to(q.dtype), state
 
@@ -349,10 +406,11 @@ class AttentionMethod(nn.Module):
         memory keeps k and v (each read costs O(M)); kernelized methods fold them into the
         fixed-size state [S, z] = φ(K)^T [V, 1], so that each read costs O(F Dv) whatever M is.
         """
-        check_qkv(k[:, :, :1], k, v, key_padding_mask=key_padding_mask)
+        _check_qkv_layout(k[:, :, :1], k, v, causal=False, key_padding_mask=key_padding_mask)
         self._check_heads(k)
         if not self.spec.cross:
             self._refuse("cross", "cross-attention over a memory")
+        _check_values([("k", k, None), ("v", v, None)])
         return self._memory(k, v, key_padding_mask)
 
     def attend_memory(self, q: Tensor, memory: Any) -> Tensor:

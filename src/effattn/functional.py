@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import Tensor
 
-from effattn.base import check_qkv
+from effattn import base
 from effattn.registry import DEFAULT_METHOD, build, spec
 
 
@@ -28,7 +28,8 @@ def attention(
     reuse them. Keywords that the method's spec declares in ``call_inputs`` go to the forward
     call, the others to :func:`build`.
     """
-    check_qkv(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+    # The layout only: the module's forward checks the values, and each check is a host sync.
+    base._check_qkv_layout(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
     declared = {c.name for c in spec(method).call_inputs}
     call = {name: options.pop(name) for name in list(options) if name in declared}
     module = build(

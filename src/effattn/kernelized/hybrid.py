@@ -622,7 +622,8 @@ def hybrid_step(
         if ring_g is not None and gate is not None:
             ring_g[:, :, slot] = gate[:, :, 0]
     else:
-        at = F.one_hot(torch.tensor(slot), window).to(device=k.device, dtype=torch.bool)
+        # Made on the device: a host tensor copied over would wait for the device's queue.
+        at = torch.arange(window, device=k.device) == slot
         ring_k = torch.where(at[:, None], k, ring_k)
         ring_v = torch.where(at[:, None], v, ring_v)
         if ring_g is not None and gate is not None:
