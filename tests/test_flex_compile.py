@@ -73,6 +73,8 @@ def test_compiled_model_runs_flex_with_the_cached_block_mask(monkeypatch, backen
         eager = _call(modules, *x, mask)
     torch._dynamo.reset()
     assert len(builds) == len(modules)  # the eager calls read the same cache
+    # A CUDA graph would replay the first call's BlockMask: the operator keeps out of them.
+    assert torch.Tag.cudagraph_unsafe in torch.ops.effattn.flex_block_mask.default.tags
     # One graph, holding FlexAttention (not the blockwise engine) for each module.
     assert backend.frame_count == 1
     targets = [node.target for node in backend.graphs[0].graph.nodes]

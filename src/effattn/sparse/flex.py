@@ -229,7 +229,14 @@ def _mask_tensors(mask: BlockMask) -> list[Tensor]:
             mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices]
 
 
-@torch.library.custom_op("effattn::flex_block_mask", mutates_args=())
+# A CUDA graph replays kernels, not this operator: it would keep the copies of the first call's
+# BlockMask (stale once the pattern changes, or once the cache drops it). The tag keeps
+# inductor's CUDA graphs off the operator; torch versions without it have no such check.
+_CUDA_GRAPH_UNSAFE = ({"tags": (torch.Tag.cudagraph_unsafe,)}
+                      if hasattr(torch.Tag, "cudagraph_unsafe") else {})
+
+
+@torch.library.custom_op("effattn::flex_block_mask", mutates_args=(), **_CUDA_GRAPH_UNSAFE)
 def _block_mask_op(spec: str, tensors: list[Tensor], ints: list[int], heads: int, n: int,
                    device: torch.device) -> list[Tensor]:
     """The cached BlockMask of the pieces ``spec``, ``tensors`` and ``ints`` describe
