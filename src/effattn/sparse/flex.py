@@ -265,6 +265,18 @@ def _(spec: str, tensors: list[Tensor], ints: list[int], heads: int, n: int,
     return [torch.empty_like(x) for x in [count, index] * 4 + tables]
 
 
+@torch.library.custom_op("effattn::flex_copy", mutates_args=())
+def _copy(x: Tensor) -> Tensor:
+    """A copy of ``x`` that dynamo traces as one opaque node: a buffer of its own in the graph
+    (see :func:`_traced_block_mask` for why FlexAttention's CPU kernel needs one)."""
+    return x.clone()
+
+
+@_copy.register_fake
+def _(x: Tensor) -> Tensor:
+    return torch.empty_like(x)
+
+
 def _traced_block_mask(pieces: Sequence[Piece], heads: int, n: int,
                        device: torch.device) -> BlockMask:
     """:func:`block_mask` inside an outer torch.compile: the cached tensors from the operator,
@@ -359,7 +371,13 @@ def sparse_attention(
         )
     compiling = torch.compiler.is_compiling()
     mask = (_traced_block_mask if compiling else block_mask)(pieces, h, n, q.device)
-    modify = score_mod(softcap, None if key_mask is None else key_mask.to(q.device))
+    if key_mask is not None:
+        key_mask = key_mask.to(q.device)
+        if compiling and not compiled_on(q.device):
+            # The score_mod reads it: like the mask_mod's tables, the CPU kernel needs a buffer
+            # of its own (a mask computed in the graph, keep == 0, failed to compile).
+            key_mask = _copy(key_mask)
+    modify = score_mod(softcap, key_mask)
     request = {"return_lse": True} if AuxRequest is None else {"return_aux": AuxRequest(lse=True)}
     if compiling:
         # Traced into the outer graph, which its backend compiles (no kernel of our own).
