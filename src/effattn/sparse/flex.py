@@ -40,6 +40,9 @@ into the outer graph, which the caller's backend compiles (no kernel of our own;
 timed). On the CPU there inductor's kernel returns no lse, so out and lse come from two calls,
 the second dropped from the graph where the caller drops the lse: a caller that uses it
 (softmax's sinks, the window hybrid) compiles with an eager backend such as ``aot_eager`` only.
+That kernel also needs every tensor the mask_mod and score_mod read to be a buffer of its own,
+not one computed in the graph: hence the tables from the operator, and the padding mask
+copied by the opaque ``effattn::flex_copy``.
 
 Shapes: q, k (B, H, N, D), v (B, H, N, Dv); key_mask bool (B, N), True = ignore; returns
 out (B, H, N, Dv) in q's dtype and lse (B, H, N) (fp32 for half-precision inputs).
