@@ -2,10 +2,11 @@
 
 The cached BlockMask comes from the ``effattn::flex_block_mask`` operator, one opaque node, and
 flex_attention is traced into the outer graph. On the CPU (CI) the strategy is forced and the
-graph is inference only (torch 2.13 has no FlexAttention backward there): inductor compiles the
-outer graph with its CPU FlexAttention kernel, whose outputs must equal the eager forced-flex
-call and the float64 reference; the graph holds FlexAttention, the BlockMask is built once per
-pattern and shape and shared with the eager calls.
+graph is inference only (torch 2.13 has no FlexAttention backward there). Under aot_eager (the
+graph run by FlexAttention's eager form) and, for BigBird, under inductor (its CPU kernel), the
+compiled outputs must equal the eager forced-flex call and the float64 reference; the graph
+holds FlexAttention, and the BlockMask is built once per pattern and shape and shared with the
+eager calls.
 """
 
 import pytest
@@ -45,6 +46,7 @@ def _call(modules, q, k, v, keep):
 @pytest.mark.parametrize(("backend", "padded", "methods"), [
     ("aot_eager", False, ("local", "longformer", "bigbird")),
     ("aot_eager", True, ("local", "longformer", "bigbird")),
+    # About 20 s of C++ compilation with a cold inductor cache.
     pytest.param("inductor", True, ("bigbird",), marks=pytest.mark.slow),
 ])
 def test_compiled_model_runs_flex_with_the_cached_block_mask(monkeypatch, backend, padded,
