@@ -18,6 +18,7 @@ import math
 import pytest
 import torch
 from conftest import padding, qkv
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import effattn
 import effattn.sparse
@@ -348,17 +349,21 @@ def test_one_tensor_passed_twice_after_distinct_ones():
     torch.testing.assert_close(out, ref)
 
 
-def test_inside_torch_compile_the_blockwise_engine_runs():
-    """An outer torch.compile(fullgraph=True) traces the blockwise engine (the flex strategy's
-    BlockMask cache is host-side work), also where flex is the strategy."""
+def test_inside_torch_compile_the_chosen_strategy_runs():
+    """An outer torch.compile(fullgraph=True) traces the chosen strategy: FlexAttention where
+    flex is the strategy, the blockwise engine where it is not (tests/test_flex_compile.py has
+    the BlockMask cache under compile and inductor's kernel)."""
     module = _module("local", {"window": 8})
     q, k, v = qkv(h=HEADS, n=40, d=HEAD_DIM)
-    torch._dynamo.reset()
-    with strategy.force(banded="flex"):
-        compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
-        out = compiled(q, k, v, causal=True)
-    torch._dynamo.reset()
-    torch.testing.assert_close(out, module.spec.reference(module, q, k, v, causal=True))
+    for forced in ("cpu", "flex"):
+        torch._dynamo.reset()
+        backend = CompileCounterWithBackend("aot_eager")
+        with strategy.force(banded=forced):
+            out = torch.compile(module, backend=backend, fullgraph=True)(q, k, v, causal=True)
+        torch._dynamo.reset()
+        targets = [node.target for node in backend.graphs[0].graph.nodes]
+        assert (torch.ops.higher_order.flex_attention in targets) == (forced == "flex")
+        torch.testing.assert_close(out, module.spec.reference(module, q, k, v, causal=True))
 
 
 @pytest.mark.slow

@@ -940,11 +940,10 @@ def _global_plans(tokens: Tensor, ctx: _Context, padding: Tensor | None) -> list
 
 
 def _runs_flex(device: torch.device) -> bool:
-    """Whether a call on ``device`` runs the flex strategy: where it is chosen, except inside an
-    outer torch.compile, which traces the blockwise engine (it traces without a graph break;
-    the flex strategy's BlockMask cache is host-side work, hashing the pattern and a dict, that
-    a graph cannot hold)."""
-    return strategy.choose("banded", device) == "flex" and not torch.compiler.is_compiling()
+    """Whether a call on ``device`` runs the flex strategy: where it is chosen, inside an outer
+    torch.compile too (the cached BlockMask comes from an operator dynamo traces as one opaque
+    node, and flex_attention is traced into the outer graph)."""
+    return strategy.choose("banded", device) == "flex"
 
 
 def engine_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -31,6 +31,19 @@ returns no lse, so the strategy runs FlexAttention's unfused eager form, for inf
 (no input requiring a gradient): slow, but the same code path, so that a forced
 ``EFFATTN_STRATEGY=banded=flex`` can be tested on the CPU.
 
+Inside an outer ``torch.compile`` (a compiled model, ``fullgraph=True`` included) the strategy
+runs too. The cache lookup, which hashes the pattern's tensors, is the ``effattn::flex_block_mask``
+operator: dynamo traces it as one opaque node, which at every call returns copies of the cached
+BlockMask's block lists and of the pieces' tables (built on the first call, as outside), and the
+BlockMask and its mask_mod are made around them in the graph. flex_attention itself is traced
+into the outer graph, which the caller's backend compiles (no kernel of our own; nothing is
+timed). On the CPU there inductor's kernel returns no lse, so out and lse come from two calls,
+the second dropped from the graph where the caller drops the lse: a caller that uses it
+(softmax's sinks, the window hybrid) compiles with an eager backend such as ``aot_eager`` only.
+That kernel also needs every tensor the mask_mod and score_mod read to be a buffer of its own,
+not one computed in the graph: hence the tables from the operator, and the padding mask
+copied by the opaque ``effattn::flex_copy``.
+
 Shapes: q, k (B, H, N, D), v (B, H, N, Dv); key_mask bool (B, N), True = ignore; returns
 out (B, H, N, Dv) in q's dtype and lse (B, H, N) (fp32 for half-precision inputs).
 """
@@ -53,7 +66,7 @@ try:
 except ImportError:  # torch < 2.9 returns the log-sum-exp by return_lse=True
     AuxRequest = None
 
-from effattn.sparse.pieces import Blocks, Piece, Rule, union
+from effattn.sparse.pieces import Band, Blocks, Columns, Globals, Piece, Rule, Summary, union
 
 # FlexAttention's default BlockMask block: its kernels' tiles divide it.
 BLOCK_SIZE = 128
@@ -71,7 +84,10 @@ COMPILE_SECONDS: dict[str, float] = {}
 """Seconds of the first call of each compiled shape (compilation included), by a key naming
 the shape, dtype, pattern kinds and score_mod: what the benchmarks report as compile time."""
 
-_block_masks: OrderedDict[tuple, BlockMask] = OrderedDict()
+# (pattern, mask heads, N, M, device) -> the BlockMask and the pieces' tables its mask_mod reads.
+_block_masks: OrderedDict[tuple, tuple[BlockMask, tuple[tuple[Tensor, ...], ...]]] = (
+    OrderedDict())
+_PIECE_TYPES = {kind.__name__: kind for kind in (Band, Blocks, Columns, Summary, Globals)}
 _compiled: Callable[..., tuple[Tensor, object]] | None = None
 
 
@@ -106,10 +122,11 @@ def build_block_mask(rule: Rule, heads: int, n: int, device: torch.device,
     """The BlockMask of ``rule`` over N x N aligned positions and ``heads`` heads (1: shared).
 
     Evaluates the rule densely over slices of query blocks (about SLICE_ELEMENTS pairs each)
-    and reduces every (query block, key block) tile to empty, partial or full; the rule is also
-    the BlockMask's mask_mod, applied to the partial tiles. Positions past N (the last tile of
-    a length that is no multiple of the block) count as disallowed, so such tiles are partial
-    and FlexAttention's own bounds check applies there.
+    and reduces every (query block, key block) tile to empty, partial or full, listed per query
+    block (the kv side) and per key block (the q side); the rule is also the BlockMask's
+    mask_mod, applied to the partial tiles. Positions past N (the last tile of a length that is
+    no multiple of the block) count as disallowed, so such tiles are partial and FlexAttention's
+    own bounds check applies there.
     """
     nb = -(-n // block_size)
     padded = nb * block_size
@@ -132,32 +149,158 @@ def build_block_mask(rule: Rule, heads: int, n: int, device: torch.device,
     def listing(blocks: Tensor) -> tuple[Tensor, Tensor]:
         # Listed blocks first, in order: a stable sort of "not listed".
         order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True)
-        return blocks.sum(-1, dtype=torch.int32)[None], order.to(torch.int32)[None]
-
-    num, index = listing(partial)
-    full_num, full_index = listing(full)
+        return (blocks.sum(-1, dtype=torch.int32)[None],
+                order.to(torch.int32, memory_format=torch.contiguous_format)[None])
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return rule(h, q_idx, kv_idx)
 
-    return BlockMask.from_kv_blocks(num, index, full_num, full_index, BLOCK_SIZE=block_size,
-                                    mask_mod=mask_mod, seq_lengths=(n, n))
+    # The q side (the backward's) lists the transposed tiles; BlockMask.from_kv_blocks would
+    # rebuild the tiles from the lists by vmap, which fails inside the block-mask operator
+    # under aot_eager ("Cannot access storage of BatchedTensorImpl").
+    return BlockMask((n, n), *listing(partial), *listing(full),
+                     *listing(partial.transpose(1, 2)), *listing(full.transpose(1, 2)),
+                     BLOCK_SIZE=(block_size, block_size), mask_mod=mask_mod)
 
 
-def block_mask(pieces: Sequence[Piece], heads: int, n: int, device: torch.device) -> BlockMask:
-    """The cached BlockMask of the union of ``pieces`` for ``heads`` heads, N = M = ``n`` on
-    ``device``: built on the first call for that (pattern, N, M, device), then reused."""
+def _cached(pieces: Sequence[Piece], heads: int, n: int,
+            device: torch.device) -> tuple[BlockMask, tuple[tuple[Tensor, ...], ...]]:
+    """The cached BlockMask of the union of ``pieces`` and the pieces' tables its mask_mod reads
+    (:meth:`effattn.sparse.pieces.Blocks.tables`), built on the first call for that
+    (pattern, N, M, device), then reused."""
     h = mask_heads(pieces, heads)
     key = (pattern_key(pieces), h, n, n, str(device))
     found = _block_masks.get(key)
     if found is not None:
         _block_masks.move_to_end(key)
         return found
-    made = build_block_mask(union(pieces, n, device), h, n, device)
+    tables = tuple(piece.tables(n, device) for piece in pieces)
+    made = build_block_mask(union(pieces, n, device, tables), h, n, device), tables
     _block_masks[key] = made
     while len(_block_masks) > CACHE_SIZE:
         _block_masks.popitem(last=False)
     return made
+
+
+def block_mask(pieces: Sequence[Piece], heads: int, n: int, device: torch.device) -> BlockMask:
+    """The cached BlockMask of the union of ``pieces`` for ``heads`` heads, N = M = ``n`` on
+    ``device``: built on the first call for that (pattern, N, M, device), then reused."""
+    return _cached(pieces, heads, n, device)[0]
+
+
+def _describe(pieces: Sequence[Piece]) -> tuple[str, list[Tensor], list[int], list[int]]:
+    """``pieces`` as the block-mask operator's arguments: a spec naming each piece's type and
+    fields ("Band:I,I,I,None;Globals:T": T a tensor, I an int, None and bools as they are), the
+    tensors and the ints in order (an int may be symbolic under dynamic shapes: a stride
+    derived from N), and how many tensors each piece holds (as many as it has tables). Plain
+    Python over the pieces' fields, which dynamo folds while it traces."""
+    parts, tensors, ints, counts = [], [], [], []
+    for piece in pieces:
+        codes = []
+        held = len(tensors)
+        for field in fields(piece):
+            value = getattr(piece, field.name)
+            if isinstance(value, Tensor):
+                tensors.append(value)
+                codes.append("T")
+            elif value is None or isinstance(value, bool):
+                codes.append(str(value))
+            else:
+                ints.append(value)
+                codes.append("I")
+        parts.append(f"{type(piece).__name__}:{','.join(codes)}")
+        counts.append(len(tensors) - held)
+    return ";".join(parts), tensors, ints, counts
+
+
+def _pieces(spec: str, tensors: Sequence[Tensor], ints: Sequence[int]) -> list[Piece]:
+    """The pieces :func:`_describe` described."""
+    values = {"T": iter(tensors), "I": iter(ints)}
+    constants = {"None": None, "True": True, "False": False}
+    made = []
+    for part in spec.split(";"):
+        name, codes = part.split(":")
+        made.append(_PIECE_TYPES[name](*(
+            next(values[code]) if code in values else constants[code]
+            for code in codes.split(","))))
+    return made
+
+
+def _mask_tensors(mask: BlockMask) -> list[Tensor]:
+    """The BlockMask's block lists, in its constructor's order."""
+    return [mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
+            mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices]
+
+
+# A CUDA graph replays kernels, not this operator: it would keep the copies of the first call's
+# BlockMask (stale once the pattern changes, or once the cache drops it). The tag keeps
+# inductor's CUDA graphs off the operator; torch versions without it have no such check.
+_CUDA_GRAPH_UNSAFE = ({"tags": (torch.Tag.cudagraph_unsafe,)}
+                      if hasattr(torch.Tag, "cudagraph_unsafe") else {})
+
+
+@torch.library.custom_op("effattn::flex_block_mask", mutates_args=(), **_CUDA_GRAPH_UNSAFE)
+def _block_mask_op(spec: str, tensors: list[Tensor], ints: list[int], heads: int, n: int,
+                   device: torch.device) -> list[Tensor]:
+    """The cached BlockMask of the pieces ``spec``, ``tensors`` and ``ints`` describe
+    (:func:`_describe`) as its eight tensors (kv_num_blocks (1, H', nb), kv_indices
+    (1, H', nb, nb), the full blocks', then the q side's; H' = :func:`mask_heads`,
+    nb = ceil(N / BLOCK_SIZE)), followed by the pieces' tables.
+
+    An operator because dynamo cannot trace the cache (the pattern's tensors hashed by their
+    contents, a dict): inside an outer torch.compile it is one opaque node, run at every call,
+    that builds the BlockMask once per pattern and returns the cached one after.
+    """
+    mask, tables = _cached(_pieces(spec, tensors, ints), heads, n, device)
+    # Copies: a compiled graph owns an operator's outputs (inductor may reuse their memory for
+    # later buffers), and these are the cache's.
+    return [x.clone() for x in [*_mask_tensors(mask), *(x for found in tables for x in found)]]
+
+
+@_block_mask_op.register_fake
+def _(spec: str, tensors: list[Tensor], ints: list[int], heads: int, n: int,
+      device: torch.device) -> list[Tensor]:
+    pieces = _pieces(spec, tensors, ints)
+    h, nb = mask_heads(pieces, heads), -(-n // BLOCK_SIZE)
+    count = torch.empty(1, h, nb, dtype=torch.int32, device=device)
+    index = torch.empty(1, h, nb, nb, dtype=torch.int32, device=device)
+    tables = [x for piece in pieces for x in piece.tables(n, device)]
+    return [torch.empty_like(x) for x in [count, index] * 4 + tables]
+
+
+@torch.library.custom_op("effattn::flex_copy", mutates_args=())
+def _copy(x: Tensor) -> Tensor:
+    """A copy of ``x`` that dynamo traces as one opaque node: a buffer of its own in the graph
+    (see :func:`_traced_block_mask` for why FlexAttention's CPU kernel needs one)."""
+    return x.clone()
+
+
+@_copy.register_fake
+def _(x: Tensor) -> Tensor:
+    return torch.empty_like(x)
+
+
+def _traced_block_mask(pieces: Sequence[Piece], heads: int, n: int,
+                       device: torch.device) -> BlockMask:
+    """:func:`block_mask` inside an outer torch.compile: the cached tensors from the operator,
+    the BlockMask and its mask_mod made around them in the graph.
+
+    The mask_mod reads the operator's copies of the tables, never tables computed in the graph:
+    torch 2.13's CPU FlexAttention kernel read such buffers wrongly (outputs off by O(1) with
+    global tokens) or failed to compile (NoValidChoicesError with BigBird's slot table).
+    """
+    spec, tensors, ints, counts = _describe(pieces)
+    made = _block_mask_op(spec, tensors, ints, heads, n, device)
+    found, tables = made[8:], []
+    for count in counts:
+        tables.append(tuple(found[:count]))
+        found = found[count:]
+    rule = union(pieces, n, device, tables)
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return rule(h, q_idx, kv_idx)
+
+    return BlockMask((n, n), *made[:8], BLOCK_SIZE=(BLOCK_SIZE, BLOCK_SIZE), mask_mod=mask_mod)
 
 
 def score_mod(softcap: float | None,
@@ -222,16 +365,37 @@ def sparse_attention(
         k = k.view_as(k)
     if v is q or v is k:
         v = v.view_as(v)
-    mask = block_mask(pieces, h, n, q.device)
-    modify = score_mod(softcap, None if key_mask is None else key_mask.to(q.device))
+    if not compiled_on(q.device) and torch.is_grad_enabled() and any(
+            x.requires_grad for x in (q, k, v)):
+        raise NotImplementedError(
+            f"the banded strategy 'flex' runs on {q.device.type} for inference only: torch "
+            f"{torch.__version__} has no FlexAttention backward there; use the default "
+            "strategy (EFFATTN_STRATEGY=banded=cpu) or run under torch.no_grad()"
+        )
+    compiling = torch.compiler.is_compiling()
+    mask = (_traced_block_mask if compiling else block_mask)(pieces, h, n, q.device)
+    if key_mask is not None:
+        key_mask = key_mask.to(q.device)
+        if compiling and not compiled_on(q.device):
+            # The score_mod reads it: like the mask_mod's tables, the CPU kernel needs a buffer
+            # of its own (a mask computed in the graph, keep == 0, failed to compile).
+            key_mask = _copy(key_mask)
+    modify = score_mod(softcap, key_mask)
     request = {"return_lse": True} if AuxRequest is None else {"return_aux": AuxRequest(lse=True)}
+    if compiling:
+        # Traced into the outer graph, which its backend compiles (no kernel of our own).
+        if compiled_on(q.device):
+            out, aux = flex_attention(q, k, v, score_mod=modify, block_mask=mask, scale=scale,
+                                      **request)
+            return out, _lse(aux)
+        # The compiled CPU kernel returns no lse: the output comes from a call without it, the
+        # lse from a second call, which the graph drops where the caller drops the lse (and
+        # which only an eager backend such as aot_eager can run).
+        out = flex_attention(q, k, v, score_mod=modify, block_mask=mask, scale=scale)
+        _, aux = flex_attention(q, k, v, score_mod=modify, block_mask=mask, scale=scale,
+                                **request)
+        return out, _lse(aux)
     if not compiled_on(q.device):
-        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-            raise NotImplementedError(
-                f"the banded strategy 'flex' runs on {q.device.type} for inference only: torch "
-                f"{torch.__version__} has no FlexAttention backward there; use the default "
-                "strategy (EFFATTN_STRATEGY=banded=cpu) or run under torch.no_grad()"
-            )
         with warnings.catch_warnings():
             # The eager form warns that it is unfused: here it is the point.
             warnings.simplefilter("ignore", UserWarning)

@@ -13,6 +13,9 @@ A pattern is a union of pieces, each a set of (query i, key j) pairs of aligned 
 A rule takes long tensors h (head), i (query), j (key) of broadcastable shapes (index grids, or
 the 0-d tensors of FlexAttention's vmap) and returns bool of their broadcast shape, using only
 elementwise arithmetic and gathers from small tables, so that FlexAttention can compile it.
+Those tables (:meth:`Blocks.tables`, :meth:`Globals.tables`: one per tensor field that is set,
+in field order) can be built apart from the rule and handed to it, so that the flex strategy
+builds them once per pattern and N, with its BlockMask.
 
 :func:`check_pieces` holds the refusals every strategy shares, so that what a method can do
 never depends on the device.
@@ -44,7 +47,12 @@ class Band:
     dilation: int = 1
     block_size: int | None = None
 
-    def rule(self, n: int, device: torch.device) -> Rule:
+    def tables(self, n: int, device: torch.device) -> tuple[Tensor, ...]:
+        """None: the rule is arithmetic."""
+        return ()
+
+    def rule(self, n: int, device: torch.device,
+             tables: tuple[Tensor, ...] | None = None) -> Rule:
         left, right, dilation = self.left, self.right, self.dilation
 
         def allowed(h: Tensor, i: Tensor, j: Tensor) -> Tensor:
@@ -66,9 +74,30 @@ class Blocks:
     block_size: int
     pattern: Tensor | None = None
 
-    def rule(self, n: int, device: torch.device) -> Rule:
+    def tables(self, n: int, device: torch.device) -> tuple[Tensor, ...]:
+        """The slot table slot[h, a, b] (int32 (H or 1, nq, nq)): the slot of key block b among
+        query block a's, -1 if not one of them (a gather, where a search over the K slots would
+        be a reduction inside the mask), when ``key_blocks`` is set; then ``pattern`` on
+        ``device``, when set."""
+        found = []
+        if self.key_blocks is not None:
+            blocks = self.key_blocks.to(device)
+            blocks = blocks[None] if blocks.dim() == 2 else blocks
+            heads, nq, k = blocks.shape
+            slot = torch.full((heads, nq, nq + 1), -1, dtype=torch.int32, device=device)
+            slots = torch.arange(k, dtype=torch.int32, device=device).expand(heads, nq, k)
+            # Unused slots (-1) land in the spare column nq, dropped.
+            slot.scatter_(2, blocks.masked_fill(blocks < 0, nq), slots)
+            found.append(slot[..., :nq].contiguous())
+        if self.pattern is not None:
+            found.append(self.pattern.to(device))
+        return tuple(found)
+
+    def rule(self, n: int, device: torch.device,
+             tables: tuple[Tensor, ...] | None = None) -> Rule:
         c = self.block_size
-        pattern = None if self.pattern is None else self.pattern.to(device)
+        tables = self.tables(n, device) if tables is None else tables
+        pattern = None if self.pattern is None else tables[-1]
         if self.key_blocks is None:
 
             def own(h: Tensor, i: Tensor, j: Tensor) -> Tensor:
@@ -76,16 +105,8 @@ class Blocks:
                 return same if pattern is None else same & pattern[i % c, j % c]
 
             return own
-        # slot[h, a, b]: the slot of key block b among query block a's, -1 if not one of them;
-        # a gather, where a search over the K slots would be a reduction inside the mask.
-        blocks = self.key_blocks.to(device)
-        blocks = blocks[None] if blocks.dim() == 2 else blocks
-        heads, nq, k = blocks.shape
-        slot = torch.full((heads, nq, nq + 1), -1, dtype=torch.int32, device=device)
-        slots = torch.arange(k, dtype=torch.int32, device=device).expand(heads, nq, k)
-        # Unused slots (-1) land in the spare column nq, dropped.
-        slot.scatter_(2, blocks.masked_fill(blocks < 0, nq), slots)
-        slot = slot[..., :nq].contiguous()
+        slot = tables[0]
+        heads = slot.shape[0]
 
         def listed(h: Tensor, i: Tensor, j: Tensor) -> Tensor:
             s = slot[h % heads, i // c, j // c]
@@ -103,7 +124,12 @@ class Columns:
     stride: int
     causal: bool = False
 
-    def rule(self, n: int, device: torch.device) -> Rule:
+    def tables(self, n: int, device: torch.device) -> tuple[Tensor, ...]:
+        """None: the rule is arithmetic."""
+        return ()
+
+    def rule(self, n: int, device: torch.device,
+             tables: tuple[Tensor, ...] | None = None) -> Rule:
         s, causal = min(self.stride, n), self.causal
 
         def allowed(h: Tensor, i: Tensor, j: Tensor) -> Tensor:
@@ -122,7 +148,12 @@ class Summary:
     c: int
     causal: bool = False
 
-    def rule(self, n: int, device: torch.device) -> Rule:
+    def tables(self, n: int, device: torch.device) -> tuple[Tensor, ...]:
+        """None: the rule is arithmetic."""
+        return ()
+
+    def rule(self, n: int, device: torch.device,
+             tables: tuple[Tensor, ...] | None = None) -> Rule:
         s = min(self.stride, n)
         c, causal = min(self.c, s), self.causal
 
@@ -141,9 +172,15 @@ class Globals:
 
     tokens: Tensor
 
-    def rule(self, n: int, device: torch.device) -> Rule:
+    def tables(self, n: int, device: torch.device) -> tuple[Tensor, ...]:
+        """is_global (bool (N,)): True at the global positions."""
         is_global = torch.zeros(n, dtype=torch.bool, device=device)
         is_global[self.tokens.to(device)] = True
+        return (is_global,)
+
+    def rule(self, n: int, device: torch.device,
+             tables: tuple[Tensor, ...] | None = None) -> Rule:
+        (is_global,) = self.tables(n, device) if tables is None else tables
 
         def allowed(h: Tensor, i: Tensor, j: Tensor) -> Tensor:
             return is_global[i] | is_global[j]
@@ -154,9 +191,13 @@ class Globals:
 Piece = Band | Blocks | Columns | Summary | Globals
 
 
-def union(pieces: Sequence[Piece], n: int, device: torch.device) -> Rule:
-    """The rule of the union of ``pieces`` over N = ``n`` aligned positions."""
-    rules = [piece.rule(n, device) for piece in pieces]
+def union(pieces: Sequence[Piece], n: int, device: torch.device,
+          tables: Sequence[tuple[Tensor, ...]] | None = None) -> Rule:
+    """The rule of the union of ``pieces`` over N = ``n`` aligned positions, reading each
+    piece's ``tables`` (:meth:`Blocks.tables`; built here when None)."""
+    if tables is None:
+        tables = [piece.tables(n, device) for piece in pieces]
+    rules = [piece.rule(n, device, found) for piece, found in zip(pieces, tables, strict=True)]
 
     def allowed(h: Tensor, i: Tensor, j: Tensor) -> Tensor:
         ok = rules[0](h, i, j)
