@@ -153,8 +153,8 @@ def _values_chunk_major(v: Tensor, chunk: int, chunks: int | None = None) -> Ten
         v = F.pad(v, (0, 0, 0, tail))
     v_c = F.pad(v.unflatten(2, (-1, chunk)).movedim(2, 0), (0, 1), value=1.0)
     if tail:
-        after = torch.arange(n + tail, device=v.device).view(-1, chunk) >= n
-        v_c[..., dv].masked_fill_(after[:, None, None, :], 0.0)
+        v_c[n // chunk, :, :, n % chunk:, dv] = 0.0
+        v_c[n // chunk + 1:, :, :, :, dv] = 0.0
     return v_c
 
 

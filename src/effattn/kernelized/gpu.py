@@ -649,6 +649,7 @@ def _span_backward(
         states = torch.cat([kv[:, :, None], _matmul(pk.transpose(-1, -2), vv).movedim(0, 2)],
                            2).cumsum(2)
         before = states[:, :, :-1].movedim(2, 0)
+        del states
         read = _matmul(pq, before)
         raw = read + _matmul(a, vv)
         # Unit weights: the suffix of plain sums (every exponent 0).
