@@ -10,7 +10,12 @@ Peers, each on the problem it solves:
   methods, ``chunk_simple_gla`` on [V, 1] for gated RFA, ``fused_chunk_based`` on the Taylor
   method's projected q, k. Causal only (fla's chunk kernels are causal). Without fla-core the
   rows say ``fla: not installed``;
-- ``sdpa``: ``scaled_dot_product_attention`` (flash kernel in bf16).
+- ``sdpa``: ``scaled_dot_product_attention`` (flash kernel in bf16);
+- ``spans``: effattn's performer and linear again, causal, with the GPU strategy's backward
+  spans as long as its forward slices (``gpu.BACKWARD_SLICE_SCALE = gpu.SLICE_SCALE``; methods
+  ``performer-spans64``, ``linear-spans64``, impl ``effattn``): the default spans are half a
+  slice, which holds less memory and launches more (docs/gpu.md, Memory); these rows say
+  which is faster.
 
 Rows (``ROW_KEYS``): ``{impl, method, feature_dim, n, batch, heads, causal, pass, dtype, ms,
 peak_mib, device}`` (+ ``error`` where a point failed), written atomically to
@@ -48,6 +53,7 @@ import torch.nn.functional as F
 
 import effattn
 from effattn import strategy
+from effattn.kernelized import gpu
 from effattn.kernelized.features import project_heads
 from effattn.tools.bench.machine import gpu_label, machine_info
 from effattn.tools.bench.results import write_json
@@ -186,7 +192,29 @@ def fla_suite(p: Point) -> Iterator[Case]:
         yield Case("fla", _label(name, options), module.feature_dim, run, (q, k, v))
 
 
-SUITES: dict[str, Suite] = {"effattn": effattn_suite, "fla": fla_suite, "sdpa": sdpa_suite}
+def spans_suite(p: Point) -> Iterator[Case]:
+    """performer and linear with backward spans as long as the forward's slices (causal)."""
+    if not p.causal:
+        return
+    q, k, v = qkv(p)
+    for name in ("performer", "linear"):
+        module = _module(name, {}, p)
+
+        def run(m=module) -> torch.Tensor:
+            # The spans are fixed by the forward (its checkpoints), so the forward is where
+            # the constant must hold.
+            default, gpu.BACKWARD_SLICE_SCALE = gpu.BACKWARD_SLICE_SCALE, gpu.SLICE_SCALE
+            try:
+                return m(q, k, v, causal=True)
+            finally:
+                gpu.BACKWARD_SLICE_SCALE = default
+
+        yield Case("effattn", f"{name}-spans{gpu.SLICE_SCALE}", module.feature_dim, run,
+                   (q, k, v))
+
+
+SUITES: dict[str, Suite] = {"effattn": effattn_suite, "fla": fla_suite, "sdpa": sdpa_suite,
+                            "spans": spans_suite}
 
 
 def _sync(device: torch.device) -> None:

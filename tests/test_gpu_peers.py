@@ -10,6 +10,7 @@ import torch
 from conftest import assert_png
 
 from effattn import strategy
+from effattn.kernelized import gpu
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_peers.py"
 
@@ -34,11 +35,15 @@ def test_smoke_on_the_cpu_writes_rows_and_plot(tmp_path):
     rows = results["rows"]
     assert all(set(peers.ROW_KEYS) <= set(r) for r in rows)
     methods = {peers._label(name, opts) for name, opts in peers.METHODS}
+    # The spans suite: the causal performer and linear with the backward in the forward's slices.
+    spans = {f"performer-spans{gpu.SLICE_SCALE}", f"linear-spans{gpu.SLICE_SCALE}"}
     for causal in (False, True):
         for pass_name in ("fwd", "fwdbwd"):
             got = {r["method"] for r in rows if r["impl"] == "effattn" and r["causal"] == causal
                    and r["pass"] == pass_name and r["ms"] is not None}
-            assert got == (methods if causal else methods - {"rfa-gated"}), (causal, pass_name)
+            want = methods | spans if causal else methods - {"rfa-gated"}
+            assert got == want, (causal, pass_name)
+    assert gpu.BACKWARD_SLICE_SCALE < gpu.SLICE_SCALE  # restored after the spans suite
     assert {r["impl"] for r in rows} == {"effattn", "fla", "sdpa"}
     assert all(r["device"] == "cpu" and r["peak_mib"] is None for r in rows)
     fla = [r for r in rows if r["impl"] == "fla"]
