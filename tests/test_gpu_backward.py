@@ -168,3 +168,37 @@ def test_accounting_counts_storages_and_operations():
 
     assert 2 * x.nbytes <= live_peak_bytes(work) < 2 * x.nbytes + 1024
     assert count_ops(work) == 3  # two mm and an add; the view launches nothing
+
+
+def test_hedgehog_exp_backward_in_spans_matches_the_reference(monkeypatch):
+    """hedgehog's exp form (the per-feature core's GPU form, kernelized.exponents_gpu): its
+    backward in spans of half a slice, from states read off the forward's, with padding."""
+    from effattn.kernelized import exponents_gpu
+
+    seen = []
+    original = gpu.backward_spans
+
+    def spy(*args):
+        seen.append(original(*args))
+        return seen[-1]
+
+    monkeypatch.setattr(gpu, "backward_spans", spy)
+    module = effattn.build("hedgehog", head_dim=21, heads=3, seed=0, chunk_size=16).double()
+    module.eval()
+    f = module.feature_dim
+    # Slices of 64 tokens (4 chunks) at B H = 6, Dv = 5; spans of 32.
+    module.slice_elements = 64 * 6 * (f + 6) * 2 * exponents_gpu.SLICE_SHARE // gpu.SLICE_SCALE
+    assert exponents_gpu.slice_tokens(6, f, 5, 16, module.slice_elements) == 64
+    n = 150
+    q, k, v = (t.requires_grad_(True) for t in qkv(n=n, d=21, dv=5, scale=0.5))
+    mask = padding(2, n)
+    out = module(q, k, v, causal=True, key_padding_mask=mask)
+    ref = module.spec.reference(module, q, k, v, causal=True, key_padding_mask=mask)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    params = [q, k, v, *module.parameters()]
+    probe = torch.randn_like(out)
+    got = torch.autograd.grad((out * probe).sum(), params)
+    want = torch.autograd.grad((ref * probe).sum(), params)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-7)
+    assert [len(s) for s in seen] == [5]  # 3 slices (64, 64, 22) in 32-token spans

@@ -39,11 +39,14 @@ its fp32 GEMMs without TF32) run in well under a millisecond; the float64 factor
 memory of u for the slice. On a GPU with slow fp64 (1/64 of fp32 on consumer parts) they would
 weigh more. None of this is measured yet.
 
-Training: :class:`_ChunkParallel` keeps q, k, v, the mask, the state entering each slice
-((N / S) F E) and the tensors the exponents function reads, not u, the chunk states or the
-in-chunk products; its backward recomputes one slice at a time under autograd (as
-:class:`effattn.kernelized.gpu._ChunkParallel`), so between forward and backward nothing of
-size N x F stays alive. Under ``torch.compile`` the forward is traced as it is.
+Training: :class:`_ChunkParallel` keeps q, k, v, the mask, the state entering every span of
+1 / ``BACKWARD_SHARE`` of a slice (read off the chunk states the forward forms anyway) and the
+tensors the exponents function reads, not u, the chunk states or the in-chunk products; its
+backward recomputes one span at a time under autograd, so between forward and backward nothing
+of size N x F stays alive, and the backward's one span graph is what training adds to the
+forward's peak (accounted on the CPU at N = 16384, B = 1, H = 8, fp32: 0.86 GiB against the
+inference forward's 0.61, where spans of a whole slice held 1.33). Under ``torch.compile`` the
+forward is traced as it is.
 
 Non-causal (:func:`~effattn.kernelized.exponents.key_state`,
 :func:`~effattn.kernelized.exponents.read_queries`): already a GEMM pair per slice; the GPU
@@ -80,6 +83,10 @@ def slice_budget(slice_elements: int, x: Tensor) -> int:
 # copies, the float64 in-chunk factors). The CPU form's hand-written backward has its own share
 # (exponents.SLICE_SHARE).
 SLICE_SHARE = 2
+# Its backward recomputes spans of 1 / BACKWARD_SHARE of a slice, from the states entering them,
+# read off the forward's chunk states: one span's graph is what a training call adds to the
+# forward's peak.
+BACKWARD_SHARE = 2
 
 
 def slice_tokens(batch_heads: int, feature_dim: int, value_dim: int, chunk_size: int,
@@ -127,18 +134,23 @@ def _exponent_inputs(exponents: ex.ExponentFn, x: Tensor) -> tuple[Tensor, ...]:
 
 def _sliced(q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None, kv: Tensor, scale: Tensor,
             exponents: ex.ExponentFn, chunk: int, step: int, normaliser: bool,
-            entering: list[Tensor] | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+            entering: list[Tensor] | None,
+            back: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """:func:`_slice` one slice of ``step`` tokens after the other, each handing its state to
     the next: the output, the state after (kv, log-scale) and the normaliser's log and sign
     (empty tensors without ``normaliser``). ``entering`` (a list), when given, receives the
-    state (kv, log-scale) entering each slice."""
+    state (kv, log-scale) entering every ``back`` tokens (a multiple of the chunk; None:
+    ``step``) of each slice (:func:`backward_spans` lists their spans)."""
     outs, logs, signs = [], [], []
+    every = None if entering is None else (back or step) // chunk
     for a, e in core._spans(q.shape[2], step):
         if entering is not None:
             entering += [kv, scale]
-        out, log_abs, sign, kv, scale = _slice(
+        out, log_abs, sign, kv, scale, marks = _slice(
             q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], None if pad is None else pad[:, a:e], kv,
-            scale, exponents, chunk, normaliser)
+            scale, exponents, chunk, normaliser, every)
+        if entering is not None:
+            entering += marks
         outs.append(out)
         logs.append(log_abs)
         signs.append(sign)
@@ -148,11 +160,12 @@ def _sliced(q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None, kv: Tensor, sca
 
 
 def _slice(q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None, kv: Tensor, scale: Tensor,
-           exponents: ex.ExponentFn, chunk: int, normaliser: bool,
-           ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor, Tensor]:
+           exponents: ex.ExponentFn, chunk: int, normaliser: bool, every: int | None = None,
+           ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor, Tensor, list[Tensor]]:
     """One slice of n tokens, chunk-parallel (module docstring), from the state (kv (B, H, F, E),
     scale (B, H, F, 1)) before it: the output (B, H, n, Dv), the normaliser's log and sign
-    (B, H, n) (None without ``normaliser``) and the state after it."""
+    (B, H, n) (None without ``normaliser``), the state after it, and the states (kv, scale)
+    entering chunks ``every``, 2 ``every``, ... (copies; none when ``every`` is None)."""
     b, h, n = q.shape[:3]
     u_q = exponents(q)
     u_k = ex._padded(exponents(k), pad)
@@ -181,8 +194,12 @@ def _slice(q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None, kv: Tensor, scal
     causal_mask = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril_()
     scores = torch.where(causal_mask, q_f @ k_f.transpose(-2, -1), 0.0).to(v_c.dtype)
     raw = (inter + scores @ v_c).flatten(2, 3)[:, :, :n]
+    marks = []
+    for c in range(every or states.shape[2], states.shape[2], every or 1):
+        # Copies: views would keep all nc states alive until the backward.
+        marks += [states[:, :, c].clone(), running[:, :, c, :, None].clone()]
     return (*ex._finish(raw, top.flatten(2, 3)[:, :, :n], normaliser), kv,
-            end[:, :, -1].transpose(-2, -1))
+            end[:, :, -1].transpose(-2, -1), marks)
 
 
 def _entering(kv: Tensor, delta: Tensor, running: Tensor) -> tuple[Tensor, Tensor]:
@@ -212,11 +229,12 @@ class _ChunkParallel(torch.autograd.Function):
                 scale: Tensor, exponents: ex.ExponentFn, chunk: int, step: int,
                 normaliser: bool, *tensors: Tensor) -> tuple[Tensor, ...]:
         entering: list[Tensor] = []
+        back = max(chunk, step // BACKWARD_SHARE // chunk * chunk)
         out, kv, scale, log_abs, sign = _sliced(q, k, v, pad, kv, scale, exponents, chunk, step,
-                                                normaliser, entering)
-        ctx.exponents, ctx.chunk, ctx.step, ctx.normaliser = exponents, chunk, step, normaliser
+                                                normaliser, entering, back)
+        ctx.exponents, ctx.chunk, ctx.normaliser = exponents, chunk, normaliser
+        ctx.spans = gpu.backward_spans(q.shape[2], step, back)
         ctx.save_for_backward(q, k, v, pad, *entering, *tensors)
-        ctx.slices = len(entering) // 2
         ctx.mark_non_differentiable(scale, sign)
         return out, kv, scale, log_abs, sign
 
@@ -225,13 +243,13 @@ class _ChunkParallel(torch.autograd.Function):
     def backward(ctx: Any, d_out: Tensor, d_kv: Tensor | None, _: Tensor | None,
                  d_log_abs: Tensor | None, __: Tensor | None) -> tuple[Tensor | None, ...]:
         q, k, v, pad, *rest = ctx.saved_tensors
-        states, tensors = rest[:2 * ctx.slices], rest[2 * ctx.slices:]
+        spans = ctx.spans
+        states, tensors = rest[:2 * len(spans)], rest[2 * len(spans):]
         needs = ctx.needs_input_grad
         full = (q, k, v)
         grads = [torch.empty_like(t) if need else None
                  for t, need in zip(full, needs[:3], strict=True)]
         d_tensors: list[Tensor | None] = [None] * len(tensors)
-        spans = core._spans(q.shape[2], ctx.step)
         for i in range(len(spans) - 1, -1, -1):
             a, e = spans[i]
             parts = [core._leaf(t[:, :, a:e], need)
@@ -239,7 +257,7 @@ class _ChunkParallel(torch.autograd.Function):
             # The entering state needs its gradient for the slice before, or for the caller.
             kv = core._leaf(states[2 * i], i > 0 or needs[4])
             with torch.enable_grad():
-                out, log_abs, _, after, _ = _slice(
+                out, log_abs, _, after, _, _ = _slice(
                     *parts, None if pad is None else pad[:, a:e], kv, states[2 * i + 1],
                     ctx.exponents, ctx.chunk, ctx.normaliser)
             got = core._backprop(
