@@ -217,12 +217,13 @@ def _entering(kv: Tensor, delta: Tensor, running: Tensor) -> tuple[Tensor, Tenso
 
 
 class _ChunkParallel(torch.autograd.Function):
-    """:func:`causal` keeping q, k, v, the mask, the state entering each slice and the tensors
-    the exponents function reads: O(N (D + Dv) + (N / S) F E) between forward and backward.
-    Backward, slice by slice from the last: :func:`_slice` again under autograd from its saved
-    inputs and entering state, then its vector-Jacobian product for the output, the state after
-    (the gradient from the next slice) and the normaliser's log; the entering state's gradient
-    goes on to the slice before. Memory: one slice's graph at a time; cost: one more forward."""
+    """:func:`causal` keeping q, k, v, the mask, the state entering each span of the backward
+    (1 / ``BACKWARD_SHARE`` of a slice of S tokens) and the tensors the exponents function reads:
+    O(N (D + Dv) + (N / S) F E) between forward and backward. Backward, span by span from the
+    last: :func:`_slice` again under autograd from its saved inputs and entering state, then its
+    vector-Jacobian product for the output, the state after (the gradient from the next span)
+    and the normaliser's log; the entering state's gradient goes on to the span before. Memory:
+    one span's graph at a time; cost: one more forward."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None, kv: Tensor,

@@ -184,10 +184,10 @@ def slice_tokens(batch_heads: int, feature_dim: int, value_dim: int, chunk_size:
 
 def backward_slice_tokens(batch_heads: int, feature_dim: int, value_dim: int, chunk_size: int,
                           slice_elements: int, step: int) -> int:
-    """Tokens per slice of :class:`_ChunkParallel`'s backward, a multiple of the chunk and at most
+    """Tokens per span of :class:`_ChunkParallel`'s backward, a multiple of the chunk and at most
     ``step`` (the forward's slice): the CPU strategy's causal budget times
-    ``BACKWARD_SLICE_SCALE``, so that the one slice's graph the backward holds stays a bounded
-    share of a long layer's training peak (module docstring, Memory)."""
+    ``BACKWARD_SLICE_SCALE``, so that what the backward holds of one span stays within an
+    inference forward's peak (module docstring, Memory)."""
     return min(step, core.causal_slice_tokens(batch_heads, feature_dim, value_dim, chunk_size,
                                               slice_elements * BACKWARD_SLICE_SCALE))
 
@@ -511,11 +511,11 @@ class _ChunkParallel(torch.autograd.Function):
     O((N / C) F (Dv + 1)). The checkpoints are the chunk states the forward forms anyway, so
     the backward's spans can be shorter than the forward's slices at no cost to the forward.
 
-    Backward, span by span of S_b tokens from the last: :func:`_forward` of the span again
-    under autograd, from its saved inputs and checkpoint, then its vector-Jacobian product for
-    the output, the state after (the gradient coming from the next span) and (hybrid) the
-    normaliser's log |d|; the checkpoint's gradient goes on to the previous span. Memory: one
-    span's autograd graph at a time. Cost: one more forward.
+    Backward, span by span of S_b tokens from the last: :func:`_span_backward`, written out,
+    from the span's saved inputs and checkpoint, for the output, the state after (the gradient
+    coming from the next span) and (hybrid) the normaliser's log |d|; the checkpoint's gradient
+    goes on to the previous span. Memory: one span's φ and two of its state tensors at a time.
+    Cost: one more forward.
     """
 
     @staticmethod
