@@ -102,16 +102,22 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    series: dict[str, list[tuple[int, float]]] = {}
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    series: dict[tuple[str, str, int | None], list[tuple[int, float]]] = {}
     for r in rows:
-        label = r["method"] if r["strategy"] == "sdpa" else f"{r['method']} {r['strategy']}"
-        if r["backward_scale"] is not None:
-            label += f" bwd x{r['backward_scale']}"
-        series.setdefault(label, []).append((r["n"], r["train_peak_mib"]))
-    for label, points in series.items():
+        series.setdefault((r["method"], r["strategy"], r["backward_scale"]), []).append(
+            (r["n"], r["train_peak_mib"]))
+    methods = sorted({key[0] for key in series} - {"sdpa"})
+    colours = dict(zip(methods, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    styles = {"cpu": ":", 64: "--", 32: "-", 16: "-.", None: "-"}
+    for (method, kind, scale), points in series.items():
         points.sort()
-        ax.plot(*zip(*points, strict=True), marker="o", label=label)
+        label = method if kind == "sdpa" else f"{method} {kind}"
+        if scale is not None:
+            label += f" bwd x{scale}"
+        ax.plot(*zip(*points, strict=True), marker="o", label=label,
+                color=colours.get(method, "black"),
+                linestyle=styles["cpu"] if kind == "cpu" else styles.get(scale, "-"))
     ax.set(xscale="log", yscale="log", xlabel="N",
            ylabel="forward+backward peak above inputs (MiB)",
            title="Live tensor bytes, causal, B=1 H=8 D=64 fp32 (accounted on the CPU)")

@@ -1,0 +1,65 @@
+"""benchmarks/strategy_memory.py: a small run writes its rows (each strategy, the span sweep and
+SDPA), CSV and plot, restores the span constant it sweeps, and bad arguments exit 2 with one
+line."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import assert_png
+
+from effattn.kernelized import gpu
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "strategy_memory.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("strategy_memory_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _script()
+
+
+def test_small_run_writes_rows_csv_and_plot(tmp_path):
+    default = gpu.BACKWARD_SLICE_SCALE
+    assert bench.main(["--methods", "linear", "--lengths", "96", "--backward-scales", "64,16",
+                       "--out", str(tmp_path)]) == 0
+    assert default == gpu.BACKWARD_SLICE_SCALE
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["method"], r["strategy"], r["backward_scale"]) for r in rows] == [
+        ("linear", "cpu", None), ("linear", "gpu", 64), ("linear", "gpu", 16),
+        ("sdpa", "sdpa", None)]
+    for r in rows:
+        assert set(bench.FIELDS) <= set(r)
+        assert 0 < r["fwd_peak_mib"] <= r["train_peak_mib"]
+        assert r["fwd_ops"] > 0 and r["bwd_ops"] > 0
+    assert (tmp_path / "results.csv").read_text().startswith(",".join(bench.FIELDS))
+    assert_png(tmp_path / "peaks.png")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--methods", "nosuch"], "unknown method"),
+    (["--lengths", "0"], "positive ints"),
+    (["--backward-scales", "x"], "comma-separated ints"),
+])
+def test_bad_arguments_exit_2_with_one_line(argv, says, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench.main([*argv, "--out", str(tmp_path)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+
+
+def test_an_unwritable_out_exits_2(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--methods", "linear", "--out", str(blocker / "sub")])
+    assert exit_.value.code == 2
+    assert "--out" in capsys.readouterr().err
