@@ -202,3 +202,25 @@ def test_hedgehog_exp_backward_in_spans_matches_the_reference(monkeypatch):
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-7)
     assert [len(s) for s in seen] == [5]  # 3 slices (64, 64, 22) in 32-token spans
+
+
+@pytest.mark.parametrize("name, opts", [("performer", {}), ("linear", {}), ("rfa", {"gated": True}),
+                                        ("hedgehog", {})], ids=["performer", "linear",
+                                                                 "gated-rfa", "hedgehog"])
+def test_launches_do_not_grow_with_the_chunks(name, opts):
+    """Within one slice the operations a causal call dispatches (each at least one kernel
+    launch on a GPU) do not grow with the chunks it holds: 64 chunks or 256, forward and
+    backward, the same count but for a few of autograd's own accumulations (which depend on
+    the shapes). A loop over the chunks, as the CPU strategy's, would add hundreds."""
+    # eval: a training-mode redraw of the random features would add its own operations.
+    module = effattn.build(name, head_dim=16, heads=2, seed=0, chunk_size=16, **opts).eval()
+    counts = []
+    for n in (1024, 4096):
+        q, k, v = (t.float().requires_grad_(True) for t in qkv(b=1, h=2, n=n, d=16, dv=16))
+        kw = {"gate": torch.full((1, 2, n), 0.9)} if opts.get("gated") else {}
+        outs = []
+        forward_ops = count_ops(lambda q=q, k=k, v=v, kw=kw, outs=outs: outs.append(
+            module(q, k, v, causal=True, **kw)))
+        counts.append((forward_ops, count_ops(lambda outs=outs: outs[0].sum().backward())))
+    (fwd_few, bwd_few), (fwd_many, bwd_many) = counts
+    assert abs(fwd_many - fwd_few) <= 4 and abs(bwd_many - bwd_few) <= 4, counts
