@@ -35,6 +35,20 @@ def qkv(b=2, h=3, n=63, m=None, d=21, dv=None, dtype=torch.float64, scale=1.0, s
     return q, k, v
 
 
+def assert_prefill_continues(module, n, cut):
+    """Two prefills, the second from the first's state, equal the float64 causal reference in
+    outputs and in q, k, v's gradients: the gradient reaches the first through the second."""
+    q, k, v = (t.requires_grad_(True) for t in qkv(n=n, d=21, dv=5, scale=0.5))
+    first, state = module.prefill(q[:, :, :cut], k[:, :, :cut], v[:, :, :cut])
+    second, _ = module.prefill(q[:, :, cut:], k[:, :, cut:], v[:, :, cut:], state)
+    out = torch.cat([first, second], 2)
+    ref = module.spec.reference(module, q, k, v, causal=True)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    for a, b in zip(torch.autograd.grad(out.square().sum(), (q, k, v)),
+                    torch.autograd.grad(ref.square().sum(), (q, k, v)), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-7)
+
+
 def padding(b, m, seed=0):
     """A (B, M) padding mask: left padding on batch 0, right padding elsewhere, never all padded."""
     mask = torch.zeros(b, m, dtype=torch.bool)

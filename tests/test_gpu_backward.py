@@ -12,7 +12,7 @@ allocates what a GPU would.
 
 import pytest
 import torch
-from conftest import padding, qkv
+from conftest import assert_prefill_continues, padding, qkv
 
 import effattn
 from effattn import strategy
@@ -68,7 +68,8 @@ def _module(name, opts):
 
 @pytest.fixture
 def spans(monkeypatch):
-    """Backward spans of one chunk inside forward slices of four; records the spans run."""
+    """Backward spans of one chunk inside the GPU strategy's forward slices of four; records
+    the spans run (both GPU forms list them)."""
     monkeypatch.setattr(gpu, "BACKWARD_SLICE_SCALE", 16)
     seen = []
     original = gpu.backward_spans
@@ -114,16 +115,7 @@ def test_backward_in_spans_matches_the_reference(name, opts, extra, spans):
 def test_spans_carry_an_entering_state_with_gradients(spans):
     """A second prefill from the first's state: the gradient reaches the first through every
     span of the second."""
-    module = _module("performer", {})
-    q, k, v = (t.requires_grad_(True) for t in qkv(n=120, d=21, dv=5, scale=0.5))
-    first, state = module.prefill(q[:, :, :37], k[:, :, :37], v[:, :, :37])
-    second, _ = module.prefill(q[:, :, 37:], k[:, :, 37:], v[:, :, 37:], state)
-    out = torch.cat([first, second], 2)
-    ref = module.spec.reference(module, q, k, v, causal=True)
-    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
-    for a, b in zip(torch.autograd.grad(out.square().sum(), (q, k, v)),
-                    torch.autograd.grad(ref.square().sum(), (q, k, v)), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-7)
+    assert_prefill_continues(_module("performer", {}), n=120, cut=37)
     assert [len(s) for s in spans] == [3, 6]
 
 
@@ -170,19 +162,12 @@ def test_accounting_counts_storages_and_operations():
     assert count_ops(work) == 3  # two mm and an add; the view launches nothing
 
 
-def test_hedgehog_exp_backward_in_spans_matches_the_reference(monkeypatch):
+def test_hedgehog_exp_backward_in_spans_matches_the_reference(spans):
     """hedgehog's exp form (the per-feature core's GPU form, kernelized.exponents_gpu): its
-    backward in spans of half a slice, from states read off the forward's, with padding."""
+    backward in spans of half a slice (its own share, not BACKWARD_SLICE_SCALE), from states
+    read off the forward's, with padding."""
     from effattn.kernelized import exponents_gpu
 
-    seen = []
-    original = gpu.backward_spans
-
-    def spy(*args):
-        seen.append(original(*args))
-        return seen[-1]
-
-    monkeypatch.setattr(gpu, "backward_spans", spy)
     module = effattn.build("hedgehog", head_dim=21, heads=3, seed=0, chunk_size=16).double()
     module.eval()
     f = module.feature_dim
@@ -201,7 +186,7 @@ def test_hedgehog_exp_backward_in_spans_matches_the_reference(monkeypatch):
     want = torch.autograd.grad((ref * probe).sum(), params)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-7)
-    assert [len(s) for s in seen] == [5]  # 3 slices (64, 64, 22) in 32-token spans
+    assert [len(s) for s in spans] == [5]  # 3 slices (64, 64, 22) in 32-token spans
 
 
 @pytest.mark.parametrize("name, opts", [("performer", {}), ("linear", {}), ("rfa", {"gated": True}),
