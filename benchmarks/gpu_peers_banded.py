@@ -54,7 +54,7 @@ import effattn
 from effattn import strategy
 from effattn.sparse import flex as flex_strategy
 from effattn.tools.bench.machine import describe, machine_info
-from effattn.tools.bench.results import write_json
+from effattn.tools.bench.results import save_figure, write_json
 from effattn.tools.bench.timing import Clock, paired, time_once
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -229,10 +229,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.legend(fontsize=6)
     fig.suptitle(rows[0]["device"] if rows else "", fontsize=9)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,7 +32,7 @@ from effattn.kernelized import gpu
 from effattn.tools.bench.accounting import count_ops, live_peak_bytes
 from effattn.tools.bench.machine import describe, machine_info
 from effattn.tools.bench.memory import MiB
-from effattn.tools.bench.results import write_csv, write_json
+from effattn.tools.bench.results import save_figure, write_csv, write_json
 
 FIELDS = ["method", "strategy", "backward_scale", "n", "inputs_mib", "fwd_peak_mib",
           "train_peak_mib", "fwd_ops", "bwd_ops"]
@@ -123,11 +123,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
            title="Live tensor bytes, causal, B=1 H=8 D=64 fp32 (accounted on the CPU)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    tmp.replace(path)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:

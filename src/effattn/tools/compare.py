@@ -26,7 +26,7 @@ from typing import Any
 
 import effattn
 from effattn.registry import DEFAULT_METHOD, methods, spec
-from effattn.tools.bench.results import atomic_write, write_csv
+from effattn.tools.bench.results import atomic_write, save_figure, write_csv
 from effattn.tools.tasks.data import FRACTION_METRICS, METRIC_NAMES, TASK_METRICS
 from effattn.tools.train import RESULTS, TrainConfig, applicability, label_of, write_json
 
@@ -264,7 +264,4 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     fig.suptitle(f"{summary['task']}: {b['steps']} steps, batch {b['batch_size']}, "
                  f"length {b['seq_len']}, d_model {b['d_model']}, {b['layers']} layers")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path, dpi=100)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -47,7 +46,7 @@ import torch
 
 from effattn.convert import TRANSFER_LOSSES, linearize, transfer
 from effattn.registry import DEFAULT_METHOD
-from effattn.tools.bench.results import atomic_write, write_csv
+from effattn.tools.bench.results import atomic_write, save_figure, write_csv
 from effattn.tools.checkpoints import FORMAT, VERSION, save
 from effattn.tools.compare import run_options
 from effattn.tools.runs import load_run
@@ -390,7 +389,4 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path, dpi=100)

@@ -57,6 +57,22 @@ def atomic_write(path: Path, text: str) -> None:
         raise
 
 
+def save_figure(fig: Any, path: Path, dpi: int) -> None:
+    """Save a matplotlib figure to ``path`` (PNG) through a temporary file and ``os.replace``,
+    creating the folder, and close it: a reader never sees half an image."""
+    import matplotlib.pyplot as plt  # an extra (tools): imported where a figure is saved
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp.png")
+    try:
+        fig.savefig(tmp, dpi=dpi)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+        plt.close(fig)
+
+
 def write_json(path: Path, data: Any) -> None:
     atomic_write(path, json.dumps(data, indent=1) + "\n")
 
