@@ -629,6 +629,36 @@ def _backprop(
     return result
 
 
+def _backward_in_spans(
+    inputs: Sequence[Tensor | None],
+    needs: Sequence[bool],
+    spans: Sequence[tuple[int, int]],
+    n_tensors: int,
+    d_state: Tensor | None,
+    span: Callable[[int, list[Tensor | None], Tensor | None],
+                   tuple[Tensor | None, Sequence[Tensor | None]]],
+) -> tuple[list[Tensor | None], Tensor | None, list[Tensor | None]]:
+    """The loop of a causal backward that recomputes span by span, from the last: for each
+    span i (positions a..b of ``spans``), ``span(i, leaves, d_state)`` gets the inputs' rows
+    a..b cut off from the graph (recording their own gradient where ``needs``) and the gradient
+    of the state after the span, and returns the gradient of the state before it and those of
+    the inputs' rows and of the ``n_tensors`` feature tensors. Returns the inputs' gradients
+    (B, H, L, ·) (None where not needed), the entering state's and the feature tensors'
+    (summed over the spans)."""
+    grads = [torch.empty_like(t) if t is not None and need else None
+             for t, need in zip(inputs, needs, strict=True)]
+    d_tensors: list[Tensor | None] = [None] * n_tensors
+    for i in range(len(spans) - 1, -1, -1):
+        a, b = spans[i]
+        leaves = [_leaf(None if t is None else t[:, :, a:b], need)
+                  for t, need in zip(inputs, needs, strict=True)]
+        d_state, got = span(i, leaves, d_state)
+        for total, part in zip(grads, got[:len(inputs)], strict=True):
+            _put(total, a, b, part)
+        d_tensors = [_add(t, g) for t, g in zip(d_tensors, got[len(inputs):], strict=True)]
+    return grads, d_state, d_tensors
+
+
 def _put(total: Tensor | None, a: int, b: int, part: Tensor | None) -> None:
     """Positions a..b of a gradient (B, H, L, ·): ``part``, or 0 where nothing reached them."""
     if total is not None:

@@ -416,31 +416,25 @@ class _Causal(torch.autograd.Function):
                  d_log_abs: Tensor | None, __: Tensor | None) -> tuple[Tensor | None, ...]:
         q, k, v, gate, pad, out, div, sign, *rest = ctx.saved_tensors
         entering, tensors = rest[:2 * ctx.slices], rest[2 * ctx.slices:]
-        need_q, need_k, need_v, need_gate = ctx.needs_input_grad[:4]
-        grads = [torch.empty_like(t) if need else None
-                 for t, need in zip((q, k, v, gate), (need_q, need_k, need_v, need_gate),
-                                    strict=True)]
-        d_tensors: list[Tensor | None] = [None] * len(tensors)
-        spans = core._spans(q.shape[2], ctx.step)
-        for i in range(len(spans) - 1, -1, -1):
+
+        def span(i: int, leaves: list[Tensor | None],
+                 d_kv: Tensor | None) -> tuple[Tensor, list[Tensor | None]]:
             a, e = spans[i]
-            leaves = [core._leaf(None if t is None else t[:, :, a:e], need)
-                      for t, need in zip((q, k, v, gate), (need_q, need_k, need_v, need_gate),
-                                         strict=True)]
             g = core._ratio_grad(d_out[:, :, a:e], out[:, :, a:e], div[:, :, a:e], sign[:, :, a:e])
             d_query_scale = None
             if ctx.normaliser and d_log_abs is not None:
                 # log |d| + scale: d receives d_log_abs / d where it is the denominator (-back).
                 d_query_scale = d_log_abs[:, :, a:e, None]
                 g[..., -1:].sub_(d_query_scale * sign[:, :, a:e])
-            d_kv, got = _causal_slice_backward(
+            return _causal_slice_backward(
                 ctx.features, *leaves, None if pad is None else pad[:, a:e],
                 entering[2 * i], entering[2 * i + 1], ctx.chunk, g, d_kv, tensors,
                 d_query_scale,
             )
-            for total, part in zip(grads, got[:4], strict=True):
-                core._put(total, a, e, part)
-            d_tensors = [core._add(t, part) for t, part in zip(d_tensors, got[4:], strict=True)]
+
+        spans = core._spans(q.shape[2], ctx.step)
+        grads, d_kv, d_tensors = core._backward_in_spans(
+            (q, k, v, gate), ctx.needs_input_grad[:4], spans, len(tensors), d_kv, span)
         d_kv = d_kv if ctx.needs_input_grad[5] else None
         return (*grads, None, d_kv, None, None, None, None, None, None, *d_tensors)
 

@@ -247,28 +247,24 @@ class _ChunkParallel(torch.autograd.Function):
         spans = ctx.spans
         states, tensors = rest[:2 * len(spans)], rest[2 * len(spans):]
         needs = ctx.needs_input_grad
-        full = (q, k, v)
-        grads = [torch.empty_like(t) if need else None
-                 for t, need in zip(full, needs[:3], strict=True)]
-        d_tensors: list[Tensor | None] = [None] * len(tensors)
-        for i in range(len(spans) - 1, -1, -1):
+
+        def span(i: int, leaves: list[Tensor | None],
+                 d_kv: Tensor | None) -> tuple[Tensor | None, list[Tensor | None]]:
             a, e = spans[i]
-            parts = [core._leaf(t[:, :, a:e], need)
-                     for t, need in zip(full, needs[:3], strict=True)]
-            # The entering state needs its gradient for the slice before, or for the caller.
+            # The entering state needs its gradient for the span before, or for the caller.
             kv = core._leaf(states[2 * i], i > 0 or needs[4])
             with torch.enable_grad():
                 out, log_abs, _, after, _, _ = _slice(
-                    *parts, None if pad is None else pad[:, a:e], kv, states[2 * i + 1],
+                    *leaves, None if pad is None else pad[:, a:e], kv, states[2 * i + 1],
                     ctx.exponents, ctx.chunk, ctx.normaliser)
             got = core._backprop(
                 (out, after, log_abs),
                 (d_out[:, :, a:e], d_kv, None if d_log_abs is None or log_abs is None
                  else d_log_abs[:, :, a:e]),
-                [*parts, kv, *tensors])
-            for total, part in zip(grads, got[:3], strict=True):
-                core._put(total, a, e, part)
-            d_kv = got[3]
-            d_tensors = [core._add(t, g) for t, g in zip(d_tensors, got[4:], strict=True)]
+                [*leaves, kv, *tensors])
+            return got[3], [*got[:3], *got[4:]]
+
+        grads, d_kv, d_tensors = core._backward_in_spans(
+            (q, k, v), needs[:3], spans, len(tensors), d_kv, span)
         return (*grads, None, d_kv if needs[4] else None, None, None, None, None, None,
                 *d_tensors)

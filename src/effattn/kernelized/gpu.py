@@ -546,26 +546,22 @@ class _ChunkParallel(torch.autograd.Function):
         q, k, v, gate, pad, *rest = ctx.saved_tensors
         spans = ctx.spans
         states, tensors = rest[:2 * len(spans)], rest[2 * len(spans):]
-        needs = ctx.needs_input_grad
-        full = (q, k, v, gate)
-        grads = [torch.empty_like(t) if t is not None and need else None
-                 for t, need in zip(full, needs[:4], strict=True)]
-        d_tensors: list[Tensor | None] = [None] * len(tensors)
-        for i in range(len(spans) - 1, -1, -1):
+
+        def span(i: int, leaves: list[Tensor | None],
+                 d_kv: Tensor | None) -> tuple[Tensor, list[Tensor | None]]:
             a, e = spans[i]
-            parts = [core._leaf(None if t is None else t[:, :, a:e], need)
-                     for t, need in zip(full, needs[:4], strict=True)]
             kv, log_scale = states[2 * i], states[2 * i + 1]
-            d_kv, got = _span_backward(
-                ctx.features, *parts, None if pad is None else pad[:, a:e],
+            return _span_backward(
+                ctx.features, *leaves, None if pad is None else pad[:, a:e],
                 None if kv is None else RecurrentState(kv, log_scale), ctx.chunk, ctx.eps,
                 d_out[:, :, a:e], d_kv,
                 d_log_abs[:, :, a:e] if ctx.normaliser and d_log_abs is not None else None,
                 tensors,
             )
-            for total, part in zip(grads, got[:4], strict=True):
-                core._put(total, a, e, part)
-            d_tensors = [core._add(t, g) for t, g in zip(d_tensors, got[4:], strict=True)]
+
+        needs = ctx.needs_input_grad
+        grads, d_kv, d_tensors = core._backward_in_spans(
+            (q, k, v, gate), needs[:4], spans, len(tensors), d_kv, span)
         return (*grads, None, d_kv if needs[5] else None, None, None, None, None, None, None,
                 *d_tensors)
 
