@@ -1,4 +1,6 @@
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import matplotlib.image
@@ -33,6 +35,16 @@ def qkv(b=2, h=3, n=63, m=None, d=21, dv=None, dtype=torch.float64, scale=1.0, s
     k = torch.randn(b, h, m, d, generator=g, dtype=dtype) * scale
     v = torch.randn(b, h, m, dv, generator=g, dtype=dtype)
     return q, k, v
+
+
+def load_script(path: Path, name: str):
+    """A script that is not part of the package (benchmarks/*.py) imported as module ``name``,
+    registered in sys.modules first: its dataclasses look their module up while made."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def assert_prefill_continues(module, n, cut):

@@ -6,13 +6,12 @@ shows as an output difference far above float32 rounding. The BlockMask must als
 allowed pair of every head, or the compiled kernel would skip some.
 """
 
-import importlib.util
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_script
 
 import effattn
 
@@ -23,12 +22,7 @@ N, HEADS, HEAD_DIM = 200, 4, 16
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("flex_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    # Its dataclasses look their module up in sys.modules while the class is made.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "flex_benchmark")
 
 
 bench = _script()

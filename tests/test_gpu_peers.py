@@ -1,13 +1,11 @@
 """benchmarks/gpu_peers.py: its CPU smoke mode writes the row schema and the plot, fla's rows
 say why they are empty, and without a CUDA device it exits 2 with one line."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import torch
-from conftest import assert_png
+from conftest import assert_png, load_script
 
 from effattn import strategy
 from effattn.kernelized import gpu
@@ -16,11 +14,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_peers.py"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("gpu_peers_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while made
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "gpu_peers_benchmark")
 
 
 peers = _script()

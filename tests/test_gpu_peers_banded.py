@@ -1,7 +1,6 @@
 """benchmarks/gpu_peers_banded.py runs: its CPU smoke mode writes the shared row schema and a
 plot, and without CUDA it says so and exits 2 (the GPU numbers come from benchmarks/gpu.sh)."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -9,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_png
+from conftest import assert_png, load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_peers_banded.py"
 SCHEMA = {"impl", "method", "n", "batch", "heads", "causal", "pass", "dtype", "ms", "peak_mib",
@@ -17,11 +16,7 @@ SCHEMA = {"impl", "method", "n", "batch", "heads", "causal", "pass", "dtype", "m
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("gpu_peers_banded", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while made
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "gpu_peers_banded")
 
 
 def test_smoke_run_writes_rows_of_the_schema_and_a_plot(tmp_path):

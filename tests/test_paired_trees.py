@@ -1,21 +1,18 @@
 """benchmarks/paired_trees.py: two trees (here the same one twice) timed in a worker process each,
 their outputs compared; the results written as JSON; a folder without effattn refused."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "paired_trees.py"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("paired_trees_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "paired_trees_benchmark")
 
 
 def test_the_same_tree_twice_gives_equal_outputs_and_a_ratio(tmp_path, capsys):

@@ -2,13 +2,11 @@
 SDPA), CSV and plot, restores the span constant it sweeps, and bad arguments exit 2 with one
 line."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import assert_png
+from conftest import assert_png, load_script
 
 from effattn.kernelized import gpu
 
@@ -16,11 +14,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "strategy_memory.p
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("strategy_memory_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "strategy_memory_benchmark")
 
 
 bench = _script()
