@@ -6,12 +6,13 @@
 # comparison script; ``banded``: benchmarks/gpu_peers_banded.py, every banded method through the
 # banded engine's FlexAttention strategy against compiled FlexAttention with the same mask,
 # reformer against SDPA, and the Mistral prefill of benchmarks/hf_generate.py), and the
-# kernelized methods beside flash-linear-attention and flash SDPA (``peers``:
-# benchmarks/gpu_peers.py). Results go to
+# kernelized methods beside flash-linear-attention and flash SDPA, eager and under torch.compile
+# (``peers``: benchmarks/gpu_peers.py). Results go to
 # benchmarks/gpu/ (or $EFFATTN_GPU_OUT), each stage in its own folder, with the GPU named in every
 # results file.
 #
-#   benchmarks/gpu.sh                  # every stage (about 20 minutes on one H100)
+#   benchmarks/gpu.sh                  # every stage (about 20 minutes on one H100 before the
+#                                      # compiled peers, whose compilation is not yet timed)
 #   benchmarks/gpu.sh tests fp32       # some stages: tests, fp32, bf16, causal, flex, banded, peers
 #
 # Needs torch with CUDA, numpy, matplotlib, tqdm and pytest; it runs effattn from this checkout
@@ -67,6 +68,8 @@ for stage in "${STAGES[@]}"; do
         peers)
             # fla-core is pure Python: without a package index, install its wheel beforehand
             # (pip install fla_core-*.whl); without it the fla rows say "fla: not installed".
+            # Every suite runs, the compiled one included: it compiles each method afresh at every
+            # point and pass (static shapes), its rows' compile_s saying how long that took.
             python3 benchmarks/gpu_peers.py --out "$OUT/peers" 2>&1 | tee "$OUT/peers.txt" ;;
         *)
             echo "gpu.sh: unknown stage '$stage' (stages: tests fp32 bf16 causal flex banded peers)" >&2

@@ -16,25 +16,38 @@ Peers, each on the problem it solves:
   ``performer-spans64``, ``linear-spans64``, impl ``effattn``): the default spans are half a
   slice, which holds less memory and launches more (docs/gpu.md, Memory); these rows say
   which is faster.
+- ``compiled``: every kernelized method again, the module under
+  ``torch.compile(fullgraph=True, dynamic=False)`` (methods ``<method>-compiled``, impl
+  ``effattn``). In eager mode the GPU strategy launches one kernel per ATen op (about 150 per
+  forward, 240 per backward), so on short inputs launch overhead bounds its time; these rows say
+  how much of that compilation (op fusion, one graph) takes back. Each has ``compile_s``: the
+  seconds of its pass's first call, which compiles (the backward too, for ``fwdbwd``), timed once
+  apart and excluded from ``ms`` (shorter where inductor's on-disk cache holds the kernels from
+  an earlier run).
 
 Rows (``ROW_KEYS``): ``{impl, method, feature_dim, n, batch, heads, causal, pass, dtype, ms,
-peak_mib, device}`` (+ ``error`` where a point failed), written atomically to
-``<out>/results.json`` after every point, and ``<out>/results.png``. Time: triton's
-``do_bench`` when triton imports (its median, with an L2 flush between calls), else the median
-of CUDA events. Peak memory: ``torch.cuda.max_memory_allocated`` during one separate call, above
-what was allocated before it (the inputs), so do_bench's 256 MiB flush buffer is not counted.
+peak_mib, device}`` (+ ``error`` where a point failed, + ``compile_s`` on compiled rows),
+written atomically to ``<out>/results.json`` after every point, and ``<out>/results.png``.
+Time: triton's ``do_bench`` when triton imports (its median, with an L2 flush between calls),
+else the median of CUDA events. Peak memory: ``torch.cuda.max_memory_allocated`` during one
+separate call, above what was allocated before it (the inputs), so do_bench's 256 MiB flush
+buffer is not counted.
 
 Shapes: bf16 and fp32; N = 4096, 16384, 65536 at B = 1, H = 8, D = 64, and B = 8, H = 16,
 D = 64 at N = 4096; causal and not; forward and forward + backward.
 
     python3 benchmarks/gpu_peers.py                           # everything (one CUDA GPU)
     python3 benchmarks/gpu_peers.py --device cpu --smoke      # tiny N on the CPU (a test runs it)
+    python3 benchmarks/gpu_peers.py --impls compiled --methods linear,taylor
+
+``--methods`` (labels, as in the rows: ``rfa-gated`` for gated RFA) narrows the kernelized
+methods of every suite but ``sdpa``.
 
 Exits 2, with one line, when no CUDA device is visible (without ``--device cpu``).
 
 Other suites share this driver: ``benchmarks/gpu_peers_banded.py`` can call
 ``main(argv, suites={...})`` with its own ``Suite`` functions (same row schema); a suite
-yields ``Case`` objects and the driver times them.
+yields ``Case`` objects for a point and the chosen methods, and the driver times them.
 """
 
 from __future__ import annotations
@@ -43,7 +56,7 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,8 +79,10 @@ FULL_SHAPES = ((1, 8, (4096, 16384, 65536)), (8, 16, (4096,)))
 SMOKE_SHAPES = ((1, 2, (40,)),)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Each kernelized method as (name, options): gated RFA is its own row.
-METHODS = (("performer", {}), ("favor", {}), ("rfa", {}), ("rfa", {"gated": True}),
-           ("linear", {}), ("hedgehog", {}), ("taylor", {}))
+Method = tuple[str, Mapping[str, Any]]
+METHODS: tuple[Method, ...] = (("performer", {}), ("favor", {}), ("rfa", {}),
+                               ("rfa", {"gated": True}), ("linear", {}), ("hedgehog", {}),
+                               ("taylor", {}))
 DEFAULT_OUT = Path(__file__).resolve().parent / "gpu" / "peers"
 
 
@@ -87,7 +102,8 @@ class Point:
 class Case:
     """One implementation of one method at a :class:`Point`: ``run()`` is the forward, on
     ``inputs`` (which require grad for forward + backward); ``error`` instead where it cannot
-    run (then nothing is timed)."""
+    run (then nothing is timed). ``compiles``: the first call of each pass compiles, so it is
+    timed apart (the row's ``compile_s``) before anything else."""
 
     impl: str
     method: str
@@ -95,9 +111,10 @@ class Case:
     run: Callable[[], torch.Tensor] | None = None
     inputs: tuple[torch.Tensor, ...] = ()
     error: str | None = None
+    compiles: bool = False
 
 
-Suite = Callable[[Point], Iterable[Case]]
+Suite = Callable[[Point, Sequence[Method]], Iterable[Case]]
 
 
 def qkv(p: Point) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -121,10 +138,10 @@ def _gate(p: Point) -> torch.Tensor:
     return torch.sigmoid(logits + 3.0).to(DTYPES[p.dtype])
 
 
-def effattn_suite(p: Point) -> Iterator[Case]:
+def effattn_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
     """Every kernelized method, its features computed in the call."""
     q, k, v = qkv(p)
-    for name, options in METHODS:
+    for name, options in methods:
         if options.get("gated") and not p.causal:
             continue
         module = _module(name, options, p)
@@ -134,13 +151,14 @@ def effattn_suite(p: Point) -> Iterator[Case]:
                    lambda m=module, x=extra: m(q, k, v, causal=p.causal, **x), (q, k, v))
 
 
-def sdpa_suite(p: Point) -> Iterator[Case]:
+def sdpa_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
+    """Flash SDPA, whatever the methods."""
     q, k, v = qkv(p)
     yield Case("sdpa", "softmax", None,
                lambda: F.scaled_dot_product_attention(q, k, v, is_causal=p.causal), (q, k, v))
 
 
-def fla_suite(p: Point) -> Iterator[Case]:
+def fla_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
     """fla-core's chunk kernels on the effattn module's features (causal only)."""
     if not p.causal:
         return
@@ -149,7 +167,7 @@ def fla_suite(p: Point) -> Iterator[Case]:
         from fla.ops.linear_attn import chunk_linear_attn
         from fla.ops.simple_gla import chunk_simple_gla
     except ImportError:
-        for name, options in METHODS:
+        for name, options in methods:
             yield Case("fla", _label(name, options), None, error="fla: not installed")
         return
     q, k, v = qkv(p)
@@ -158,7 +176,7 @@ def fla_suite(p: Point) -> Iterator[Case]:
     def heads_second(x: torch.Tensor) -> torch.Tensor:  # fla's layout: (B, T, H, ·)
         return x.transpose(1, 2)
 
-    for name, options in METHODS:
+    for name, options in methods:
         module = _module(name, options, p)
 
         def features(x: torch.Tensor, is_query: bool, m=module) -> torch.Tensor:
@@ -192,12 +210,13 @@ def fla_suite(p: Point) -> Iterator[Case]:
         yield Case("fla", _label(name, options), module.feature_dim, run, (q, k, v))
 
 
-def spans_suite(p: Point) -> Iterator[Case]:
+def spans_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
     """performer and linear with backward spans as long as the forward's slices (causal)."""
     if not p.causal:
         return
     q, k, v = qkv(p)
-    for name in ("performer", "linear"):
+    chosen = {_label(*method) for method in methods}
+    for name in [name for name in ("performer", "linear") if name in chosen]:
         module = _module(name, {}, p)
 
         def run(m=module) -> torch.Tensor:
@@ -213,8 +232,30 @@ def spans_suite(p: Point) -> Iterator[Case]:
                    (q, k, v))
 
 
+def compiled_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
+    """Every kernelized method as in ``effattn_suite``, the call under torch.compile."""
+    q, k, v = qkv(p)
+    for name, options in methods:
+        if options.get("gated") and not p.causal:
+            continue
+        module = _module(name, options, p)
+        extra = {"gate": _gate(p)} if options.get("gated") else {}
+
+        def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m=module,
+                 x=extra) -> torch.Tensor:
+            return m(q, k, v, causal=p.causal, **x)
+
+        # Every case compiles the same code object (``call``): without a reset its guards would
+        # pile up, slowing each call, until the recompile limit, past which dynamo runs it
+        # eagerly. The cases before this one are measured by now: suites are iterated lazily.
+        torch.compiler.reset()
+        compiled = torch.compile(call, fullgraph=True, dynamic=False)
+        yield Case("effattn", f"{_label(name, options)}-compiled", module.feature_dim,
+                   lambda f=compiled: f(q, k, v), (q, k, v), compiles=True)
+
+
 SUITES: dict[str, Suite] = {"effattn": effattn_suite, "fla": fla_suite, "sdpa": sdpa_suite,
-                            "spans": spans_suite}
+                            "spans": spans_suite, "compiled": compiled_suite}
 
 
 def _sync(device: torch.device) -> None:
@@ -262,6 +303,15 @@ def peak_mib(fn: Callable[[], Any], device: torch.device) -> float | None:
     return (torch.cuda.max_memory_allocated(device) - before) / 2**20
 
 
+def first_call_s(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds of one call, from a synchronised device to its end."""
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
 def passes(case: Case) -> Iterator[tuple[str, Callable[[], Any]]]:
     """The forward, and forward + backward into the inputs' gradients (freed each call)."""
     assert case.run is not None
@@ -282,17 +332,18 @@ def passes(case: Case) -> Iterator[tuple[str, Callable[[], Any]]]:
 
 
 def measure(suites: Mapping[str, Suite], points: Iterable[Point], out: Path, repeats: int,
-            machine: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Every case of every suite at every point, fwd and fwdbwd: the rows, also written
-    (atomically, with ``machine`` and the engines' strategies) to ``out/results.json`` after
-    each."""
+            machine: Mapping[str, Any],
+            methods: Sequence[Method] = METHODS) -> list[dict[str, Any]]:
+    """Every case of every suite at every point (for ``methods``), fwd and fwdbwd: the rows,
+    also written (atomically, with ``machine`` and the engines' strategies) to
+    ``out/results.json`` after each."""
     device_name = gpu_label(machine) or "cpu"
     rows: list[dict[str, Any]] = []
     chosen: dict[str, str] = {}
     for p in points:
         chosen = {engine: strategy.choose(engine, p.device) for engine in strategy.ENGINES}
         for suite in suites.values():
-            for case in suite(p):
+            for case in suite(p, methods):
                 for pass_name, fn in (passes(case) if case.error is None
                                       else (("fwd", None), ("fwdbwd", None))):
                     row = {"impl": case.impl, "method": case.method,
@@ -300,16 +351,23 @@ def measure(suites: Mapping[str, Suite], points: Iterable[Point], out: Path, rep
                            "heads": p.heads, "causal": p.causal, "pass": pass_name,
                            "dtype": p.dtype, "ms": None, "peak_mib": None,
                            "device": device_name}
+                    if case.compiles:
+                        row["compile_s"] = None
                     if case.error is not None:
                         row["error"] = case.error
                     else:
                         for x in case.inputs:
                             x.requires_grad_(pass_name == "fwdbwd")
                         try:
+                            if case.compiles:
+                                row["compile_s"] = first_call_s(fn, p.device)
                             row["peak_mib"] = peak_mib(fn, p.device)
                             row["ms"] = timer(fn, p.device, repeats)
                         except Exception as err:  # a row says why, the sweep goes on
-                            row["error"] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+                            # One line that still names the cause: a compiler's error puts it
+                            # on its third line.
+                            said = " ".join(filter(None, map(str.strip, str(err).splitlines())))
+                            row["error"] = f"{type(err).__name__}: {said}"[:300]
                             if p.device.type == "cuda":
                                 torch.cuda.empty_cache()
                     rows.append(row)
@@ -320,13 +378,14 @@ def measure(suites: Mapping[str, Suite], points: Iterable[Point], out: Path, rep
 
 
 def _line(row: Mapping[str, Any]) -> str:
-    what = (f"{row['impl']:8s} {row['method']:15s} n={row['n']:6d} B={row['batch']} "
+    what = (f"{row['impl']:8s} {row['method']:18s} n={row['n']:6d} B={row['batch']} "
             f"H={row['heads']} {'causal' if row['causal'] else 'full  '} {row['pass']:6s} "
             f"{row['dtype']}")
     if row.get("error"):
         return f"{what}  {row['error']}"
     mem = "" if row["peak_mib"] is None else f"  {row['peak_mib']:9.1f} MiB"
-    return f"{what}  {row['ms']:9.3f} ms{mem}"
+    compile_s = "" if row.get("compile_s") is None else f"  compiled in {row['compile_s']:.1f} s"
+    return f"{what}  {row['ms']:9.3f} ms{mem}{compile_s}"
 
 
 def plot(rows: Iterable[Mapping[str, Any]], path: Path) -> None:
@@ -371,6 +430,10 @@ def main(argv: list[str] | None = None, suites: Mapping[str, Suite] = SUITES,
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (a test of the script)")
     parser.add_argument("--dtypes", default="bf16,fp32", help="comma-separated: bf16, fp32")
     parser.add_argument("--impls", default=",".join(suites), help="comma-separated suites")
+    labels = [_label(*method) for method in METHODS]
+    parser.add_argument("--methods", default=",".join(labels),
+                        help="comma-separated kernelized methods (default all): "
+                             + ", ".join(labels))
     parser.add_argument("--repeats", type=int, default=20, help="timed calls without do_bench")
     parser.add_argument("--out", type=Path, default=default_out)
     args = parser.parse_args(argv)
@@ -379,13 +442,21 @@ def main(argv: list[str] | None = None, suites: Mapping[str, Suite] = SUITES,
         print("gpu_peers: no CUDA device visible to torch; nothing measured", file=sys.stderr)
         return 2
     chosen = {name: suites[name] for name in args.impls.split(",")}
+    wanted = args.methods.split(",")
+    unknown_methods = sorted(set(wanted) - set(labels))
+    if unknown_methods:
+        print(f"gpu_peers: --methods: unknown {unknown_methods}; choose from {labels}",
+              file=sys.stderr)
+        return 2
+    methods = [method for method in METHODS if _label(*method) in wanted]
     dtypes = args.dtypes.split(",")
     unknown = set(dtypes) - set(DTYPES)
     if unknown:
         parser.error(f"unknown dtypes {sorted(unknown)}; choose from {sorted(DTYPES)}")
     args.out.mkdir(parents=True, exist_ok=True)
     machine = machine_info(device)
-    rows = measure(chosen, points(device, args.smoke, dtypes), args.out, args.repeats, machine)
+    rows = measure(chosen, points(device, args.smoke, dtypes), args.out, args.repeats, machine,
+                   methods)
     plot(rows, args.out / "results.png")
     print(f"wrote {args.out / 'results.json'} and results.png ({len(rows)} rows, "
           f"{gpu_label(machine) or 'cpu'})")

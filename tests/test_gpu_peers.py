@@ -1,9 +1,11 @@
 """benchmarks/gpu_peers.py: its CPU smoke mode writes the row schema and the plot, fla's rows
-say why they are empty, and without a CUDA device it exits 2 with one line."""
+say why they are empty, and without a CUDA device it exits 2 with one line. The compiled suite
+runs apart, for one method: inductor takes minutes on the CPU to compile them all."""
 
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import assert_png, load_script
 
@@ -23,7 +25,7 @@ peers = _script()
 def test_smoke_on_the_cpu_writes_rows_and_plot(tmp_path):
     with strategy.force(kernelized="gpu"):
         assert peers.main(["--device", "cpu", "--smoke", "--dtypes", "fp32", "--repeats", "1",
-                           "--out", str(tmp_path)]) == 0
+                           "--impls", "effattn,fla,sdpa,spans", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["strategies"]["kernelized"] == "gpu"
     rows = results["rows"]
@@ -53,4 +55,47 @@ def test_without_cuda_it_exits_2_with_one_line(monkeypatch, tmp_path, capsys):
     assert peers.main(["--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no CUDA device" in err
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_compiled_rows_time_apart_their_first_call_and_match_eager(tmp_path):
+    with strategy.force(kernelized="gpu"):
+        assert peers.main(["--device", "cpu", "--smoke", "--dtypes", "fp32", "--repeats", "1",
+                           "--impls", "compiled", "--methods", "performer",
+                           "--out", str(tmp_path)]) == 0
+        rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+        assert sorted((r["causal"], r["pass"]) for r in rows) == [
+            (False, "fwd"), (False, "fwdbwd"), (True, "fwd"), (True, "fwdbwd")]
+        for r in rows:
+            assert (r["impl"], r["method"]) == ("effattn", "performer-compiled")
+            assert "error" not in r and r["ms"] is not None and r["compile_s"] > 0
+        for causal in (False, True):
+            p = peers.Point(40, 1, 2, "fp32", causal, torch.device("cpu"))
+            methods = [("performer", {})]
+            (compiled,) = peers.compiled_suite(p, methods)
+            (eager,) = peers.effattn_suite(p, methods)
+            with torch.no_grad():
+                torch.testing.assert_close(compiled.run(), eager.run(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_failed_compile_is_a_row_with_its_error(monkeypatch, tmp_path):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: refuse)
+    assert peers.main(["--device", "cpu", "--smoke", "--dtypes", "fp32", "--repeats", "1",
+                       "--impls", "compiled", "--methods", "linear",
+                       "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert len(rows) == 4
+    assert all(r["ms"] is None and r["compile_s"] is None
+               and r["error"] == "RuntimeError: no compiler here" for r in rows)
+
+
+@pytest.mark.parametrize("methods", ["nope", "performer,rfa-gate"])
+def test_an_unknown_method_exits_2_with_one_line(methods, tmp_path, capsys):
+    assert peers.main(["--device", "cpu", "--smoke", "--methods", methods,
+                       "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--methods" in err
     assert not (tmp_path / "results.json").exists()
