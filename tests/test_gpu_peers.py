@@ -58,6 +58,7 @@ def test_without_cuda_it_exits_2_with_one_line(monkeypatch, tmp_path, capsys):
     assert not (tmp_path / "results.json").exists()
 
 
+@pytest.mark.slow  # about 50 s on 2 cores with inductor's cache empty: four compilations
 def test_compiled_rows_time_apart_their_first_call_and_match_eager(tmp_path):
     with strategy.force(kernelized="gpu"):
         assert peers.main(["--device", "cpu", "--smoke", "--dtypes", "fp32", "--repeats", "1",
