@@ -10,10 +10,12 @@ for a GPU can be accounted for on a CPU (forced there, as CI runs it):
   above what existed before it. On CUDA the caching allocator's ``max_memory_allocated`` counts
   the same storages (rounded up to its blocks), so the two agree to the rounding; the resident
   set (:mod:`effattn.tools.bench.memory`) also counts the CPU allocator's own slack.
-- :func:`count_ops`: operations that compute or allocate (views, reshapes and ``detach`` are
-  left out: they launch nothing). On a GPU each is at least one kernel launch, and in eager
-  mode a few microseconds of host work, which bounds a call's time from below however small
-  its tensors.
+- :func:`count_ops`: operations that compute or allocate (views, reshapes, ``detach``,
+  ``set_``, empty allocations and a copy of a tensor onto itself are left out: they launch
+  nothing; the last three are what Triton's interpreter does around every kernel it runs on
+  the CPU). On a GPU each is at least one kernel launch, and in eager mode a few microseconds
+  of host work, which bounds a call's time from below however small its tensors. Triton
+  kernels are not ATen operations: their launches are counted by whoever launches them.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 VIEWS = frozenset({
     "_reshape_alias", "_unsafe_view", "alias", "as_strided", "chunk", "detach", "diagonal",
     "expand", "flatten", "lift_fresh", "narrow", "permute", "reshape", "select", "slice",
-    "split", "squeeze", "t", "transpose", "unbind", "unflatten", "unsqueeze", "view",
+    "set_", "split", "squeeze", "t", "transpose", "unbind", "unflatten", "unsqueeze", "view",
 })
+ALLOCATIONS = frozenset({"empty", "new_empty"})
 
 
 def live_peak_bytes(fn: Callable[[], Any]) -> int:
@@ -53,9 +56,20 @@ class _OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        if func.__name__.split(".")[0] not in VIEWS:
+        out = func(*args, **(kwargs or {}))
+        if not _launches_nothing(func.__name__.split(".")[0], args, out):
             self.count += 1
-        return func(*args, **(kwargs or {}))
+        return out
+
+
+def _launches_nothing(name: str, args: Any, out: Any) -> bool:
+    if name in VIEWS:
+        return True
+    if name in ALLOCATIONS:
+        return out.numel() == 0
+    if name == "copy_":
+        return args[0].data_ptr() == args[1].data_ptr()
+    return False
 
 
 def count_ops(fn: Callable[[], Any]) -> int:
