@@ -1,11 +1,18 @@
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
 import matplotlib.image
 import pytest
 import torch
+
+# Without a GPU, Triton kernels (the kernelized engine's triton strategy) run on CPU tensors
+# under Triton's interpreter, which is chosen when a kernel is defined: before any test imports
+# effattn's kernels. With one, they compile for it and its CUDA cases run them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

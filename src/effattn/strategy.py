@@ -10,6 +10,9 @@ engine        strategies                                  default
 ============  ==========================================  =====================================
 kernelized    ``cpu``: cache-sized slices, a chunk loop   ``gpu`` on CUDA, ``cpu`` elsewhere
               ``gpu``: chunk-parallel, batched
+              ``triton``: the causal scan fused in
+              Triton kernels (only when forced: not
+              yet measured against ``gpu``)
 banded        ``cpu``: the banded engine                  ``flex`` on CUDA, ``cpu`` elsewhere
               ``flex``: torch's FlexAttention
 ============  ==========================================  =====================================
@@ -34,7 +37,7 @@ from functools import cache
 import torch
 
 ENGINES: dict[str, tuple[str, ...]] = {
-    "kernelized": ("cpu", "gpu"),
+    "kernelized": ("cpu", "gpu", "triton"),
     "banded": ("cpu", "flex"),
 }
 

@@ -34,14 +34,18 @@ live in modules of their own, one layer above this one::
     chunkwise.py   the causal form's chunk-major layout and per-token factors (on core)
     cpu.py         the CPU strategy: cache-sized slices, a chunk loop, a hand-written backward
     gpu.py         the GPU strategy: device-sized slices, chunk-parallel, a recomputing backward
+    fused.py       the triton strategy: the causal scan in fused Triton kernels
+                   (fused_kernels.py), the GPU strategy for the rest
     exponents.py   the per-feature core of exponent maps (on core; its GPU form
                    exponents_gpu.py), which :class:`CoreConfig` runs for them
 
-cpu.py and gpu.py import this module and chunkwise.py, never each other. :func:`key_state`,
+cpu.py and gpu.py import this module and chunkwise.py, never each other (fused.py builds on
+gpu.py). :func:`key_state`,
 :func:`read_queries` and the causal form ask :mod:`effattn.strategy` which strategy runs them
 and call that module's function of the same name (:func:`_strategy_module`, the one dispatch
 point, imports it at the call: an import at the top would be a cycle). :func:`step_state` is
-shared; it only takes its branch-free form (no host sync per decoded token) on the GPU strategy.
+shared; it only takes its branch-free form (no host sync per decoded token) on the GPU
+strategies (gpu, triton).
 
 Precision of decoding. The causal forward (chunkwise GEMMs, and prefill, the same code) and
 :func:`linear_attention_step` (one token at a time) sum the same terms w_ij φ(q_i)·φ(k_j) [v_j, 1]
@@ -524,13 +528,19 @@ def _strategy(x: Tensor) -> str:
 
 
 def _strategy_module(x: Tensor) -> ModuleType:
-    """The module of the strategy that runs tensors like x: :mod:`effattn.kernelized.cpu` or
-    :mod:`effattn.kernelized.gpu`, each with ``key_state``, ``read_queries`` and ``causal`` of
-    one signature. Imported here, not at the top: both import this module."""
-    if _strategy(x) == "gpu":
+    """The module of the strategy that runs tensors like x: :mod:`effattn.kernelized.cpu`,
+    :mod:`effattn.kernelized.gpu` or :mod:`effattn.kernelized.fused` (``triton``), each with
+    ``key_state``, ``read_queries`` and ``causal`` of one signature. Imported here, not at the
+    top: each imports this module."""
+    chosen = _strategy(x)
+    if chosen == "gpu":
         from effattn.kernelized import gpu
 
         return gpu
+    if chosen == "triton":
+        from effattn.kernelized import fused
+
+        return fused
     from effattn.kernelized import cpu
 
     return cpu
@@ -1184,10 +1194,10 @@ def step_state(
         torch.is_inference_mode_enabled() or not kv.is_inference()
     )
     exceeds = (key_scale - scale > RESCALE_MARGIN).any()
-    # Branch-free, no host sync, when compiling and on the GPU strategy (whose device would
+    # Branch-free, no host sync, when compiling and on the GPU strategies (whose device would
     # stall on reading the flag every token): a rescale by exp(0) = 1 unless a key exceeds the
     # margin (a compiler fuses it with the update below into one pass over the state).
-    branch_free = compiling or _strategy(kv) == "gpu"
+    branch_free = compiling or _strategy(kv) != "cpu"
     if branch_free or bool(exceeds):
         new_scale = torch.maximum(scale, key_scale)
         if branch_free:

@@ -692,7 +692,7 @@ def causal(q: Tensor, k: Tensor, v: Tensor, exponents: ExponentFn, feature_dim: 
 
         return lagged(run, q, k, v, key_padding_mask, None, state, lag, normaliser,
                       lambda: _state(None, b, h, feature_dim, v.shape[-1], v))
-    if strategy.choose("kernelized", q.device) == "gpu":
+    if strategy.choose("kernelized", q.device) != "cpu":
         from effattn.kernelized import exponents_gpu
 
         return exponents_gpu.causal(q, k, v, exponents, feature_dim, state,

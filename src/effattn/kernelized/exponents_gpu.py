@@ -73,7 +73,7 @@ from effattn.kernelized.core import LOG_FLOOR, Normaliser, RecurrentState, with_
 def slice_budget(slice_elements: int, x: Tensor) -> int:
     """The slice budget of the per-feature core for tensors like x: ``gpu.SLICE_SCALE`` times
     ``slice_elements`` on the GPU strategy (few, large slices), as given on the CPU one."""
-    if strategy.choose("kernelized", x.device) == "gpu":
+    if strategy.choose("kernelized", x.device) != "cpu":
         return slice_elements * gpu.SLICE_SCALE
     return slice_elements
 

@@ -1,0 +1,242 @@
+"""The ``triton`` strategy of the kernelized engine: the causal scan in fused Triton kernels.
+
+The GPU strategy (:mod:`effattn.kernelized.gpu`) forms the chunk-parallel sums with a few
+hundred ATen operations per call, whatever N: on a GPU each is a kernel launch, and it holds
+the chunk states ((N / C) F (Dv + 1) values) and the C x C blocks of every chunk of a slice at
+once. This strategy runs the causal form of the ungated methods in one kernel
+(:mod:`effattn.kernelized.fused_kernels`): each program walks the chunks of one (batch, head,
+feature block) in order with its state in registers, and writes only the outputs, so that what
+a forward holds beyond φ(Q), φ(K) is the output itself and a few scalars per token; its backward
+is two more kernels (queries in order, keys in reverse with the states' adjoint). The
+sums, the scales (every exponent <= 0, no future key setting a scale), the eps floor of the
+divisor and the lost-row check are the other strategies'; the results agree to rounding.
+
+What it runs and what it hands on:
+
+- causal, ungated, without the hybrid's normaliser, eager: the fused kernels, in the GPU
+  strategy's slices (:func:`effattn.kernelized.gpu.slice_tokens`), each handing its state to
+  the next; training keeps q, k, v, the output and three scalars per token, and recomputes φ
+  per slice in the backward (:class:`_FusedCausal`);
+- gated RFA, the window hybrid's normalised form, and calls traced by ``torch.compile``
+  (whose inductor fuses the GPU strategy's ATen operations itself): the GPU strategy;
+- non-causal and cross-attention (two batched GEMMs already), and decoding: the GPU strategy's
+  functions.
+
+It is chosen only when asked for (``EFFATTN_STRATEGY=kernelized=triton`` or
+``effattn.strategy.force(kernelized="triton")``): whether it is faster than the GPU strategy on
+a given GPU is not yet measured (``benchmarks/gpu_peers.py``, suite ``triton``). It needs the
+``triton`` package (a dependency of CUDA builds of torch). On CPU tensors the kernels run under
+Triton's interpreter, for tests: ``TRITON_INTERPRET=1`` set before effattn's kernels are first
+imported.
+
+``chunk_size`` is rounded up to a power of two of at least 16 (the smallest tile of Triton's
+``tl.dot``): the chunk only sets where the exact C x C blocks end, not the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from effattn.kernelized import core, gpu
+from effattn.kernelized.core import FeatureFn, Normaliser, RecurrentState
+
+key_state = gpu.key_state
+read_queries = gpu.read_queries
+
+
+def _kernels() -> Any:
+    """:mod:`effattn.kernelized.fused_kernels`, imported at the first use (it imports triton),
+    with a clear error where triton is missing."""
+    try:
+        from effattn.kernelized import fused_kernels
+    except ImportError as err:
+        raise RuntimeError(
+            "the kernelized engine's triton strategy needs the triton package (CUDA builds of "
+            f"torch bring it; `pip install triton` elsewhere): {err}"
+        ) from None
+    return fused_kernels
+
+
+def runs(x: Tensor) -> bool:
+    """Whether the kernels can run tensors like x: on CUDA, or on the CPU under Triton's
+    interpreter."""
+    from triton import knobs
+
+    return x.device.type == "cuda" or bool(knobs.runtime.interpret)
+
+
+def causal(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    features: FeatureFn,
+    state: RecurrentState | None,
+    *,
+    feature_dim: int,
+    key_padding_mask: Tensor | None,
+    gate: Tensor | None,
+    chunk_size: int,
+    eps: float,
+    slice_elements: int,
+    feature_tensors: Sequence[Tensor] | None,
+    normaliser: bool,
+) -> tuple[Tensor, RecurrentState, Normaliser | None]:
+    """Causal kernelized attention of q, k (B, H, N, D), v (B, H, N, Dv) after ``state``
+    (:func:`effattn.kernelized.gpu.causal`'s contract), in the fused kernels where they apply
+    (module docstring), else by the GPU strategy.
+
+    Raises RuntimeError where triton is missing or, on CPU tensors, not interpreting; and
+    :class:`~effattn.kernelized.core.DenominatorUnderflowError` as the other strategies do.
+    """
+    if gate is not None or normaliser or torch.compiler.is_compiling():
+        return gpu.causal(q, k, v, features, state, feature_dim=feature_dim,
+                          key_padding_mask=key_padding_mask, gate=gate, chunk_size=chunk_size,
+                          eps=eps, slice_elements=slice_elements,
+                          feature_tensors=feature_tensors, normaliser=normaliser)
+    _kernels()
+    if not runs(q):
+        raise RuntimeError(
+            "the kernelized engine's triton strategy runs CUDA tensors, or CPU tensors under "
+            "Triton's interpreter (TRITON_INTERPRET=1 before effattn's kernels are imported); "
+            f"got tensors on {q.device}"
+        )
+    b, h, n = q.shape[:3]
+    step = gpu.slice_tokens(b * h, feature_dim, v.shape[-1], chunk_size, slice_elements)
+    position = 0 if state is None else state.position
+    if core._recording():
+        tensors = core._feature_inputs(features, q, True, feature_tensors)
+        if feature_tensors is None:
+            tensors = core._unique(tensors + core._feature_inputs(features, k, False, None))
+        if core._needs_grad(q, k, v, None if state is None else state.kv, *tensors):
+            kv, scale = (None, None) if state is None else (state.kv, state.log_scale)
+            out, kv, scale = _FusedCausal.apply(q, k, v, key_padding_mask, kv, scale, features,
+                                                chunk_size, eps, step, *tensors)
+            return out, RecurrentState(kv, scale, position + n), None
+    out, after, _ = _sliced(q, k, v, key_padding_mask, state, features, chunk_size, eps, step)
+    return out, RecurrentState(after.kv, after.log_scale, position + n), None
+
+
+class _Slice:
+    """What one slice's forward leaves for its backward: the entering state, the row scales m
+    and the denominators (B, H, n, 1), and the running scales R_0..R_nc (B, H, nc + 1)."""
+
+    def __init__(self, state: RecurrentState, m: Tensor, den: Tensor, running: Tensor) -> None:
+        self.state, self.m, self.den, self.running = state, m, den, running
+
+
+def _key_log_scales(key_log_scale: Tensor | None, pad: Tensor | None, like: Tensor) -> Tensor:
+    """The keys' log-scales (B, H, n) as the kernels read them: 0 for maps without them, -inf
+    at padded keys (a padded key has no weight and sets no scale)."""
+    ls = like.new_zeros(like.shape[:3]) if key_log_scale is None else key_log_scale[..., 0]
+    if pad is not None:
+        ls = ls.masked_fill(pad[:, None, :], float("-inf"))
+    return ls.contiguous()
+
+
+def _forward_slice(q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None,
+                   state: RecurrentState | None, features: FeatureFn, chunk: int,
+                   eps: float) -> tuple[Tensor, RecurrentState, Tensor | None, _Slice]:
+    """One slice: the output (B, H, n, Dv), the state after, the lost-row flag (None: not
+    checked) and what its backward needs."""
+    kernels = _kernels()
+    b, h = q.shape[:2]
+    phi_q, _ = features(q, is_query=True)
+    phi_k, key_log_scale = features(k, is_query=False)
+    core._check_shapes(phi_q, phi_k, None, key_log_scale)
+    ls = _key_log_scales(key_log_scale, pad, phi_k)
+    state = core._state_of(state, b, h, phi_k.shape[-1], v.shape[-1], phi_k)
+    num, den, m, kv, running = kernels.forward(
+        phi_q.contiguous(), phi_k.contiguous(), ls, v.contiguous(), state.kv,
+        state.log_scale.reshape(b, h), chunk)
+    den, m = den[..., None], m[..., None]
+    out = (num / core._divisor(den, eps, m)).to(q.dtype)
+    after = RecurrentState(kv.to(phi_k.dtype),
+                           running[..., -1:, None].to(state.log_scale.dtype))
+    return out, after, core._lost_rows(den, eps, m), _Slice(state, m, den, running)
+
+
+def _sliced(q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None, state: RecurrentState | None,
+            features: FeatureFn, chunk: int, eps: float,
+            step: int) -> tuple[Tensor, RecurrentState, list[_Slice]]:
+    """:func:`_forward_slice` slice after slice of ``step`` tokens; raises on lost rows after
+    the last (one host sync)."""
+    outs, lost, slices = [], [], []
+    for a, e in core._spans(q.shape[2], step):
+        out, state, flag, saved = _forward_slice(
+            q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], None if pad is None else pad[:, a:e],
+            state, features, chunk, eps)
+        outs.append(out)
+        lost.append(flag)
+        slices.append(saved)
+    core._raise_if_lost(lost, q.dtype)
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), state, slices
+
+
+class _FusedCausal(torch.autograd.Function):
+    """:func:`causal` in the fused kernels, keeping q, k, v, the output, and per slice its
+    entering state and the scalars of :class:`_Slice`: O(N (D + Dv)) between forward and
+    backward, no φ and no chunk state.
+
+    Backward, slice by slice from the last (:func:`effattn.kernelized.core._backward_in_spans`):
+    φ(Q), φ(K) and the keys' log-scales recomputed under autograd; the gradient of [num, den]
+    from the output's (the divisor's rule, :func:`effattn.kernelized.core._ratio_grad`); the
+    backward kernels for dφ(Q), dφ(K), dv and the entering state; ∂L/∂ls_j = φ(k_j)·dφ(k_j);
+    then autograd through the feature map to q, k and its tensors.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
+                kv: Tensor | None, log_scale: Tensor | None, features: FeatureFn, chunk: int,
+                eps: float, step: int, *tensors: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        out, state, slices = _sliced(
+            q, k, v, key_padding_mask, None if kv is None else RecurrentState(kv, log_scale),
+            features, chunk, eps, step)
+        ctx.features, ctx.chunk, ctx.eps = features, chunk, eps
+        ctx.spans = core._spans(q.shape[2], step)
+        saved = [t for s in slices for t in (s.state.kv, s.m, s.den, s.running)]
+        ctx.save_for_backward(q, k, v, key_padding_mask, out, *saved, *tensors)
+        ctx.mark_non_differentiable(state.log_scale)
+        return out, state.kv, state.log_scale
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, d_out: Tensor, d_kv: Tensor | None,
+                 _: Tensor | None) -> tuple[Tensor | None, ...]:
+        q, k, v, pad, out, *rest = ctx.saved_tensors
+        spans = ctx.spans
+        saved, tensors = rest[:4 * len(spans)], rest[4 * len(spans):]
+        kernels = _kernels()
+
+        def span(i: int, leaves: list[Tensor | None],
+                 d_after: Tensor | None) -> tuple[Tensor, list[Tensor | None]]:
+            a, e = spans[i]
+            kv, m, den, running = saved[4 * i:4 * i + 4]
+            q_s, k_s, v_s = leaves
+            with torch.enable_grad():
+                phi_q, _ = ctx.features(q_s, is_query=True)
+                phi_k, key_log_scale = ctx.features(k_s, is_query=False)
+                ls = _key_log_scales(key_log_scale, None if pad is None else pad[:, a:e], phi_k)
+            div = core._divisor(den, ctx.eps, m)
+            back = torch.where(div == den, -1.0 / div, 0.0)
+            g = core._ratio_grad(d_out[:, :, a:e], out[:, :, a:e], div, back)
+            pk = phi_k.detach().contiguous()
+            d_q, d_k, d_v, d_kv_in = kernels.backward(
+                phi_q.detach().contiguous(), pk, ls.detach(), v_s.detach().contiguous(), kv,
+                m[..., 0], running, g[..., :-1], g[..., -1], d_after, ctx.chunk)
+            d_ls = (pk.to(d_k.dtype) * d_k).sum(-1)
+            got = core._backprop((phi_q, phi_k, ls), (d_q.to(phi_q.dtype), d_k.to(phi_k.dtype),
+                                                      d_ls.to(ls.dtype)),
+                                 [q_s, k_s, *tensors])
+            d_values = d_v.to(v_s.dtype) if v_s.requires_grad else None
+            return d_kv_in.to(kv.dtype), [got[0], got[1], d_values, *got[2:]]
+
+        needs = ctx.needs_input_grad
+        grads, d_kv, d_tensors = core._backward_in_spans(
+            (q, k, v), needs[:3], spans, len(tensors), d_kv, span)
+        return (*grads, None, d_kv if needs[4] else None, None, None, None, None, None,
+                *d_tensors)

@@ -1,0 +1,280 @@
+"""Triton kernels of the kernelized engine's ``triton`` strategy: the causal scan fused, one
+program walking the chunks of one (batch, head, feature block) with its state in registers.
+
+The sums are those of the chunk-parallel form (:mod:`effattn.kernelized.gpu`), walked in order
+rather than unrolled: per chunk c of C tokens, with S_c, z_c the state before it at scale
+exp(R_c), the keys' log-scales ls (-inf at padded keys and after the sequence), their prefix max
+P_i = max(LOG_FLOOR, max_{j <= i, j in c} ls_j) and the output scale m_i = max(P_i, R_c):
+
+    num_i = ω_i φ(q_i) S_c + Σ_{j in c, j <= i} (φ(q_i)·φ(k_j)) exp(ls_j - m_i) v_j,
+    den_i = ω_i φ(q_i)·z_c + Σ_{j in c, j <= i} (φ(q_i)·φ(k_j)) exp(ls_j - m_i),
+    ω_i   = exp(R_c - m_i),
+    R_{c+1} = max(R_c, max_{j in c} ls_j),
+    S_{c+1} = exp(R_c - R_{c+1}) S_c + Σ_{j in c} exp(ls_j - R_{c+1}) φ(k_j) v_j^T (z alike),
+
+the same scales as the other strategies (:func:`effattn.kernelized.chunkwise._out_weights`,
+``_scan_factors``): every exponent <= 0 (those above the diagonal, which are masked, are
+clamped to 0 so that none overflows), and no key sets the scale of an earlier query. No
+chunk state is written to memory: per call the kernel writes the outputs, the row scales m
+(B, H, N) and the running scales R_0..R_nc (B, H, nc + 1), which the backward reads.
+
+Backward (:func:`backward`), from G = ∂L/∂num, g = ∂L/∂den, dA_ij = G_i·v_j + g_i and
+dX = dA ⊙ exp(ls_j - m_i) (j <= i in the chunk):
+
+- ``_backward_queries_kernel``, chunks in order, the state recomputed as in the forward:
+  dφ(q_i) = ω_i (S_c G_i + z_c g_i) + Σ_j dX_ij φ(k_j);
+- ``_backward_keys_kernel``, chunks in reverse, with the adjoint of the states
+  U_c = Σ_{i in c} ω_i φ(q_i) [G_i, g_i]^T + exp(R_c - R_{c+1}) U_{c+1} (U_nc = ∂L/∂ state
+  after; U_0 is the entering state's gradient): with e_j = exp(ls_j - R_{c+1}),
+  dφ(k_j) = e_j U_{c+1} [v_j, 1] + Σ_i dX_ij φ(q_i) and dv_j = e_j U_{c+1}^T φ(k_j) +
+  Σ_i A_ij G_i (A_ij = (φ(q_i)·φ(k_j)) exp(ls_j - m_i)).
+
+A program holds one block of BK features and all Dv values, so that the sums over features
+(num, den, dv) come out per feature block and are added by the caller; the rest needs no
+reduction across programs. Grid: (F / BK, B H). The chunk C is a power of two >= 16 (tl.dot's
+smallest tile).
+
+On the CPU these run under Triton's interpreter (``TRITON_INTERPRET=1`` before this module is
+imported), which is how CI tests them.
+
+Shapes: B batch, H heads, N tokens, F features, Dv value dim, nc = ceil(N / C) chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from effattn.kernelized.core import LOG_FLOOR
+
+
+@triton.jit
+def _forward_kernel(
+    q_ptr, k_ptr, ls_ptr, v_ptr, kv_in_ptr, r_in_ptr,
+    num_ptr, den_ptr, m_ptr, kv_out_ptr, r_ptr,
+    N, F, DV, NC, BH, LOG_FLOOR_: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    kb = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    acc = tl.float64 if q_ptr.dtype.element_ty == tl.float64 else tl.float32
+    f = kb * BK + tl.arange(0, BK)
+    d = tl.arange(0, BV)
+    t0 = tl.arange(0, BT)
+    f_ok = f < F
+    d_ok = d < DV
+    causal = t0[None, :] <= t0[:, None]
+    state = kv_in_ptr + bh * F * (DV + 1) + f[:, None] * (DV + 1)
+    s = tl.load(state + d[None, :], mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(acc)
+    z = tl.load(kv_in_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(acc)
+    r = tl.load(r_in_ptr + bh).to(acc)
+    part = (kb * BH + bh) * N
+    for c in range(0, NC):
+        t = c * BT + t0
+        t_ok = t < N
+        ls = tl.load(ls_ptr + bh * N + t, mask=t_ok, other=float("-inf")).to(acc)
+        prefix = tl.max(tl.where(causal, ls[None, :], float("-inf")), 1)
+        m = tl.maximum(tl.maximum(prefix, LOG_FLOOR_), r)
+        rows = t[:, None] * F + f[None, :]
+        ok = t_ok[:, None] & f_ok[None, :]
+        qc = tl.load(q_ptr + bh * N * F + rows, mask=ok, other=0.0)
+        kc = tl.load(k_ptr + bh * N * F + rows, mask=ok, other=0.0)
+        vc = tl.load(v_ptr + bh * N * DV + t[:, None] * DV + d[None, :],
+                     mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+        x = tl.dot(qc, tl.trans(kc)).to(acc)
+        a = tl.where(causal, x * tl.exp(tl.minimum(ls[None, :] - m[:, None], 0.0)), 0.0)
+        omega = tl.exp(r - m)
+        num = omega[:, None] * tl.dot(qc, s.to(qc.dtype)).to(acc) + tl.dot(
+            a.to(vc.dtype), vc).to(acc)
+        den = omega * tl.sum(qc.to(acc) * z[None, :], 1) + tl.sum(a, 1)
+        tl.store(num_ptr + part * DV + t[:, None] * DV + d[None, :], num,
+                 mask=t_ok[:, None] & d_ok[None, :])
+        tl.store(den_ptr + part + t, den, mask=t_ok)
+        if kb == 0:
+            tl.store(m_ptr + bh * N + t, m, mask=t_ok)
+            tl.store(r_ptr + bh * (NC + 1) + c, r)
+        r_next = tl.maximum(r, tl.max(ls, 0))
+        enter = tl.exp(ls - r_next)
+        keep = tl.exp(r - r_next)
+        s = s * keep + tl.dot(tl.trans(kc), (vc.to(acc) * enter[:, None]).to(kc.dtype)).to(acc)
+        z = z * keep + tl.sum(kc.to(acc) * enter[:, None], 0)
+        r = r_next
+    tl.store(kv_out_ptr + bh * F * (DV + 1) + f[:, None] * (DV + 1) + d[None, :], s,
+             mask=f_ok[:, None] & d_ok[None, :])
+    tl.store(kv_out_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, z, mask=f_ok)
+    if kb == 0:
+        tl.store(r_ptr + bh * (NC + 1) + NC, r)
+
+
+@triton.jit
+def _backward_queries_kernel(
+    k_ptr, ls_ptr, v_ptr, kv_in_ptr, m_ptr, r_ptr, gn_ptr, gd_ptr, dq_ptr,
+    N, F, DV, NC,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    kb = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    acc = tl.float64 if k_ptr.dtype.element_ty == tl.float64 else tl.float32
+    f = kb * BK + tl.arange(0, BK)
+    d = tl.arange(0, BV)
+    t0 = tl.arange(0, BT)
+    f_ok = f < F
+    d_ok = d < DV
+    causal = t0[None, :] <= t0[:, None]
+    state = kv_in_ptr + bh * F * (DV + 1) + f[:, None] * (DV + 1)
+    s = tl.load(state + d[None, :], mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(acc)
+    z = tl.load(kv_in_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(acc)
+    for c in range(0, NC):
+        t = c * BT + t0
+        t_ok = t < N
+        r = tl.load(r_ptr + bh * (NC + 1) + c).to(acc)
+        r_next = tl.load(r_ptr + bh * (NC + 1) + c + 1).to(acc)
+        ls = tl.load(ls_ptr + bh * N + t, mask=t_ok, other=float("-inf")).to(acc)
+        m = tl.load(m_ptr + bh * N + t, mask=t_ok, other=0.0).to(acc)
+        rows = t[:, None] * F + f[None, :]
+        ok = t_ok[:, None] & f_ok[None, :]
+        kc = tl.load(k_ptr + bh * N * F + rows, mask=ok, other=0.0)
+        values = t[:, None] * DV + d[None, :]
+        vd_ok = t_ok[:, None] & d_ok[None, :]
+        vc = tl.load(v_ptr + bh * N * DV + values, mask=vd_ok, other=0.0)
+        gn = tl.load(gn_ptr + bh * N * DV + values, mask=vd_ok, other=0.0)
+        gd = tl.load(gd_ptr + bh * N + t, mask=t_ok, other=0.0).to(acc)
+        weight = tl.where(causal, tl.exp(tl.minimum(ls[None, :] - m[:, None], 0.0)), 0.0)
+        d_x = (tl.dot(gn, tl.trans(vc)).to(acc) + gd[:, None]) * weight
+        omega = tl.exp(r - m)
+        dq = omega[:, None] * (tl.dot(gn, tl.trans(s.to(gn.dtype))).to(acc)
+                               + gd[:, None] * z[None, :])
+        dq += tl.dot(d_x.to(kc.dtype), kc).to(acc)
+        tl.store(dq_ptr + bh * N * F + rows, dq, mask=ok)
+        enter = tl.exp(ls - r_next)
+        keep = tl.exp(r - r_next)
+        s = s * keep + tl.dot(tl.trans(kc), (vc.to(acc) * enter[:, None]).to(kc.dtype)).to(acc)
+        z = z * keep + tl.sum(kc.to(acc) * enter[:, None], 0)
+
+
+@triton.jit
+def _backward_keys_kernel(
+    q_ptr, k_ptr, ls_ptr, v_ptr, m_ptr, r_ptr, gn_ptr, gd_ptr, du_ptr,
+    dk_ptr, dv_ptr, dkv_in_ptr,
+    N, F, DV, NC, BH,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    kb = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    acc = tl.float64 if k_ptr.dtype.element_ty == tl.float64 else tl.float32
+    f = kb * BK + tl.arange(0, BK)
+    d = tl.arange(0, BV)
+    t0 = tl.arange(0, BT)
+    f_ok = f < F
+    d_ok = d < DV
+    causal = t0[None, :] <= t0[:, None]
+    after = du_ptr + bh * F * (DV + 1) + f[:, None] * (DV + 1)
+    u = tl.load(after + d[None, :], mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(acc)
+    uz = tl.load(du_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(acc)
+    part = (kb * BH + bh) * N
+    for i in range(0, NC):
+        c = NC - 1 - i
+        t = c * BT + t0
+        t_ok = t < N
+        r = tl.load(r_ptr + bh * (NC + 1) + c).to(acc)
+        r_next = tl.load(r_ptr + bh * (NC + 1) + c + 1).to(acc)
+        ls = tl.load(ls_ptr + bh * N + t, mask=t_ok, other=float("-inf")).to(acc)
+        m = tl.load(m_ptr + bh * N + t, mask=t_ok, other=0.0).to(acc)
+        rows = t[:, None] * F + f[None, :]
+        ok = t_ok[:, None] & f_ok[None, :]
+        qc = tl.load(q_ptr + bh * N * F + rows, mask=ok, other=0.0)
+        kc = tl.load(k_ptr + bh * N * F + rows, mask=ok, other=0.0)
+        values = t[:, None] * DV + d[None, :]
+        vd_ok = t_ok[:, None] & d_ok[None, :]
+        vc = tl.load(v_ptr + bh * N * DV + values, mask=vd_ok, other=0.0)
+        gn = tl.load(gn_ptr + bh * N * DV + values, mask=vd_ok, other=0.0)
+        gd = tl.load(gd_ptr + bh * N + t, mask=t_ok, other=0.0).to(acc)
+        weight = tl.where(causal, tl.exp(tl.minimum(ls[None, :] - m[:, None], 0.0)), 0.0)
+        a = tl.dot(qc, tl.trans(kc)).to(acc) * weight
+        d_x = (tl.dot(gn, tl.trans(vc)).to(acc) + gd[:, None]) * weight
+        enter = tl.exp(ls - r_next)
+        dk = enter[:, None] * (tl.dot(vc, tl.trans(u.to(vc.dtype))).to(acc) + uz[None, :])
+        dk += tl.dot(tl.trans(d_x.to(qc.dtype)), qc).to(acc)
+        tl.store(dk_ptr + bh * N * F + rows, dk, mask=ok)
+        dv = enter[:, None] * tl.dot(kc, u.to(kc.dtype)).to(acc)
+        dv += tl.dot(tl.trans(a.to(gn.dtype)), gn).to(acc)
+        tl.store(dv_ptr + part * DV + values, dv, mask=vd_ok)
+        omega = tl.exp(r - m)
+        read = (qc.to(acc) * omega[:, None]).to(qc.dtype)
+        keep = tl.exp(r - r_next)
+        u = u * keep + tl.dot(tl.trans(read), gn).to(acc)
+        uz = uz * keep + tl.sum(read.to(acc) * gd[:, None], 0)
+    tl.store(dkv_in_ptr + bh * F * (DV + 1) + f[:, None] * (DV + 1) + d[None, :], u,
+             mask=f_ok[:, None] & d_ok[None, :])
+    tl.store(dkv_in_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, uz, mask=f_ok)
+
+
+def blocks(chunk: int, feature_dim: int, value_dim: int) -> tuple[int, int, int]:
+    """(C, BK, BV): the chunk (``chunk`` rounded up to a power of two, at least 16), the feature
+    block (at most 64: a (BK, Dv) state tile stays in registers) and the value width (Dv
+    rounded up to a power of two, at least 16)."""
+    bt = max(16, triton.next_power_of_2(chunk))
+    bk = min(64, max(16, triton.next_power_of_2(feature_dim)))
+    bv = max(16, triton.next_power_of_2(value_dim))
+    return bt, bk, bv
+
+
+def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: Tensor,
+            log_scale: Tensor, chunk: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The fused causal scan: φ(Q), φ(K) (B, H, N, F), the keys' log-scales (B, H, N) (-inf at
+    padded keys), v (B, H, N, Dv), the entering state kv (B, H, F, Dv + 1) at scale
+    ``log_scale`` (B, H). Returns num (B, H, N, Dv) and den (B, H, N) at the row scales m
+    (B, H, N), the state after (B, H, F, Dv + 1) and the running scales R_0..R_nc
+    (B, H, nc + 1), whose last is the state after's; accumulated in fp32 (fp64 for fp64)."""
+    b, h, n, f = phi_q.shape
+    dv = v.shape[-1]
+    bt, bk, bv = blocks(chunk, f, dv)
+    nk, nc = triton.cdiv(f, bk), triton.cdiv(n, bt)
+    acc = torch.float64 if phi_q.dtype == torch.float64 else torch.float32
+    num = phi_q.new_empty(nk, b, h, n, dv, dtype=acc)
+    den = phi_q.new_empty(nk, b, h, n, dtype=acc)
+    m = phi_q.new_empty(b, h, n, dtype=acc)
+    kv_out = phi_q.new_empty(b, h, f, dv + 1, dtype=acc)
+    running = phi_q.new_empty(b, h, nc + 1, dtype=acc)
+    _forward_kernel[(nk, b * h)](
+        phi_q, phi_k, key_log_scale, v, kv.to(acc).contiguous(), log_scale.to(acc).contiguous(),
+        num, den, m, kv_out, running, n, f, dv, nc, b * h, LOG_FLOOR, BT=bt, BK=bk, BV=bv,
+    )
+    if nk > 1:
+        return num.sum(0), den.sum(0), m, kv_out, running
+    return num[0], den[0], m, kv_out, running
+
+
+def backward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: Tensor,
+             m: Tensor, running: Tensor, d_num: Tensor, d_den: Tensor, d_after: Tensor | None,
+             chunk: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of :func:`forward`'s inputs φ(Q), φ(K), v and kv (the entering state)
+    from those of num (B, H, N, Dv), den (B, H, N) and the state after (None: 0), given the
+    forward's row scales m and running scales. The keys' log-scales get theirs from the
+    caller: the output depends on φ(k_j) and ls_j only through φ(k_j) exp(ls_j), so
+    ∂L/∂ls_j = φ(k_j)·∂L/∂φ(k_j)."""
+    b, h, n, f = phi_q.shape
+    dv = v.shape[-1]
+    bt, bk, bv = blocks(chunk, f, dv)
+    nk, nc = triton.cdiv(f, bk), triton.cdiv(n, bt)
+    acc = running.dtype
+    d_num = d_num.to(v.dtype).contiguous()
+    d_den = d_den.to(acc).contiguous()
+    if d_after is None:
+        d_after = kv.new_zeros(b, h, f, dv + 1, dtype=acc)
+    d_q = torch.empty_like(phi_q, dtype=acc)
+    d_k = torch.empty_like(phi_k, dtype=acc)
+    d_v = v.new_empty(nk, b, h, n, dv, dtype=acc)
+    d_kv = kv.new_empty(b, h, f, dv + 1, dtype=acc)
+    grid = (nk, b * h)
+    _backward_queries_kernel[grid](
+        phi_k, key_log_scale, v, kv.to(acc).contiguous(), m, running, d_num, d_den, d_q,
+        n, f, dv, nc, BT=bt, BK=bk, BV=bv,
+    )
+    _backward_keys_kernel[grid](
+        phi_q, phi_k, key_log_scale, v, m, running, d_num, d_den,
+        d_after.to(acc).contiguous(), d_k, d_v, d_kv, n, f, dv, nc, b * h, BT=bt, BK=bk, BV=bv,
+    )
+    return d_q, d_k, d_v.sum(0) if nk > 1 else d_v[0], d_kv

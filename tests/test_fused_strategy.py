@@ -1,0 +1,311 @@
+"""The kernelized engine's triton strategy (effattn.kernelized.fused), its kernels run on the CPU
+by Triton's interpreter.
+
+The kernels against a dense float64 formula (scales, padding, an entering state, the state
+after's gradient, several feature blocks); every ungated method against its float64 reference
+with gradients on awkward shapes (N = 63, 130; D = 21; chunks of 16); slices handing state and
+gradient on; prefill and decoding; the calls it hands to the GPU strategy; the clear errors;
+what a training call holds and dispatches, against the GPU strategy's.
+"""
+
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+from conftest import assert_prefill_continues, padding, qkv  # noqa: E402
+
+import effattn  # noqa: E402
+from effattn import strategy  # noqa: E402
+from effattn.kernelized import core, fused, fused_kernels, gpu  # noqa: E402
+from effattn.tools.bench.accounting import count_ops, live_peak_bytes  # noqa: E402
+
+VARIANTS = [
+    ("performer", {"feature_map": "positive"}),
+    ("performer", {"feature_map": "hyperbolic"}),
+    ("performer", {"feature_map": "trig"}),
+    ("performer", {"feature_map": "relu"}),
+    ("favor", {}),
+    ("rfa", {"feature_map": "sincos"}),
+    ("rfa", {"feature_map": "arccos", "sigma": 0.7}),
+    ("rfa", {"learn_sigma": True}),
+    ("linear", {}),
+    ("hedgehog", {"feature_map": "softmax_dim"}),
+    ("taylor", {}),
+]
+SIGNED = {("performer", "trig"), ("favor", None)}
+
+
+def _id(variant):
+    name, opts = variant
+    return name + "".join(f"-{k}={v}" for k, v in opts.items())
+
+
+def make(name, opts, d=21, h=3, chunk=16):
+    options = {"chunk_size": chunk, **opts}
+    if name in ("performer", "favor", "rfa"):
+        options.setdefault("num_features", 24)
+    return effattn.build(name, head_dim=d, heads=h, seed=0, **options).double().eval()
+
+
+@pytest.fixture(autouse=True)
+def _triton_strategy(request):
+    """The strategy forced; CPU cases (every test without a ``device``) only where Triton's
+    interpreter runs them (tests/conftest.py turns it on where no GPU is)."""
+    params = getattr(request.node, "callspec", None)
+    on = params.params.get("device", "cpu") if params else "cpu"
+    if on == "cpu" and not fused.runs(torch.zeros(1)):
+        pytest.skip("CPU case: Triton's interpreter is off on a machine with a GPU")
+    with strategy.force(kernelized="triton"):
+        yield
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Counts of the fused kernels' launches (forward, backward) and of the GPU strategy's
+    causal calls during the test."""
+    counts = {"forward": 0, "backward": 0, "gpu": 0}
+    for owner, entry, key in ((fused_kernels, "forward", "forward"),
+                              (fused_kernels, "backward", "backward"), (gpu, "causal", "gpu")):
+        original = getattr(owner, entry)
+
+        def spy(*args, _key=key, _original=original, **kwargs):
+            counts[_key] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, entry, spy)
+    return counts
+
+
+def _dense(phi_q, phi_k, ls, v, kv, log_scale):
+    """The causal sums at the true scale, float64: num_i = Σ_{j <= i} (φq_i·φk_j) e^{ls_j} v_j +
+    e^{R_0} φq_i S_0, den alike with 1 for v and z_0; and the state after at the true scale."""
+    n = phi_q.shape[2]
+    mask = torch.ones(n, n, dtype=torch.bool, device=phi_q.device).tril()
+    w = (phi_q @ phi_k.transpose(-1, -2)) * torch.exp(ls)[..., None, :]
+    w = w.masked_fill(~mask, 0.0)
+    v1 = core.with_ones(v)
+    scale = torch.exp(log_scale)[..., None, None]
+    raw = w @ v1 + phi_q @ (kv * scale)
+    after = kv * scale + (phi_k * torch.exp(ls)[..., None]).transpose(-1, -2) @ v1
+    return raw, after
+
+
+@pytest.mark.parametrize("f, n", [(70, 45), (13, 16), (24, 1)])
+def test_kernels_equal_the_dense_sums_with_their_gradients(f, n, device):
+    """Scales spread over 60 in log (the state's among them), padded keys (-inf), several
+    feature blocks (F = 70), a length that is not a multiple of the chunk; the gradients of
+    φ(Q), φ(K), v, the entering state and the log-scales against autograd of the dense form."""
+    g = torch.Generator().manual_seed(f + n)
+    b, h, dv = 2, 2, 5
+    phi_q = torch.rand(b, h, n, f, generator=g, dtype=torch.float64).requires_grad_()
+    phi_k = torch.rand(b, h, n, f, generator=g, dtype=torch.float64).requires_grad_()
+    ls = (torch.rand(b, h, n, generator=g, dtype=torch.float64) * 60 - 30)
+    ls[0, 0, : n // 3] = float("-inf")
+    ls.requires_grad_()
+    v = torch.randn(b, h, n, dv, generator=g, dtype=torch.float64).requires_grad_()
+    kv = torch.rand(b, h, f, dv + 1, generator=g, dtype=torch.float64).requires_grad_()
+    log_scale = torch.tensor([[5.0, -3.0], [core.LOG_FLOOR, 40.0]], dtype=torch.float64)
+    with torch.no_grad():
+        kv[1, 0] = 0.0  # an empty state sits at the floor
+    phi_q, phi_k, ls, v, kv, log_scale = (
+        t.detach().to(device).requires_grad_(t.requires_grad)
+        for t in (phi_q, phi_k, ls, v, kv, log_scale))
+    num, den, m, after, running = fused_kernels.forward(
+        phi_q.detach(), phi_k.detach(), ls.detach(), v.detach(), kv.detach(), log_scale, 16)
+    raw, ref_after = _dense(phi_q, phi_k, ls, v, kv, log_scale)
+    got = torch.cat([num, den[..., None]], -1) * torch.exp(m)[..., None]
+    torch.testing.assert_close(got, raw.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(after * torch.exp(running[..., -1:, None]), ref_after.detach(),
+                               rtol=1e-12, atol=1e-12)
+    assert (m >= running[..., :1]).all()
+    # Gradients of a loss of the scaled outputs and of the state after.
+    g_num, g_den = torch.randn_like(num), torch.randn_like(den)
+    g_after = torch.randn_like(after)
+    d_q, d_k, d_v, d_kv = fused_kernels.backward(
+        phi_q.detach(), phi_k.detach(), ls.detach(), v.detach(), kv.detach(), m, running, g_num,
+        g_den, g_after, 16)
+    scale_rows = torch.exp(-m)[..., None]
+    scale_after = torch.exp(-running[..., -1:, None])
+    loss = ((raw[..., :-1] * scale_rows * g_num).sum() + (raw[..., -1] * torch.exp(-m) * g_den)
+            .sum() + (ref_after * scale_after * g_after).sum())
+    ref = torch.autograd.grad(loss, (phi_q, phi_k, v, kv, ls))
+    d_ls = (phi_k.detach() * d_k).sum(-1)
+    for got_grad, want in zip((d_q, d_k, d_v, d_kv, d_ls), ref, strict=True):
+        torch.testing.assert_close(got_grad, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_id)
+def test_method_matches_reference_outputs_and_gradients(variant, launches, device):
+    name, opts = variant
+    module = make(name, opts).to(device)
+    q, k, v = (t.to(device).requires_grad_(True) for t in qkv(n=63, d=21, dv=5, scale=0.5))
+    mask = padding(2, 63).to(device)
+    out = module(q, k, v, causal=True, key_padding_mask=mask)
+    ref = module.spec.reference(module, q, k, v, causal=True, key_padding_mask=mask)
+    tol = 1e-7 if (name, opts.get("feature_map")) in SIGNED else 1e-9
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    params = [q, k, v, *module.parameters()]
+    probe = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad((out * probe).sum(), params),
+                    torch.autograd.grad((ref * probe).sum(), params), strict=True):
+        torch.testing.assert_close(a, b, rtol=100 * tol, atol=100 * tol)
+    assert launches == {"forward": 1, "backward": 1, "gpu": 0}
+
+
+@pytest.mark.parametrize("name", ["performer", "linear"])
+def test_slices_hand_on_state_and_gradient(name, launches):
+    """A slice budget of 16 tokens: 9 slices of N = 130, each a forward launch and a backward."""
+    module = make(name, {})
+    module.slice_elements = 40
+    assert gpu.slice_tokens(6, module.feature_dim, 5, 16, module.slice_elements) == 16
+    q, k, v = (t.requires_grad_(True) for t in qkv(n=130, d=21, dv=5, scale=0.5))
+    mask = padding(2, 130)
+    out = module(q, k, v, causal=True, key_padding_mask=mask)
+    ref = module.spec.reference(module, q, k, v, causal=True, key_padding_mask=mask)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    params = [q, k, v, *module.parameters()]
+    for a, b in zip(torch.autograd.grad(out.square().sum(), params),
+                    torch.autograd.grad(ref.square().sum(), params), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-7)
+    assert launches == {"forward": 9, "backward": 9, "gpu": 0}
+
+
+def test_prefill_from_a_state_that_carries_gradients():
+    module = make("performer", {})
+    module.slice_elements = 40
+    assert_prefill_continues(module, n=50, cut=20)
+
+
+def test_decoding_continues_the_fused_prefill():
+    """Prefill through the kernels, then steps (the shared decoding): the causal forward."""
+    module = make("performer", {})
+    q, k, v = qkv(n=40, d=21, dv=5, scale=0.5)
+    full = module(q, k, v, causal=True)
+    out, state = module.prefill(q[:, :, :33], k[:, :, :33], v[:, :, :33])
+    steps = [out]
+    for i in range(33, 40):
+        y, state = module.step(q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], state)
+        steps.append(y)
+    torch.testing.assert_close(torch.cat(steps, 2), full, rtol=1e-10, atol=1e-10)
+
+
+def test_inference_equals_training_forward_and_the_gpu_strategy(launches):
+    module = make("performer", {}).float()
+    q, k, v = (t.float() for t in qkv(n=100, d=21, dv=5, scale=0.5))
+    with torch.no_grad():
+        out = module(q, k, v, causal=True)
+    with strategy.force(kernelized="gpu"):
+        ref = module(q, k, v, causal=True)
+    torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-6)
+    assert launches["forward"] == 1 and launches["gpu"] == 1
+
+
+@pytest.mark.parametrize("case", ["gated", "hybrid", "non-causal", "hedgehog-exp"])
+def test_what_the_kernels_do_not_run_goes_to_the_gpu_strategy(case, launches):
+    """Gated RFA and the window hybrid's normalised form: the GPU strategy's causal form;
+    non-causal: its key state and read-out; hedgehog's exp form: the per-feature core's GPU
+    form (kernelized.exponents_gpu)."""
+    q, k, v = (t.requires_grad_(True) for t in qkv(n=40, d=21, dv=5, scale=0.5))
+    kw = {"causal": case != "non-causal"}
+    if case == "gated":
+        module = make("rfa", {"gated": True})
+        kw["gate"] = torch.sigmoid(torch.randn(2, 3, 40, dtype=torch.float64))
+    elif case == "hybrid":
+        module = make("hedgehog", {"window": 8, "window_factor": True,
+                                   "feature_map": "softmax_dim"})
+    elif case == "hedgehog-exp":
+        module = make("hedgehog", {})
+    else:
+        module = make("performer", {})
+    out = module(q, k, v, **kw)
+    ref = module.spec.reference(module, q, k, v, **kw)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    out.sum().backward()
+    assert launches["forward"] == launches["backward"] == 0
+    assert launches["gpu"] == (1 if case in ("gated", "hybrid") else 0)
+
+
+def test_compiled_calls_run_the_gpu_strategy(launches):
+    torch._dynamo.reset()
+    module = make("performer", {})
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
+    q, k, v = qkv(n=40, d=21)
+    torch.testing.assert_close(compiled(q, k, v, causal=True),
+                               module.spec.reference(module, q, k, v, causal=True),
+                               rtol=1e-9, atol=1e-9)
+    assert launches["forward"] == 0
+    torch._dynamo.reset()
+
+
+def test_redraw_between_forward_and_backward_raises():
+    module = make("performer", {"redraw_interval": 1}).train()
+    q, k, v = (t.requires_grad_(True) for t in qkv(n=40, d=21))
+    out = module(q, k, v, causal=True)
+    module.redraw()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_lost_rows_raise(launches):
+    """Products ~e^-100 (a query's and the keys' softmax peaks on different features)."""
+    module = effattn.build("hedgehog", head_dim=4, heads=1, seed=0, chunk_size=4,
+                           feature_map="softmax_dim")
+    q = torch.tensor([100.0, -100.0, 0.0, 0.0]).expand(1, 1, 12, 4)
+    k = torch.tensor([0.0, 0.0, 100.0, -100.0]).expand(1, 1, 12, 4)
+    with pytest.raises(ValueError, match="denominator"):
+        module(q, k, torch.ones(1, 1, 12, 2), causal=True)
+    assert launches["forward"] == 1
+
+
+def test_cpu_tensors_without_the_interpreter_raise(monkeypatch):
+    assert fused.runs(torch.zeros(1))
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.runtime, "interpret", False)
+    q, k, v = qkv(n=20, d=21)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        make("performer", {})(q, k, v, causal=True)
+
+
+def test_without_triton_the_error_says_how_to_get_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "effattn.kernelized.fused_kernels", None)
+    monkeypatch.delattr(effattn.kernelized, "fused_kernels")
+    q, k, v = qkv(n=20, d=21)
+    with pytest.raises(RuntimeError, match="needs the triton package"):
+        make("performer", {})(q, k, v, causal=True)
+
+
+def test_holds_and_dispatches_less_than_the_gpu_strategy():
+    """Accounted (bytes and ATen operations, not time), performer at N = 1024, F = 64, fp32:
+    the kernels hold no chunk state and no C x C block, and replace the chunk-parallel
+    operations by one launch forward and two backward (Triton launches, not ATen operations:
+    added here)."""
+    module = effattn.build("performer", head_dim=16, heads=2, seed=0, num_features=64)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 1024, 16, generator=g).requires_grad_() for _ in range(3))
+
+    def forward():
+        with torch.no_grad():
+            module(q, k, v, causal=True)
+
+    def train():
+        module(q, k, v, causal=True).sum().backward()
+
+    measured = {}
+    for name in ("gpu", "triton"):
+        with strategy.force(kernelized=name):
+            train()
+            out = module(q, k, v, causal=True)
+            measured[name] = {
+                "forward bytes": live_peak_bytes(forward), "training bytes": live_peak_bytes(train),
+                "forward ops": count_ops(forward),
+                "backward ops": count_ops(lambda out=out: out.sum().backward()),
+            }
+    gpu_strategy, mine = measured["gpu"], measured["triton"]
+    assert mine["forward bytes"] < 0.6 * gpu_strategy["forward bytes"], measured
+    assert mine["training bytes"] < 0.8 * gpu_strategy["training bytes"], measured
+    assert mine["forward ops"] + 1 < 0.6 * gpu_strategy["forward ops"], measured
+    assert mine["backward ops"] + 2 < 0.5 * gpu_strategy["backward ops"], measured
