@@ -24,6 +24,12 @@ Peers, each on the problem it solves:
   seconds of its pass's first call, which compiles (the backward too, for ``fwdbwd``), timed once
   apart and excluded from ``ms`` (shorter where inductor's on-disk cache holds the kernels from
   an earlier run).
+- ``triton``: the causal methods whose scan the kernelized engine's ``triton`` strategy fuses
+  into Triton kernels (``effattn.kernelized.fused``: performer, favor, ungated rfa, linear,
+  Taylor; methods ``<method>-triton``, impl ``effattn``), forced for the call: one kernel
+  launch per slice forward and two backward in place of the GPU strategy's chunk-parallel
+  operations, and no chunk states. The strategy is chosen only when forced until these rows
+  say it is faster. Without triton the rows say ``triton: not installed``.
 
 Rows (``ROW_KEYS``): ``{impl, method, feature_dim, n, batch, heads, causal, pass, dtype, ms,
 peak_mib, device}`` (+ ``error`` where a point failed, + ``compile_s`` on compiled rows),
@@ -254,8 +260,39 @@ def compiled_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
                    lambda f=compiled: f(q, k, v), (q, k, v), compiles=True)
 
 
+# The methods whose causal form the triton strategy runs in its kernels (the others it hands
+# to the GPU strategy: the rows would repeat the effattn suite's).
+FUSED = ("performer", "favor", "rfa", "linear", "taylor")
+
+
+def triton_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
+    """The causal methods of ``FUSED`` (ungated) with the triton strategy forced."""
+    if not p.causal:
+        return
+    q, k, v = qkv(p)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        error = "triton: not installed"
+    else:
+        error = None
+    for name, options in methods:
+        if name not in FUSED or options.get("gated"):
+            continue
+        module = _module(name, options, p)
+
+        def run(m=module) -> torch.Tensor:
+            # Forced around the call: the backward runs what the forward chose.
+            with strategy.force(kernelized="triton"):
+                return m(q, k, v, causal=True)
+
+        yield Case("effattn", f"{_label(name, options)}-triton", module.feature_dim, run,
+                   (q, k, v), error=error)
+
+
 SUITES: dict[str, Suite] = {"effattn": effattn_suite, "fla": fla_suite, "sdpa": sdpa_suite,
-                            "spans": spans_suite, "compiled": compiled_suite}
+                            "spans": spans_suite, "compiled": compiled_suite,
+                            "triton": triton_suite}
 
 
 def _sync(device: torch.device) -> None:

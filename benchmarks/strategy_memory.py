@@ -10,8 +10,14 @@ is at least one kernel launch. ``sdpa`` rows are PyTorch's fused attention on th
 each method's defaults. ``--backward-scales`` sweeps the GPU strategy's backward span
 (``effattn.kernelized.gpu.BACKWARD_SLICE_SCALE``: a span is that many times the CPU strategy's
 causal budget, capped at the forward's slice): the trade of transient memory for launches.
+``--strategies`` picks the kernelized strategies (default ``cpu,gpu``); ``triton`` (the fused
+kernels, ``effattn.kernelized.fused``) runs them under Triton's interpreter here, which this
+script turns on (slow: about a minute per call at N = 4096). Its kernels allocate nothing
+themselves, and their launches are not ATen operations: ``launches`` counts them (1 per
+forward slice, 2 per backward slice), 0 on the other rows.
 
     PYTHONPATH=src python3 benchmarks/strategy_memory.py --lengths 4096,16384,65536
+    PYTHONPATH=src python3 benchmarks/strategy_memory.py --strategies gpu,triton --lengths 4096
 
 Writes ``<out>/results.json``, ``results.csv`` and ``peaks.png``.
 """
@@ -19,12 +25,17 @@ Writes ``<out>/results.json``, ``results.csv`` and ``peaks.png``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
+
+# On the CPU, Triton kernels (the triton strategy) run under the interpreter, chosen when a
+# kernel is defined: before effattn imports its kernels.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import effattn
 from effattn import strategy
@@ -35,7 +46,7 @@ from effattn.tools.bench.memory import MiB
 from effattn.tools.bench.results import save_figure, write_csv, write_json
 
 FIELDS = ["method", "strategy", "backward_scale", "n", "inputs_mib", "fwd_peak_mib",
-          "train_peak_mib", "fwd_ops", "bwd_ops"]
+          "train_peak_mib", "fwd_ops", "bwd_ops", "launches"]
 
 
 def _positive_ints(text: str) -> list[int]:
@@ -48,6 +59,15 @@ def _positive_ints(text: str) -> list[int]:
     return values
 
 
+def _strategies(text: str) -> list[str]:
+    names = [x for x in text.split(",") if x]
+    unknown = sorted(set(names) - set(strategy.ENGINES["kernelized"]))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown strategies {unknown or text!r}; choose from {strategy.ENGINES['kernelized']}")
+    return names
+
+
 def _names(text: str) -> list[str]:
     names = [x for x in text.split(",") if x]
     unknown = sorted(set(names) - set(effattn.methods()) - {"sdpa"})
@@ -57,14 +77,20 @@ def _names(text: str) -> list[str]:
 
 
 def measure(method: str, n: int, kind: str, scale: int | None) -> dict[str, Any]:
-    """One row: ``kind`` is "sdpa" or a kernelized strategy ("cpu", "gpu")."""
+    """One row: ``kind`` is "sdpa" or a kernelized strategy ("cpu", "gpu", "triton")."""
     g = torch.Generator().manual_seed(n)
     q, k, v = (torch.randn(1, 8, n, 64, generator=g).requires_grad_() for _ in range(3))
+    launches = 0
     if kind == "sdpa":
         def attend() -> torch.Tensor:
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     else:
         module = effattn.build(method, head_dim=64, heads=8, seed=0)
+        if kind == "triton":
+            # One launch per forward slice, two per backward slice (effattn.kernelized.fused).
+            step = gpu.slice_tokens(8, module.feature_dim, 64, module.chunk_size,
+                                    module.slice_elements)
+            launches = 3 * -(-n // step)
 
         def attend() -> torch.Tensor:
             with strategy.force(kernelized=kind):
@@ -93,7 +119,7 @@ def measure(method: str, n: int, kind: str, scale: int | None) -> dict[str, Any]
     return {"method": method, "strategy": kind,
             "backward_scale": scale, "n": n, "inputs_mib": 3 * q.numel() * 4 / MiB,
             "fwd_peak_mib": fwd_peak / MiB, "train_peak_mib": train_peak / MiB,
-            "fwd_ops": fwd_ops, "bwd_ops": bwd_ops}
+            "fwd_ops": fwd_ops, "bwd_ops": bwd_ops, "launches": launches}
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -109,7 +135,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             (r["n"], r["train_peak_mib"]))
     methods = sorted({key[0] for key in series} - {"sdpa"})
     colours = dict(zip(methods, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
-    styles = {"cpu": ":", 64: "--", 32: "-", 16: "-.", None: "-"}
+    styles = {"cpu": ":", "triton": (0, (1, 1)), 64: "--", 32: "-", 16: "-.", None: "-"}
     for (method, kind, scale), points in series.items():
         points.sort()
         label = method if kind == "sdpa" else f"{method} {kind}"
@@ -117,7 +143,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             label += f" bwd x{scale}"
         ax.plot(*zip(*points, strict=True), marker="o", label=label,
                 color=colours.get(method, "black"),
-                linestyle=styles["cpu"] if kind == "cpu" else styles.get(scale, "-"))
+                linestyle=styles[kind] if kind in ("cpu", "triton") else styles.get(scale, "-"))
     ax.set(xscale="log", yscale="log", xlabel="N",
            ylabel="forward+backward peak above inputs (MiB)",
            title="Live tensor bytes, causal, B=1 H=8 D=64 fp32 (accounted on the CPU)")
@@ -131,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", type=_names, default=_names("performer,linear,hedgehog"),
                         help="kernelized methods (default performer,linear,hedgehog)")
     parser.add_argument("--lengths", type=_positive_ints, default=[4096, 16384])
+    parser.add_argument("--strategies", type=_strategies, default=_strategies("cpu,gpu"),
+                        help="kernelized strategies (default cpu,gpu; also triton)")
     parser.add_argument("--backward-scales", type=_positive_ints, default=None,
                         help="GPU strategy backward spans to sweep (default: its constant)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/strategy-memory"))
@@ -143,8 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     for method in args.methods:
         if method == "sdpa":
             continue
-        jobs.append((method, "cpu", None))
-        jobs += [(method, "gpu", s) for s in (args.backward_scales or [None])]
+        for kind in args.strategies:
+            scales = args.backward_scales if kind == "gpu" and args.backward_scales else [None]
+            jobs += [(method, kind, s) for s in scales]
     jobs.append(("sdpa", "sdpa", None))
     print(describe(machine_info()))
     rows = []
@@ -156,12 +185,12 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted: nothing written; rerun the same command", file=sys.stderr)
         return 130
     print(f"{'method':>10} {'strategy':>8} {'bwd':>4} {'N':>6} {'fwd MiB':>9} {'train MiB':>10}"
-          f" {'fwd ops':>8} {'bwd ops':>8}")
+          f" {'fwd ops':>8} {'bwd ops':>8} {'launches':>8}")
     for r in rows:
         scale = "" if r["backward_scale"] is None else r["backward_scale"]
         print(f"{r['method']:>10} {r['strategy']:>8} {scale!s:>4} {r['n']:>6}"
               f" {r['fwd_peak_mib']:9.1f} {r['train_peak_mib']:10.1f} {r['fwd_ops']:8d}"
-              f" {r['bwd_ops']:8d}")
+              f" {r['bwd_ops']:8d} {r['launches']:8d}")
     write_json(args.out / "results.json",
                {"machine": machine_info(), "shape": "B=1 H=8 D=64 fp32 causal",
                 "default_backward_scale": gpu.BACKWARD_SLICE_SCALE, "rows": rows})

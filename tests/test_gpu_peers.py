@@ -100,3 +100,21 @@ def test_an_unknown_method_exits_2_with_one_line(methods, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--methods" in err
     assert not (tmp_path / "results.json").exists()
+
+
+def test_triton_rows_force_the_fused_strategy_for_the_causal_methods(tmp_path):
+    """The triton suite on the CPU (Triton's interpreter): a row for each fused causal method,
+    equal to the GPU strategy's output; none non-causal."""
+    pytest.importorskip("triton")
+    assert peers.main(["--device", "cpu", "--smoke", "--dtypes", "fp32", "--repeats", "1",
+                       "--impls", "triton", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    labels = {peers._label(name, opts) for name, opts in peers.METHODS
+              if name in peers.FUSED and not opts.get("gated")}
+    assert {r["method"] for r in rows} == {f"{label}-triton" for label in labels}
+    assert all(r["causal"] and "error" not in r and r["ms"] is not None for r in rows)
+    p = peers.Point(40, 1, 2, "fp32", True, torch.device("cpu"))
+    (fused_case,) = peers.triton_suite(p, [("performer", {})])
+    (eager,) = peers.effattn_suite(p, [("performer", {})])
+    with torch.no_grad(), strategy.force(kernelized="gpu"):
+        torch.testing.assert_close(fused_case.run(), eager.run(), rtol=1e-5, atol=1e-5)

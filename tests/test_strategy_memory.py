@@ -37,8 +37,22 @@ def test_small_run_writes_rows_csv_and_plot(tmp_path):
     assert_png(tmp_path / "peaks.png")
 
 
+def test_triton_rows_count_their_launches(tmp_path):
+    """The fused kernels under Triton's interpreter: fewer operations than the GPU strategy,
+    and their launches apart (one slice: 1 forward, 2 backward)."""
+    pytest.importorskip("triton")
+    assert bench.main(["--methods", "linear", "--lengths", "96", "--strategies", "gpu,triton",
+                       "--out", str(tmp_path)]) == 0
+    rows = {r["strategy"]: r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
+    assert set(rows) == {"gpu", "triton", "sdpa"}
+    assert rows["triton"]["launches"] == 3 and rows["gpu"]["launches"] == 0
+    assert rows["triton"]["fwd_ops"] < rows["gpu"]["fwd_ops"]
+    assert 0 < rows["triton"]["fwd_peak_mib"] <= rows["triton"]["train_peak_mib"]
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--methods", "nosuch"], "unknown method"),
+    (["--strategies", "tpu"], "unknown strategies"),
     (["--lengths", "0"], "positive ints"),
     (["--backward-scales", "x"], "comma-separated ints"),
 ])
