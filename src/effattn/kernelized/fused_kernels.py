@@ -42,6 +42,8 @@ Shapes: B batch, H heads, N tokens, F features, Dv value dim, nc = ceil(N / C) c
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -55,11 +57,11 @@ def _forward_kernel(
     q_ptr, k_ptr, ls_ptr, v_ptr, kv_in_ptr, r_in_ptr,
     num_ptr, den_ptr, m_ptr, kv_out_ptr, r_ptr,
     N, F, DV, NC, BH, LOG_FLOOR_: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    acc = tl.float64 if q_ptr.dtype.element_ty == tl.float64 else tl.float32
     f = kb * BK + tl.arange(0, BK)
     d = tl.arange(0, BV)
     t0 = tl.arange(0, BT)
@@ -67,14 +69,14 @@ def _forward_kernel(
     d_ok = d < DV
     causal = t0[None, :] <= t0[:, None]
     state = kv_in_ptr + bh * F * (DV + 1) + f[:, None] * (DV + 1)
-    s = tl.load(state + d[None, :], mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(acc)
-    z = tl.load(kv_in_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(acc)
-    r = tl.load(r_in_ptr + bh).to(acc)
+    s = tl.load(state + d[None, :], mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(ACC)
+    z = tl.load(kv_in_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(ACC)
+    r = tl.load(r_in_ptr + bh).to(ACC)
     part = (kb * BH + bh) * N
     for c in range(0, NC):
         t = c * BT + t0
         t_ok = t < N
-        ls = tl.load(ls_ptr + bh * N + t, mask=t_ok, other=float("-inf")).to(acc)
+        ls = tl.load(ls_ptr + bh * N + t, mask=t_ok, other=float("-inf")).to(ACC)
         prefix = tl.max(tl.where(causal, ls[None, :], float("-inf")), 1)
         m = tl.maximum(tl.maximum(prefix, LOG_FLOOR_), r)
         rows = t[:, None] * F + f[None, :]
@@ -83,12 +85,12 @@ def _forward_kernel(
         kc = tl.load(k_ptr + bh * N * F + rows, mask=ok, other=0.0)
         vc = tl.load(v_ptr + bh * N * DV + t[:, None] * DV + d[None, :],
                      mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-        x = tl.dot(qc, tl.trans(kc)).to(acc)
+        x = tl.dot(qc, tl.trans(kc), input_precision=PRECISION).to(ACC)
         a = tl.where(causal, x * tl.exp(tl.minimum(ls[None, :] - m[:, None], 0.0)), 0.0)
         omega = tl.exp(r - m)
-        num = omega[:, None] * tl.dot(qc, s.to(qc.dtype)).to(acc) + tl.dot(
-            a.to(vc.dtype), vc).to(acc)
-        den = omega * tl.sum(qc.to(acc) * z[None, :], 1) + tl.sum(a, 1)
+        num = omega[:, None] * tl.dot(qc, s.to(qc.dtype), input_precision=PRECISION).to(ACC)
+        num += tl.dot(a.to(vc.dtype), vc, input_precision=PRECISION).to(ACC)
+        den = omega * tl.sum(qc.to(ACC) * z[None, :], 1) + tl.sum(a, 1)
         tl.store(num_ptr + part * DV + t[:, None] * DV + d[None, :], num,
                  mask=t_ok[:, None] & d_ok[None, :])
         tl.store(den_ptr + part + t, den, mask=t_ok)
@@ -98,8 +100,9 @@ def _forward_kernel(
         r_next = tl.maximum(r, tl.max(ls, 0))
         enter = tl.exp(ls - r_next)
         keep = tl.exp(r - r_next)
-        s = s * keep + tl.dot(tl.trans(kc), (vc.to(acc) * enter[:, None]).to(kc.dtype)).to(acc)
-        z = z * keep + tl.sum(kc.to(acc) * enter[:, None], 0)
+        entering = (vc.to(ACC) * enter[:, None]).to(kc.dtype)
+        s = s * keep + tl.dot(tl.trans(kc), entering, input_precision=PRECISION).to(ACC)
+        z = z * keep + tl.sum(kc.to(ACC) * enter[:, None], 0)
         r = r_next
     tl.store(kv_out_ptr + bh * F * (DV + 1) + f[:, None] * (DV + 1) + d[None, :], s,
              mask=f_ok[:, None] & d_ok[None, :])
@@ -112,11 +115,11 @@ def _forward_kernel(
 def _backward_queries_kernel(
     k_ptr, ls_ptr, v_ptr, kv_in_ptr, m_ptr, r_ptr, gn_ptr, gd_ptr, dq_ptr,
     N, F, DV, NC,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    acc = tl.float64 if k_ptr.dtype.element_ty == tl.float64 else tl.float32
     f = kb * BK + tl.arange(0, BK)
     d = tl.arange(0, BV)
     t0 = tl.arange(0, BT)
@@ -124,15 +127,15 @@ def _backward_queries_kernel(
     d_ok = d < DV
     causal = t0[None, :] <= t0[:, None]
     state = kv_in_ptr + bh * F * (DV + 1) + f[:, None] * (DV + 1)
-    s = tl.load(state + d[None, :], mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(acc)
-    z = tl.load(kv_in_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(acc)
+    s = tl.load(state + d[None, :], mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(ACC)
+    z = tl.load(kv_in_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(ACC)
     for c in range(0, NC):
         t = c * BT + t0
         t_ok = t < N
-        r = tl.load(r_ptr + bh * (NC + 1) + c).to(acc)
-        r_next = tl.load(r_ptr + bh * (NC + 1) + c + 1).to(acc)
-        ls = tl.load(ls_ptr + bh * N + t, mask=t_ok, other=float("-inf")).to(acc)
-        m = tl.load(m_ptr + bh * N + t, mask=t_ok, other=0.0).to(acc)
+        r = tl.load(r_ptr + bh * (NC + 1) + c).to(ACC)
+        r_next = tl.load(r_ptr + bh * (NC + 1) + c + 1).to(ACC)
+        ls = tl.load(ls_ptr + bh * N + t, mask=t_ok, other=float("-inf")).to(ACC)
+        m = tl.load(m_ptr + bh * N + t, mask=t_ok, other=0.0).to(ACC)
         rows = t[:, None] * F + f[None, :]
         ok = t_ok[:, None] & f_ok[None, :]
         kc = tl.load(k_ptr + bh * N * F + rows, mask=ok, other=0.0)
@@ -140,18 +143,19 @@ def _backward_queries_kernel(
         vd_ok = t_ok[:, None] & d_ok[None, :]
         vc = tl.load(v_ptr + bh * N * DV + values, mask=vd_ok, other=0.0)
         gn = tl.load(gn_ptr + bh * N * DV + values, mask=vd_ok, other=0.0)
-        gd = tl.load(gd_ptr + bh * N + t, mask=t_ok, other=0.0).to(acc)
+        gd = tl.load(gd_ptr + bh * N + t, mask=t_ok, other=0.0).to(ACC)
         weight = tl.where(causal, tl.exp(tl.minimum(ls[None, :] - m[:, None], 0.0)), 0.0)
-        d_x = (tl.dot(gn, tl.trans(vc)).to(acc) + gd[:, None]) * weight
+        d_x = (tl.dot(gn, tl.trans(vc), input_precision=PRECISION).to(ACC) + gd[:, None]) * weight
         omega = tl.exp(r - m)
-        dq = omega[:, None] * (tl.dot(gn, tl.trans(s.to(gn.dtype))).to(acc)
-                               + gd[:, None] * z[None, :])
-        dq += tl.dot(d_x.to(kc.dtype), kc).to(acc)
+        read = tl.dot(gn, tl.trans(s.to(gn.dtype)), input_precision=PRECISION).to(ACC)
+        dq = omega[:, None] * (read + gd[:, None] * z[None, :])
+        dq += tl.dot(d_x.to(kc.dtype), kc, input_precision=PRECISION).to(ACC)
         tl.store(dq_ptr + bh * N * F + rows, dq, mask=ok)
         enter = tl.exp(ls - r_next)
         keep = tl.exp(r - r_next)
-        s = s * keep + tl.dot(tl.trans(kc), (vc.to(acc) * enter[:, None]).to(kc.dtype)).to(acc)
-        z = z * keep + tl.sum(kc.to(acc) * enter[:, None], 0)
+        entering = (vc.to(ACC) * enter[:, None]).to(kc.dtype)
+        s = s * keep + tl.dot(tl.trans(kc), entering, input_precision=PRECISION).to(ACC)
+        z = z * keep + tl.sum(kc.to(ACC) * enter[:, None], 0)
 
 
 @triton.jit
@@ -159,11 +163,11 @@ def _backward_keys_kernel(
     q_ptr, k_ptr, ls_ptr, v_ptr, m_ptr, r_ptr, gn_ptr, gd_ptr, du_ptr,
     dk_ptr, dv_ptr, dkv_in_ptr,
     N, F, DV, NC, BH,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    acc = tl.float64 if k_ptr.dtype.element_ty == tl.float64 else tl.float32
     f = kb * BK + tl.arange(0, BK)
     d = tl.arange(0, BV)
     t0 = tl.arange(0, BT)
@@ -171,17 +175,17 @@ def _backward_keys_kernel(
     d_ok = d < DV
     causal = t0[None, :] <= t0[:, None]
     after = du_ptr + bh * F * (DV + 1) + f[:, None] * (DV + 1)
-    u = tl.load(after + d[None, :], mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(acc)
-    uz = tl.load(du_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(acc)
+    u = tl.load(after + d[None, :], mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(ACC)
+    uz = tl.load(du_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(ACC)
     part = (kb * BH + bh) * N
     for i in range(0, NC):
         c = NC - 1 - i
         t = c * BT + t0
         t_ok = t < N
-        r = tl.load(r_ptr + bh * (NC + 1) + c).to(acc)
-        r_next = tl.load(r_ptr + bh * (NC + 1) + c + 1).to(acc)
-        ls = tl.load(ls_ptr + bh * N + t, mask=t_ok, other=float("-inf")).to(acc)
-        m = tl.load(m_ptr + bh * N + t, mask=t_ok, other=0.0).to(acc)
+        r = tl.load(r_ptr + bh * (NC + 1) + c).to(ACC)
+        r_next = tl.load(r_ptr + bh * (NC + 1) + c + 1).to(ACC)
+        ls = tl.load(ls_ptr + bh * N + t, mask=t_ok, other=float("-inf")).to(ACC)
+        m = tl.load(m_ptr + bh * N + t, mask=t_ok, other=0.0).to(ACC)
         rows = t[:, None] * F + f[None, :]
         ok = t_ok[:, None] & f_ok[None, :]
         qc = tl.load(q_ptr + bh * N * F + rows, mask=ok, other=0.0)
@@ -190,22 +194,23 @@ def _backward_keys_kernel(
         vd_ok = t_ok[:, None] & d_ok[None, :]
         vc = tl.load(v_ptr + bh * N * DV + values, mask=vd_ok, other=0.0)
         gn = tl.load(gn_ptr + bh * N * DV + values, mask=vd_ok, other=0.0)
-        gd = tl.load(gd_ptr + bh * N + t, mask=t_ok, other=0.0).to(acc)
+        gd = tl.load(gd_ptr + bh * N + t, mask=t_ok, other=0.0).to(ACC)
         weight = tl.where(causal, tl.exp(tl.minimum(ls[None, :] - m[:, None], 0.0)), 0.0)
-        a = tl.dot(qc, tl.trans(kc)).to(acc) * weight
-        d_x = (tl.dot(gn, tl.trans(vc)).to(acc) + gd[:, None]) * weight
+        a = tl.dot(qc, tl.trans(kc), input_precision=PRECISION).to(ACC) * weight
+        d_x = (tl.dot(gn, tl.trans(vc), input_precision=PRECISION).to(ACC) + gd[:, None]) * weight
         enter = tl.exp(ls - r_next)
-        dk = enter[:, None] * (tl.dot(vc, tl.trans(u.to(vc.dtype))).to(acc) + uz[None, :])
-        dk += tl.dot(tl.trans(d_x.to(qc.dtype)), qc).to(acc)
+        later = tl.dot(vc, tl.trans(u.to(vc.dtype)), input_precision=PRECISION).to(ACC)
+        dk = enter[:, None] * (later + uz[None, :])
+        dk += tl.dot(tl.trans(d_x.to(qc.dtype)), qc, input_precision=PRECISION).to(ACC)
         tl.store(dk_ptr + bh * N * F + rows, dk, mask=ok)
-        dv = enter[:, None] * tl.dot(kc, u.to(kc.dtype)).to(acc)
-        dv += tl.dot(tl.trans(a.to(gn.dtype)), gn).to(acc)
+        dv = enter[:, None] * tl.dot(kc, u.to(kc.dtype), input_precision=PRECISION).to(ACC)
+        dv += tl.dot(tl.trans(a.to(gn.dtype)), gn, input_precision=PRECISION).to(ACC)
         tl.store(dv_ptr + part * DV + values, dv, mask=vd_ok)
         omega = tl.exp(r - m)
-        read = (qc.to(acc) * omega[:, None]).to(qc.dtype)
+        read = (qc.to(ACC) * omega[:, None]).to(qc.dtype)
         keep = tl.exp(r - r_next)
-        u = u * keep + tl.dot(tl.trans(read), gn).to(acc)
-        uz = uz * keep + tl.sum(read.to(acc) * gd[:, None], 0)
+        u = u * keep + tl.dot(tl.trans(read), gn, input_precision=PRECISION).to(ACC)
+        uz = uz * keep + tl.sum(read.to(ACC) * gd[:, None], 0)
     tl.store(dkv_in_ptr + bh * F * (DV + 1) + f[:, None] * (DV + 1) + d[None, :], u,
              mask=f_ok[:, None] & d_ok[None, :])
     tl.store(dkv_in_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, uz, mask=f_ok)
@@ -219,6 +224,15 @@ def blocks(chunk: int, feature_dim: int, value_dim: int) -> tuple[int, int, int]
     bk = min(64, max(16, triton.next_power_of_2(feature_dim)))
     bv = max(16, triton.next_power_of_2(value_dim))
     return bt, bk, bv
+
+
+def _types(dtype: torch.dtype) -> dict[str, Any]:
+    """The kernels' accumulator type (fp32; fp64 for fp64 inputs) and the precision of their
+    fp32 products: IEEE, as torch's fp32 matmuls are by default (Triton's default, TF32, keeps
+    10 bits of mantissa)."""
+    wide = dtype in (torch.float32, torch.float64)
+    return {"ACC": tl.float64 if dtype == torch.float64 else tl.float32,
+            "PRECISION": "ieee" if wide else "tf32"}
 
 
 def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: Tensor,
@@ -241,6 +255,7 @@ def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: 
     _forward_kernel[(nk, b * h)](
         phi_q, phi_k, key_log_scale, v, kv.to(acc).contiguous(), log_scale.to(acc).contiguous(),
         num, den, m, kv_out, running, n, f, dv, nc, b * h, LOG_FLOOR, BT=bt, BK=bk, BV=bv,
+        **_types(phi_q.dtype),
     )
     if nk > 1:
         return num.sum(0), den.sum(0), m, kv_out, running
@@ -271,10 +286,11 @@ def backward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv:
     grid = (nk, b * h)
     _backward_queries_kernel[grid](
         phi_k, key_log_scale, v, kv.to(acc).contiguous(), m, running, d_num, d_den, d_q,
-        n, f, dv, nc, BT=bt, BK=bk, BV=bv,
+        n, f, dv, nc, BT=bt, BK=bk, BV=bv, **_types(phi_q.dtype),
     )
     _backward_keys_kernel[grid](
         phi_q, phi_k, key_log_scale, v, m, running, d_num, d_den,
         d_after.to(acc).contiguous(), d_k, d_v, d_kv, n, f, dv, nc, b * h, BT=bt, BK=bk, BV=bv,
+        **_types(phi_q.dtype),
     )
     return d_q, d_k, d_v.sum(0) if nk > 1 else d_v[0], d_kv
