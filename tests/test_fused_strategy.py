@@ -113,9 +113,17 @@ def test_kernels_equal_the_dense_sums_with_their_gradients(f, n, device):
     phi_q, phi_k, ls, v, kv, log_scale = (
         t.detach().to(device).requires_grad_(t.requires_grad)
         for t in (phi_q, phi_k, ls, v, kv, log_scale))
-    num, den, m, after, running = fused_kernels.forward(
-        phi_q.detach(), phi_k.detach(), ls.detach(), v.detach(), kv.detach(), log_scale, 16)
+    num, den, m, after, running, marks = fused_kernels.forward(
+        phi_q.detach(), phi_k.detach(), ls.detach(), v.detach(), kv.detach(), log_scale, 16, 16)
     raw, ref_after = _dense(phi_q, phi_k, ls, v, kv, log_scale)
+    # Checkpoints: the states entering tokens 16, 32, ... at their chunks' running scales.
+    assert marks.shape[2] == max(1, (n - 1) // 16)
+    for j in range((n - 1) // 16):
+        t = 16 * (j + 1)
+        _, ref_mark = _dense(phi_q[:, :, :t], phi_k[:, :, :t], ls[:, :, :t], v[:, :, :t], kv,
+                             log_scale)
+        torch.testing.assert_close(marks[:, :, j] * torch.exp(running[..., j + 1, None, None]),
+                                   ref_mark.detach(), rtol=1e-12, atol=1e-12)
     got = torch.cat([num, den[..., None]], -1) * torch.exp(m)[..., None]
     torch.testing.assert_close(got, raw.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(after * torch.exp(running[..., -1:, None]), ref_after.detach(),
@@ -171,6 +179,26 @@ def test_slices_hand_on_state_and_gradient(name, launches):
                     torch.autograd.grad(ref.square().sum(), params), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-7)
     assert launches == {"forward": 9, "backward": 9, "gpu": 0}
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_backward_spans_start_from_the_forwards_checkpoints(pad, launches):
+    """Slices of 48 tokens, backward spans of 16 (N = 130: 3 slices, the last of 34 tokens, and
+    9 spans): each span after a slice's first starts from a state the forward kernel wrote."""
+    module = make("performer", {})
+    module.slice_elements = 320
+    assert gpu.slice_tokens(6, module.feature_dim, 5, 16, 320) == 48
+    assert fused.backward_span_tokens(6, module.feature_dim, 5, 16, 320) == 16
+    q, k, v = (t.requires_grad_(True) for t in qkv(n=130, d=21, dv=5, scale=0.5))
+    mask = padding(2, 130) if pad else None
+    out = module(q, k, v, causal=True, key_padding_mask=mask)
+    ref = module.spec.reference(module, q, k, v, causal=True, key_padding_mask=mask)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    params = [q, k, v, *module.parameters()]
+    for a, b in zip(torch.autograd.grad(out.square().sum(), params),
+                    torch.autograd.grad(ref.square().sum(), params), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-7)
+    assert launches == {"forward": 3, "backward": 9, "gpu": 0}
 
 
 def test_prefill_from_a_state_that_carries_gradients():

@@ -15,8 +15,9 @@ What it runs and what it hands on:
 
 - causal, ungated, without the hybrid's normaliser, eager: the fused kernels, in the GPU
   strategy's slices (:func:`effattn.kernelized.gpu.slice_tokens`), each handing its state to
-  the next; training keeps q, k, v, the output and three scalars per token, and recomputes φ
-  per slice in the backward (:class:`_FusedCausal`);
+  the next; training keeps q, k, v, the output, two scalars per token and a checkpoint state
+  every S_b tokens (written by the forward kernel), and the backward recomputes φ span by span
+  of S_b tokens (:func:`backward_span_tokens`, :class:`_FusedCausal`);
 - gated RFA, the window hybrid's normalised form, and calls traced by ``torch.compile``
   (whose inductor fuses the GPU strategy's ATen operations itself): the GPU strategy;
 - non-causal and cross-attention (two batched GEMMs already), and decoding: the GPU strategy's
@@ -47,6 +48,14 @@ from effattn.kernelized.core import FeatureFn, Normaliser, RecurrentState
 
 key_state = gpu.key_state
 read_queries = gpu.read_queries
+
+# The backward recomputes spans of BACKWARD_SLICE_SCALE times the CPU strategy's causal budget,
+# from checkpoint states the forward kernel writes at their starts: what a span's backward
+# holds (φ(Q), φ(K), the feature map's graph, their fp32 gradients: about 8 F values a token)
+# then stays under what an inference forward holds of a slice (φ(Q), φ(K) of a GPU-strategy
+# slice, SLICE_SCALE = 64 times that budget). Shorter spans hold less and launch more (a feature
+# map and its backward per span).
+BACKWARD_SLICE_SCALE = 8
 
 
 def _kernels() -> Any:
@@ -114,19 +123,35 @@ def causal(
             tensors = core._unique(tensors + core._feature_inputs(features, k, False, None))
         if core._needs_grad(q, k, v, None if state is None else state.kv, *tensors):
             kv, scale = (None, None) if state is None else (state.kv, state.log_scale)
+            back = backward_span_tokens(b * h, feature_dim, v.shape[-1], chunk_size,
+                                        slice_elements)
             out, kv, scale = _FusedCausal.apply(q, k, v, key_padding_mask, kv, scale, features,
-                                                chunk_size, eps, step, *tensors)
+                                                chunk_size, eps, (step, back), *tensors)
             return out, RecurrentState(kv, scale, position + n), None
-    out, after, _ = _sliced(q, k, v, key_padding_mask, state, features, chunk_size, eps, step)
+    out, after, _ = _sliced(q, k, v, key_padding_mask, state, features, chunk_size, eps, step,
+                            None)
     return out, RecurrentState(after.kv, after.log_scale, position + n), None
 
 
-class _Slice:
-    """What one slice's forward leaves for its backward: the entering state, the row scales m
-    and the denominators (B, H, n, 1), and the running scales R_0..R_nc (B, H, nc + 1)."""
+def backward_span_tokens(batch_heads: int, feature_dim: int, value_dim: int, chunk_size: int,
+                         slice_elements: int) -> int:
+    """Tokens per span of :class:`_FusedCausal`'s backward: ``BACKWARD_SLICE_SCALE`` times the
+    CPU strategy's causal budget, a multiple of the kernels' chunk (where checkpoints can be
+    written)."""
+    chunk = max(16, 1 << (chunk_size - 1).bit_length())  # fused_kernels.blocks' chunk
+    return core.causal_slice_tokens(batch_heads, feature_dim, value_dim, chunk,
+                                    slice_elements * BACKWARD_SLICE_SCALE)
 
-    def __init__(self, state: RecurrentState, m: Tensor, den: Tensor, running: Tensor) -> None:
-        self.state, self.m, self.den, self.running = state, m, den, running
+
+class _Slice:
+    """What one slice's forward leaves for its backward: the entering state, the checkpoint
+    states (B, H, n_marks, F, Dv + 1) entering its backward spans after the first, the row
+    scales m and the denominators (B, H, n, 1), and the running scales R_0..R_nc
+    (B, H, nc + 1)."""
+
+    def __init__(self, state: RecurrentState, marks: Tensor, m: Tensor, den: Tensor,
+                 running: Tensor) -> None:
+        self.state, self.marks, self.m, self.den, self.running = state, marks, m, den, running
 
 
 def _key_log_scales(key_log_scale: Tensor | None, pad: Tensor | None, like: Tensor) -> Tensor:
@@ -140,9 +165,11 @@ def _key_log_scales(key_log_scale: Tensor | None, pad: Tensor | None, like: Tens
 
 def _forward_slice(q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None,
                    state: RecurrentState | None, features: FeatureFn, chunk: int,
-                   eps: float) -> tuple[Tensor, RecurrentState, Tensor | None, _Slice]:
+                   eps: float, back: int | None) -> tuple[Tensor, RecurrentState, Tensor | None,
+                                                          _Slice]:
     """One slice: the output (B, H, n, Dv), the state after, the lost-row flag (None: not
-    checked) and what its backward needs."""
+    checked) and what its backward needs, with checkpoints every ``back`` tokens (None:
+    none)."""
     kernels = _kernels()
     b, h = q.shape[:2]
     phi_q, _ = features(q, is_query=True)
@@ -150,26 +177,26 @@ def _forward_slice(q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None,
     core._check_shapes(phi_q, phi_k, None, key_log_scale)
     ls = _key_log_scales(key_log_scale, pad, phi_k)
     state = core._state_of(state, b, h, phi_k.shape[-1], v.shape[-1], phi_k)
-    num, den, m, kv, running = kernels.forward(
+    num, den, m, kv, running, marks = kernels.forward(
         phi_q.contiguous(), phi_k.contiguous(), ls, v.contiguous(), state.kv,
-        state.log_scale.reshape(b, h), chunk)
+        state.log_scale.reshape(b, h), chunk, back)
     den, m = den[..., None], m[..., None]
     out = (num / core._divisor(den, eps, m)).to(q.dtype)
     after = RecurrentState(kv.to(phi_k.dtype),
                            running[..., -1:, None].to(state.log_scale.dtype))
-    return out, after, core._lost_rows(den, eps, m), _Slice(state, m, den, running)
+    return out, after, core._lost_rows(den, eps, m), _Slice(state, marks, m, den, running)
 
 
 def _sliced(q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None, state: RecurrentState | None,
-            features: FeatureFn, chunk: int, eps: float,
-            step: int) -> tuple[Tensor, RecurrentState, list[_Slice]]:
-    """:func:`_forward_slice` slice after slice of ``step`` tokens; raises on lost rows after
-    the last (one host sync)."""
+            features: FeatureFn, chunk: int, eps: float, step: int,
+            back: int | None) -> tuple[Tensor, RecurrentState, list[_Slice]]:
+    """:func:`_forward_slice` slice after slice of ``step`` tokens (checkpoints every ``back``);
+    raises on lost rows after the last (one host sync)."""
     outs, lost, slices = [], [], []
     for a, e in core._spans(q.shape[2], step):
         out, state, flag, saved = _forward_slice(
             q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], None if pad is None else pad[:, a:e],
-            state, features, chunk, eps)
+            state, features, chunk, eps, back)
         outs.append(out)
         lost.append(flag)
         slices.append(saved)
@@ -178,27 +205,36 @@ def _sliced(q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None, state: Recurren
 
 
 class _FusedCausal(torch.autograd.Function):
-    """:func:`causal` in the fused kernels, keeping q, k, v, the output, and per slice its
-    entering state and the scalars of :class:`_Slice`: O(N (D + Dv)) between forward and
-    backward, no φ and no chunk state.
+    """:func:`causal` in the fused kernels, keeping q, k, v, the output, and per slice what
+    :class:`_Slice` lists (states every S_b tokens, S_b = :func:`backward_span_tokens`, and a
+    few scalars per token): O(N (D + Dv)) between forward and backward, no φ and no chunk state
+    beyond the checkpoints.
 
-    Backward, slice by slice from the last (:func:`effattn.kernelized.core._backward_in_spans`):
-    φ(Q), φ(K) and the keys' log-scales recomputed under autograd; the gradient of [num, den]
-    from the output's (the divisor's rule, :func:`effattn.kernelized.core._ratio_grad`); the
-    backward kernels for dφ(Q), dφ(K), dv and the entering state; ∂L/∂ls_j = φ(k_j)·dφ(k_j);
-    then autograd through the feature map to q, k and its tensors.
+    Backward, span by span of S_b tokens from the last
+    (:func:`effattn.kernelized.core._backward_in_spans`): φ(Q), φ(K) and the keys' log-scales
+    recomputed under autograd; the gradient of [num, den] from the output's (the divisor's
+    rule, :func:`effattn.kernelized.core._ratio_grad`); the backward kernels from the span's
+    checkpoint for dφ(Q), dφ(K), dv and the state entering the span; ∂L/∂ls_j =
+    φ(k_j)·dφ(k_j); then autograd through the feature map to q, k and its tensors.
     """
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
                 kv: Tensor | None, log_scale: Tensor | None, features: FeatureFn, chunk: int,
-                eps: float, step: int, *tensors: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                eps: float, steps: tuple[int, int],
+                *tensors: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        step, back = steps
         out, state, slices = _sliced(
             q, k, v, key_padding_mask, None if kv is None else RecurrentState(kv, log_scale),
-            features, chunk, eps, step)
+            features, chunk, eps, step, back)
         ctx.features, ctx.chunk, ctx.eps = features, chunk, eps
-        ctx.spans = core._spans(q.shape[2], step)
-        saved = [t for s in slices for t in (s.state.kv, s.m, s.den, s.running)]
+        # Each span: its tokens, and where its entering state is (slice, checkpoint or -1).
+        ctx.spans, ctx.where = [], []
+        for i, (a, e) in enumerate(core._spans(q.shape[2], step)):
+            for j, start in enumerate(range(a, e, back)):
+                ctx.spans.append((start, min(e, start + back)))
+                ctx.where.append((i, a, j - 1))
+        saved = [t for s in slices for t in (s.state.kv, s.marks, s.m, s.den, s.running)]
         ctx.save_for_backward(q, k, v, key_padding_mask, out, *saved, *tensors)
         ctx.mark_non_differentiable(state.log_scale)
         return out, state.kv, state.log_scale
@@ -209,13 +245,22 @@ class _FusedCausal(torch.autograd.Function):
                  _: Tensor | None) -> tuple[Tensor | None, ...]:
         q, k, v, pad, out, *rest = ctx.saved_tensors
         spans = ctx.spans
-        saved, tensors = rest[:4 * len(spans)], rest[4 * len(spans):]
+        slices = len({w[0] for w in ctx.where})
+        saved, tensors = rest[:5 * slices], rest[5 * slices:]
         kernels = _kernels()
+        chunk = kernels.blocks(ctx.chunk, 1, 1)[0]
 
         def span(i: int, leaves: list[Tensor | None],
                  d_after: Tensor | None) -> tuple[Tensor, list[Tensor | None]]:
             a, e = spans[i]
-            kv, m, den, running = saved[4 * i:4 * i + 4]
+            s, start, mark = ctx.where[i]
+            kv, marks, m, den, running = saved[5 * s:5 * s + 5]
+            if mark >= 0:
+                kv = marks[:, :, mark]
+            # The span's rows of the slice's scalars; its chunks' running scales (and the next).
+            r0, r1 = a - start, e - start
+            m, den = m[:, :, r0:r1], den[:, :, r0:r1]
+            running = running[..., r0 // chunk:-(-r1 // chunk) + 1].contiguous()
             q_s, k_s, v_s = leaves
             with torch.enable_grad():
                 phi_q, _ = ctx.features(q_s, is_query=True)
@@ -227,7 +272,7 @@ class _FusedCausal(torch.autograd.Function):
             pk = phi_k.detach().contiguous()
             d_q, d_k, d_v, d_kv_in = kernels.backward(
                 phi_q.detach().contiguous(), pk, ls.detach(), v_s.detach().contiguous(), kv,
-                m[..., 0], running, g[..., :-1], g[..., -1], d_after, ctx.chunk)
+                m[..., 0].contiguous(), running, g[..., :-1], g[..., -1], d_after, ctx.chunk)
             d_ls = (pk.to(d_k.dtype) * d_k).sum(-1)
             got = core._backprop((phi_q, phi_k, ls), (d_q.to(phi_q.dtype), d_k.to(phi_k.dtype),
                                                       d_ls.to(ls.dtype)),

@@ -16,7 +16,9 @@ the same scales as the other strategies (:func:`effattn.kernelized.chunkwise._ou
 ``_scan_factors``): every exponent <= 0 (those above the diagonal, which are masked, are
 clamped to 0 so that none overflows), and no key sets the scale of an earlier query. No
 chunk state is written to memory: per call the kernel writes the outputs, the row scales m
-(B, H, N) and the running scales R_0..R_nc (B, H, nc + 1), which the backward reads.
+(B, H, N) and the running scales R_0..R_nc (B, H, nc + 1), which the backward reads, and on
+request the states entering every S_b tokens (checkpoints, from which the backward recomputes
+spans shorter than the forward's slice).
 
 Backward (:func:`backward`), from G = ∂L/∂num, g = ∂L/∂den, dA_ij = G_i·v_j + g_i and
 dX = dA ⊙ exp(ls_j - m_i) (j <= i in the chunk):
@@ -55,8 +57,8 @@ from effattn.kernelized.core import LOG_FLOOR
 @triton.jit
 def _forward_kernel(
     q_ptr, k_ptr, ls_ptr, v_ptr, kv_in_ptr, r_in_ptr,
-    num_ptr, den_ptr, m_ptr, kv_out_ptr, r_ptr,
-    N, F, DV, NC, BH, LOG_FLOOR_: tl.constexpr,
+    num_ptr, den_ptr, m_ptr, kv_out_ptr, r_ptr, marks_ptr,
+    N, F, DV, NC, BH, EVERY, NMARKS, LOG_FLOOR_: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -74,6 +76,11 @@ def _forward_kernel(
     r = tl.load(r_in_ptr + bh).to(ACC)
     part = (kb * BH + bh) * N
     for c in range(0, NC):
+        if (c > 0) & (c % EVERY == 0):
+            mark = marks_ptr + (bh * NMARKS + c // EVERY - 1) * F * (DV + 1)
+            tl.store(mark + f[:, None] * (DV + 1) + d[None, :], s,
+                     mask=f_ok[:, None] & d_ok[None, :])
+            tl.store(mark + f * (DV + 1) + DV, z, mask=f_ok)
         t = c * BT + t0
         t_ok = t < N
         ls = tl.load(ls_ptr + bh * N + t, mask=t_ok, other=float("-inf")).to(ACC)
@@ -236,30 +243,41 @@ def _types(dtype: torch.dtype) -> dict[str, Any]:
 
 
 def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: Tensor,
-            log_scale: Tensor, chunk: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+            log_scale: Tensor, chunk: int,
+            every: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The fused causal scan: φ(Q), φ(K) (B, H, N, F), the keys' log-scales (B, H, N) (-inf at
     padded keys), v (B, H, N, Dv), the entering state kv (B, H, F, Dv + 1) at scale
     ``log_scale`` (B, H). Returns num (B, H, N, Dv) and den (B, H, N) at the row scales m
-    (B, H, N), the state after (B, H, F, Dv + 1) and the running scales R_0..R_nc
-    (B, H, nc + 1), whose last is the state after's; accumulated in fp32 (fp64 for fp64)."""
+    (B, H, N), the state after (B, H, F, Dv + 1), the running scales R_0..R_nc
+    (B, H, nc + 1), whose last is the state after's, and the states entering tokens ``every``,
+    2 ``every``, ... < N (a multiple of the chunk; None: none) at their running scales,
+    (B, H, n_marks, F, Dv + 1) (one unused slot when there are none); accumulated in fp32
+    (fp64 for fp64)."""
     b, h, n, f = phi_q.shape
     dv = v.shape[-1]
     bt, bk, bv = blocks(chunk, f, dv)
     nk, nc = triton.cdiv(f, bk), triton.cdiv(n, bt)
+    if every is not None and every % bt:
+        raise ValueError(f"checkpoints every {every} tokens: not a multiple of the chunk {bt}")
+    # In chunks; past the last chunk when there are none (the kernel then writes none).
+    every = nc + 1 if every is None else every // bt
+    n_marks = (nc - 1) // every
     acc = torch.float64 if phi_q.dtype == torch.float64 else torch.float32
     num = phi_q.new_empty(nk, b, h, n, dv, dtype=acc)
     den = phi_q.new_empty(nk, b, h, n, dtype=acc)
     m = phi_q.new_empty(b, h, n, dtype=acc)
     kv_out = phi_q.new_empty(b, h, f, dv + 1, dtype=acc)
     running = phi_q.new_empty(b, h, nc + 1, dtype=acc)
+    # A slot even when unused: a kernel argument must point at memory.
+    marks = phi_q.new_empty(b, h, max(1, n_marks), f, dv + 1, dtype=acc)
     _forward_kernel[(nk, b * h)](
         phi_q, phi_k, key_log_scale, v, kv.to(acc).contiguous(), log_scale.to(acc).contiguous(),
-        num, den, m, kv_out, running, n, f, dv, nc, b * h, LOG_FLOOR, BT=bt, BK=bk, BV=bv,
-        **_types(phi_q.dtype),
+        num, den, m, kv_out, running, marks, n, f, dv, nc, b * h, every, max(1, n_marks),
+        LOG_FLOOR, BT=bt, BK=bk, BV=bv, **_types(phi_q.dtype),
     )
     if nk > 1:
-        return num.sum(0), den.sum(0), m, kv_out, running
-    return num[0], den[0], m, kv_out, running
+        return num.sum(0), den.sum(0), m, kv_out, running, marks
+    return num[0], den[0], m, kv_out, running, marks
 
 
 def backward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: Tensor,
