@@ -335,13 +335,18 @@ def chunk_parallel(
     scores = _matmul(phi_q, phi_k.transpose(-1, -2))  # (nc, B, H, C, C)
     k_t = phi_k.transpose(-1, -2)
     kv = state.kv.to(phi_k.dtype)
-    recorded = core._recording()
+    # In place only in eager without autograd. Recorded, mul_ would overwrite what the weight's
+    # gradient reads. Compiled, functionalization turns the mutation back into a copy (the
+    # compiler plans the buffers), and tril_ on this chunk-major view of a head-major GEMM
+    # output does not trace: the view regenerated after it takes the copy's chunk-major strides,
+    # and the next GEMM's view of it fails (torch 2.13, aot_eager and inductor alike).
+    in_place = not (torch.is_grad_enabled() or torch.compiler.is_compiling())
     if fac.log_weight is None:
         # Every key at scale 0, the entering state at 0 or empty (see cpu._causal_group):
         # T = t = 1, and ω multiplies zeros where it is not 1.
         states = torch.cat([kv[:, :, None], _matmul(k_t, fac.v).movedim(0, 2)], 2).cumsum(2)
         before, after = states[:, :, :-1].movedim(2, 0), states[:, :, -1]
-        masked = scores.tril() if recorded else scores.tril_()
+        masked = scores.tril_() if in_place else scores.tril()
         out = _matmul(phi_q, before) + _matmul(masked, fac.v)
     else:
         weight = chunkwise._intra_weights(fac.log_weight, (fac.prefix - common)[..., 0])
@@ -349,7 +354,7 @@ def chunk_parallel(
             kv, _matmul(k_t, fac.v * chunkwise._to_end(fac.log_weight)), running, chunk_max,
             chunk_decay,
         )
-        weighted = scores * weight if recorded else scores.mul_(weight)
+        weighted = scores.mul_(weight) if in_place else scores * weight
         out = _matmul(phi_q, before) * inter + _matmul(weighted, fac.v)
     position = state.position + v.shape[2]
     marks = []
