@@ -108,7 +108,10 @@ def measure(method: str, n: int, kind: str, scale: int | None) -> dict[str, Any]
         # The sweep's one knob: a module constant, restored below.
         gpu.BACKWARD_SLICE_SCALE = scale
     try:
-        train()  # warm-up: lazily built tensors (features, masks) are not the call's
+        # Warm-up of both paths: lazily built tensors (features, masks; what Triton's
+        # interpreter builds at a kernel's first launch with new arguments) are not the call's.
+        train()
+        forward()
         fwd_peak = live_peak_bytes(forward)
         train_peak = live_peak_bytes(train)
         fwd_ops = count_ops(forward)
