@@ -12,8 +12,9 @@
 # results file.
 #
 #   benchmarks/gpu.sh                  # every stage (about 20 minutes on one H100 before the
-#                                      # compiled peers, whose compilation is not yet timed)
-#   benchmarks/gpu.sh tests fp32       # some stages: tests, fp32, bf16, causal, flex, banded, peers
+#                                      # compiled and triton peers, not yet timed)
+#   benchmarks/gpu.sh tests fp32       # some stages: tests, fp32, bf16, causal, flex, banded,
+#                                      # peers, compiled
 #
 # Needs torch with CUDA, numpy, matplotlib, tqdm and pytest; it runs effattn from this checkout
 # (PYTHONPATH=src), so no install is needed. A stage that fails is reported and the next one runs;
@@ -25,7 +26,7 @@ export PYTHONUNBUFFERED=1
 OUT=${EFFATTN_GPU_OUT:-benchmarks/gpu}
 mkdir -p "$OUT"
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(tests fp32 bf16 causal flex banded peers)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(tests fp32 bf16 causal flex banded peers compiled)
 
 if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "gpu.sh: no CUDA device visible to torch; nothing measured" >&2
@@ -68,11 +69,18 @@ for stage in "${STAGES[@]}"; do
         peers)
             # fla-core is pure Python: without a package index, install its wheel beforehand
             # (pip install fla_core-*.whl); without it the fla rows say "fla: not installed".
-            # Every suite runs, the compiled one included: it compiles each method afresh at every
-            # point and pass (static shapes), its rows' compile_s saying how long that took.
-            python3 benchmarks/gpu_peers.py --out "$OUT/peers" 2>&1 | tee "$OUT/peers.txt" ;;
+            # The eager suites (the triton strategy's among them); the compiled one is its own
+            # stage, since it compiles each method afresh at every point and pass.
+            python3 benchmarks/gpu_peers.py --impls effattn,fla,sdpa,spans,triton \
+                --out "$OUT/peers" 2>&1 | tee "$OUT/peers.txt" ;;
+        compiled)
+            # Eight compilations (performer and linear, bf16, N = 16384, causal and not, both
+            # passes), each row's compile_s saying how long it took; widen once that is known.
+            python3 benchmarks/gpu_peers.py --impls compiled --dtypes bf16 --lengths 16384 \
+                --methods performer,linear --out "$OUT/peers-compiled" \
+                2>&1 | tee "$OUT/peers-compiled.txt" ;;
         *)
-            echo "gpu.sh: unknown stage '$stage' (stages: tests fp32 bf16 causal flex banded peers)" >&2
+            echo "gpu.sh: unknown stage '$stage' (stages: tests fp32 bf16 causal flex banded peers compiled)" >&2
             exit 2 ;;
     esac
     rc=$?

@@ -452,10 +452,12 @@ def plot(rows: Iterable[Mapping[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def points(device: torch.device, smoke: bool, dtypes: Iterable[str]) -> Iterator[Point]:
+def points(device: torch.device, smoke: bool, dtypes: Iterable[str],
+           only: Iterable[int] | None = None) -> Iterator[Point]:
+    """The shapes of the sweep (``only``: those of these lengths)."""
     for dtype in dtypes:
         for batch, heads, lengths in SMOKE_SHAPES if smoke else FULL_SHAPES:
-            for n in lengths:
+            for n in (n for n in lengths if only is None or n in only):
                 for causal in (True, False):
                     yield Point(n, batch, heads, dtype, causal, device)
 
@@ -471,6 +473,9 @@ def main(argv: list[str] | None = None, suites: Mapping[str, Suite] = SUITES,
     parser.add_argument("--methods", default=",".join(labels),
                         help="comma-separated kernelized methods (default all): "
                              + ", ".join(labels))
+    full = sorted({n for _, _, lengths in FULL_SHAPES for n in lengths})
+    parser.add_argument("--lengths", default=None,
+                        help=f"comma-separated lengths of the sweep (default all: {full})")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls without do_bench")
     parser.add_argument("--out", type=Path, default=default_out)
     args = parser.parse_args(argv)
@@ -478,7 +483,20 @@ def main(argv: list[str] | None = None, suites: Mapping[str, Suite] = SUITES,
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_peers: no CUDA device visible to torch; nothing measured", file=sys.stderr)
         return 2
+    unknown_impls = sorted(set(args.impls.split(",")) - set(suites))
+    if unknown_impls:
+        print(f"gpu_peers: --impls: unknown {unknown_impls}; choose from {list(suites)}",
+              file=sys.stderr)
+        return 2
     chosen = {name: suites[name] for name in args.impls.split(",")}
+    lengths = None
+    if args.lengths is not None:
+        lengths = {int(x) for x in args.lengths.split(",") if x.isdigit()}
+        if not lengths or len(lengths) != len(args.lengths.split(",")) or \
+                not lengths <= set(full):
+            print(f"gpu_peers: --lengths: {args.lengths!r} is not a comma-separated subset of "
+                  f"{full}", file=sys.stderr)
+            return 2
     wanted = args.methods.split(",")
     unknown_methods = sorted(set(wanted) - set(labels))
     if unknown_methods:
@@ -492,8 +510,8 @@ def main(argv: list[str] | None = None, suites: Mapping[str, Suite] = SUITES,
         parser.error(f"unknown dtypes {sorted(unknown)}; choose from {sorted(DTYPES)}")
     args.out.mkdir(parents=True, exist_ok=True)
     machine = machine_info(device)
-    rows = measure(chosen, points(device, args.smoke, dtypes), args.out, args.repeats, machine,
-                   methods)
+    rows = measure(chosen, points(device, args.smoke, dtypes, None if args.smoke else lengths),
+                   args.out, args.repeats, machine, methods)
     plot(rows, args.out / "results.png")
     print(f"wrote {args.out / 'results.json'} and results.png ({len(rows)} rows, "
           f"{gpu_label(machine) or 'cpu'})")

@@ -118,3 +118,21 @@ def test_triton_rows_force_the_fused_strategy_for_the_causal_methods(tmp_path):
     (eager,) = peers.effattn_suite(p, [("performer", {})])
     with torch.no_grad(), strategy.force(kernelized="gpu"):
         torch.testing.assert_close(fused_case.run(), eager.run(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--impls", "effattn,nope"], "--impls"),
+    (["--lengths", "4096,5"], "--lengths"),
+    (["--lengths", "x"], "--lengths"),
+])
+def test_bad_impls_or_lengths_exit_2_with_one_line(argv, says, tmp_path, capsys):
+    assert peers.main(["--device", "cpu", *argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_lengths_narrow_the_sweep():
+    chosen = list(peers.points(torch.device("cpu"), False, ["bf16"], {4096}))
+    assert {(p.n, p.batch) for p in chosen} == {(4096, 1), (4096, 8)}
+    assert len(chosen) == 4  # causal and not
