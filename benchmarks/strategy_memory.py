@@ -14,7 +14,7 @@ causal budget, capped at the forward's slice): the trade of transient memory for
 kernels, ``effattn.kernelized.fused``) runs them under Triton's interpreter here, which this
 script turns on (slow: about a minute per call at N = 4096). Its kernels allocate nothing
 themselves, and their launches are not ATen operations: ``launches`` counts them (1 per
-forward slice, 2 per backward slice), 0 on the other rows.
+forward slice, 2 per backward span), 0 on the other rows.
 
     PYTHONPATH=src python3 benchmarks/strategy_memory.py --lengths 4096,16384,65536
     PYTHONPATH=src python3 benchmarks/strategy_memory.py --strategies gpu,triton --lengths 4096
@@ -39,7 +39,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import effattn
 from effattn import strategy
-from effattn.kernelized import gpu
+from effattn.kernelized import core, fused, gpu
 from effattn.tools.bench.accounting import count_ops, live_peak_bytes
 from effattn.tools.bench.machine import describe, machine_info
 from effattn.tools.bench.memory import MiB
@@ -87,10 +87,12 @@ def measure(method: str, n: int, kind: str, scale: int | None) -> dict[str, Any]
     else:
         module = effattn.build(method, head_dim=64, heads=8, seed=0)
         if kind == "triton":
-            # One launch per forward slice, two per backward slice (effattn.kernelized.fused).
+            # One launch per forward slice, two per backward span (effattn.kernelized.fused).
             step = gpu.slice_tokens(8, module.feature_dim, 64, module.chunk_size,
                                     module.slice_elements)
-            launches = 3 * -(-n // step)
+            back = fused.backward_span_tokens(8, module.feature_dim, 64, module.chunk_size,
+                                              module.slice_elements, torch.float32)
+            launches = sum(1 + 2 * -(-(e - a) // back) for a, e in core._spans(n, step))
 
         def attend() -> torch.Tensor:
             with strategy.force(kernelized=kind):
@@ -108,10 +110,11 @@ def measure(method: str, n: int, kind: str, scale: int | None) -> dict[str, Any]
         # The sweep's one knob: a module constant, restored below.
         gpu.BACKWARD_SLICE_SCALE = scale
     try:
-        # Warm-up of both paths: lazily built tensors (features, masks; what Triton's
-        # interpreter builds at a kernel's first launch with new arguments) are not the call's.
+        # Warm-up of both paths, under the profiler: lazily built tensors (features, masks, and
+        # ~16 MiB that a first profiled call of the triton strategy holds, at N = 4096) are not
+        # the call's.
         train()
-        forward()
+        live_peak_bytes(forward)
         fwd_peak = live_peak_bytes(forward)
         train_peak = live_peak_bytes(train)
         fwd_ops = count_ops(forward)

@@ -188,7 +188,7 @@ def test_backward_spans_start_from_the_forwards_checkpoints(pad, launches):
     module = make("performer", {})
     module.slice_elements = 320
     assert gpu.slice_tokens(6, module.feature_dim, 5, 16, 320) == 48
-    assert fused.backward_span_tokens(6, module.feature_dim, 5, 16, 320) == 16
+    assert fused.backward_span_tokens(6, module.feature_dim, 5, 16, 320, torch.float64) == 16
     q, k, v = (t.requires_grad_(True) for t in qkv(n=130, d=21, dv=5, scale=0.5))
     mask = padding(2, 130) if pad else None
     out = module(q, k, v, causal=True, key_padding_mask=mask)

@@ -39,7 +39,7 @@ def test_small_run_writes_rows_csv_and_plot(tmp_path):
 
 def test_triton_rows_count_their_launches(tmp_path):
     """The fused kernels under Triton's interpreter: fewer operations than the GPU strategy,
-    and their launches apart (one slice: 1 forward, 2 backward)."""
+    and their launches apart (one slice and one backward span: 1 forward, 2 backward)."""
     pytest.importorskip("triton")
     assert bench.main(["--methods", "linear", "--lengths", "96", "--strategies", "gpu,triton",
                        "--out", str(tmp_path)]) == 0

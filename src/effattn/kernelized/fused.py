@@ -31,7 +31,9 @@ Triton's interpreter, for tests: ``TRITON_INTERPRET=1`` set before effattn's ker
 imported.
 
 ``chunk_size`` is rounded up to a power of two of at least 16 (the smallest tile of Triton's
-``tl.dot``): the chunk only sets where the exact C x C blocks end, not the result.
+``tl.dot``) and capped by dtype (:func:`effattn.kernelized.fused_kernels.tile`: 32 in half
+precision, 16 in fp32 and fp64, what the kernels' registers and shared memory allow): the chunk
+only sets where the exact C x C blocks end, not the result.
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ def causal(
         if core._needs_grad(q, k, v, None if state is None else state.kv, *tensors):
             kv, scale = (None, None) if state is None else (state.kv, state.log_scale)
             back = backward_span_tokens(b * h, feature_dim, v.shape[-1], chunk_size,
-                                        slice_elements)
+                                        slice_elements, q.dtype)
             out, kv, scale = _FusedCausal.apply(q, k, v, key_padding_mask, kv, scale, features,
                                                 chunk_size, eps, (step, back), *tensors)
             return out, RecurrentState(kv, scale, position + n), None
@@ -134,11 +136,11 @@ def causal(
 
 
 def backward_span_tokens(batch_heads: int, feature_dim: int, value_dim: int, chunk_size: int,
-                         slice_elements: int) -> int:
+                         slice_elements: int, dtype: torch.dtype) -> int:
     """Tokens per span of :class:`_FusedCausal`'s backward: ``BACKWARD_SLICE_SCALE`` times the
-    CPU strategy's causal budget, a multiple of the kernels' chunk (where checkpoints can be
-    written)."""
-    chunk = max(16, 1 << (chunk_size - 1).bit_length())  # fused_kernels.blocks' chunk
+    CPU strategy's causal budget, a multiple of the kernels' chunk for ``dtype`` (where
+    checkpoints can be written)."""
+    chunk = _kernels().tile(chunk_size, dtype)
     return core.causal_slice_tokens(batch_heads, feature_dim, value_dim, chunk,
                                     slice_elements * BACKWARD_SLICE_SCALE)
 
@@ -248,7 +250,7 @@ class _FusedCausal(torch.autograd.Function):
         slices = len({w[0] for w in ctx.where})
         saved, tensors = rest[:5 * slices], rest[5 * slices:]
         kernels = _kernels()
-        chunk = kernels.blocks(ctx.chunk, 1, 1)[0]
+        chunk = kernels.tile(ctx.chunk, q.dtype)
 
         def span(i: int, leaves: list[Tensor | None],
                  d_after: Tensor | None) -> tuple[Tensor, list[Tensor | None]]:

@@ -34,7 +34,7 @@ dX = dA ⊙ exp(ls_j - m_i) (j <= i in the chunk):
 A program holds one block of BK features and all Dv values, so that the sums over features
 (num, den, dv) come out per feature block and are added by the caller; the rest needs no
 reduction across programs. Grid: (F / BK, B H). The chunk C is a power of two >= 16 (tl.dot's
-smallest tile).
+smallest tile; :func:`tile`), with 8 warps a program (:func:`meta`).
 
 On the CPU these run under Triton's interpreter (``TRITON_INTERPRET=1`` before this module is
 imported), which is how CI tests them.
@@ -223,23 +223,37 @@ def _backward_keys_kernel(
     tl.store(dkv_in_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, uz, mask=f_ok)
 
 
-def blocks(chunk: int, feature_dim: int, value_dim: int) -> tuple[int, int, int]:
-    """(C, BK, BV): the chunk (``chunk`` rounded up to a power of two, at least 16), the feature
-    block (at most 64: a (BK, Dv) state tile stays in registers) and the value width (Dv
-    rounded up to a power of two, at least 16)."""
-    bt = max(16, triton.next_power_of_2(chunk))
-    bk = min(64, max(16, triton.next_power_of_2(feature_dim)))
-    bv = max(16, triton.next_power_of_2(value_dim))
-    return bt, bk, bv
+# The kernels, and how their arguments are typed (benchmarks/triton_resources.py compiles them
+# ahead of time with these): pointers to inputs of the call's dtype, integers, and the rest
+# pointers to accumulator-typed buffers.
+KERNELS = (_forward_kernel, _backward_queries_kernel, _backward_keys_kernel)
+INPUTS = frozenset({"q_ptr", "k_ptr", "v_ptr", "ls_ptr", "gn_ptr"})
+INTEGERS = frozenset({"N", "F", "DV", "NC", "BH", "EVERY", "NMARKS"})
 
 
-def _types(dtype: torch.dtype) -> dict[str, Any]:
-    """The kernels' accumulator type (fp32; fp64 for fp64 inputs) and the precision of their
-    fp32 products: IEEE, as torch's fp32 matmuls are by default (Triton's default, TF32, keeps
-    10 bits of mantissa)."""
+def tile(chunk: int, dtype: torch.dtype) -> int:
+    """The kernels' chunk C: ``chunk`` rounded up to a power of two, at least 16 (tl.dot's
+    smallest tile), at most 32 in half precision and 16 in fp32 and fp64. The caps are what
+    compiling the kernels for sm_80 and sm_90 found (benchmarks/triton_resources.py): larger
+    tiles spill registers, and the keys' backward in fp64 with C = 32 needs more shared memory
+    than an A100 has. The chunk only sets where the exact C x C blocks end, not the result."""
+    cap = 32 if dtype in (torch.bfloat16, torch.float16) else 16
+    return min(cap, max(16, triton.next_power_of_2(chunk)))
+
+
+def meta(dtype: torch.dtype, chunk: int, feature_dim: int, value_dim: int) -> dict[str, Any]:
+    """The launch's constexprs and warps for inputs of ``dtype``: the chunk BT (:func:`tile`),
+    the feature block BK (at most 64: a (BK, Dv) state tile in registers), the value width BV
+    (Dv rounded up to a power of two, at least 16), the accumulator type (fp32; fp64 for fp64
+    inputs), the precision of fp32 products (IEEE, as torch's fp32 matmuls are by default;
+    Triton's own default, TF32, keeps 10 bits of mantissa) and 8 warps (with 4, a (64, 64) fp32
+    state and the chunk's tiles spill registers in bf16 on sm_90)."""
     wide = dtype in (torch.float32, torch.float64)
-    return {"ACC": tl.float64 if dtype == torch.float64 else tl.float32,
-            "PRECISION": "ieee" if wide else "tf32"}
+    return {"BT": tile(chunk, dtype),
+            "BK": min(64, max(16, triton.next_power_of_2(feature_dim))),
+            "BV": max(16, triton.next_power_of_2(value_dim)),
+            "ACC": tl.float64 if dtype == torch.float64 else tl.float32,
+            "PRECISION": "ieee" if wide else "tf32", "num_warps": 8}
 
 
 def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: Tensor,
@@ -255,8 +269,9 @@ def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: 
     (fp64 for fp64)."""
     b, h, n, f = phi_q.shape
     dv = v.shape[-1]
-    bt, bk, bv = blocks(chunk, f, dv)
-    nk, nc = triton.cdiv(f, bk), triton.cdiv(n, bt)
+    config = meta(phi_q.dtype, chunk, f, dv)
+    bt = config["BT"]
+    nk, nc = triton.cdiv(f, config["BK"]), triton.cdiv(n, bt)
     if every is not None and every % bt:
         raise ValueError(f"checkpoints every {every} tokens: not a multiple of the chunk {bt}")
     # In chunks; past the last chunk when there are none (the kernel then writes none).
@@ -273,7 +288,7 @@ def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: 
     _forward_kernel[(nk, b * h)](
         phi_q, phi_k, key_log_scale, v, kv.to(acc).contiguous(), log_scale.to(acc).contiguous(),
         num, den, m, kv_out, running, marks, n, f, dv, nc, b * h, every, max(1, n_marks),
-        LOG_FLOOR, BT=bt, BK=bk, BV=bv, **_types(phi_q.dtype),
+        LOG_FLOOR, **config,
     )
     if nk > 1:
         return num.sum(0), den.sum(0), m, kv_out, running, marks
@@ -290,8 +305,8 @@ def backward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv:
     ∂L/∂ls_j = φ(k_j)·∂L/∂φ(k_j)."""
     b, h, n, f = phi_q.shape
     dv = v.shape[-1]
-    bt, bk, bv = blocks(chunk, f, dv)
-    nk, nc = triton.cdiv(f, bk), triton.cdiv(n, bt)
+    config = meta(phi_q.dtype, chunk, f, dv)
+    nk, nc = triton.cdiv(f, config["BK"]), triton.cdiv(n, config["BT"])
     acc = running.dtype
     d_num = d_num.to(v.dtype).contiguous()
     d_den = d_den.to(acc).contiguous()
@@ -304,11 +319,10 @@ def backward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv:
     grid = (nk, b * h)
     _backward_queries_kernel[grid](
         phi_k, key_log_scale, v, kv.to(acc).contiguous(), m, running, d_num, d_den, d_q,
-        n, f, dv, nc, BT=bt, BK=bk, BV=bv, **_types(phi_q.dtype),
+        n, f, dv, nc, **config,
     )
     _backward_keys_kernel[grid](
         phi_q, phi_k, key_log_scale, v, m, running, d_num, d_den,
-        d_after.to(acc).contiguous(), d_k, d_v, d_kv, n, f, dv, nc, b * h, BT=bt, BK=bk, BV=bv,
-        **_types(phi_q.dtype),
+        d_after.to(acc).contiguous(), d_k, d_v, d_kv, n, f, dv, nc, b * h, **config,
     )
     return d_q, d_k, d_v.sum(0) if nk > 1 else d_v[0], d_kv

@@ -1,0 +1,151 @@
+"""What the triton strategy's kernels need of a GPU, found without one: each kernel compiled
+ahead of time for a CUDA architecture, with its registers per thread, spilled bytes (stack) and
+shared memory per program.
+
+Triton compiles for a target without a driver (``triton.compile`` with a ``GPUTarget``; its
+wheel brings ``ptxas`` and ``cuobjdump``), so a CPU machine can say whether a kernel fits a
+GPU's shared memory (a kernel over the limit does not launch), and whether it spills registers
+to local memory (slower, not wrong), at the tile sizes ``effattn.kernelized.fused_kernels.meta``
+chooses for each dtype. Not its speed: that needs the GPU (``benchmarks/gpu_peers.py``).
+
+    python3 benchmarks/triton_resources.py                     # sm_80 and sm_90, every dtype
+    python3 benchmarks/triton_resources.py --archs 90 --dtypes bf16
+
+Writes ``<out>/results.json`` and ``results.csv``; exits 2 with one line on a bad argument or
+without triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from effattn.tools.bench.machine import describe, machine_info
+from effattn.tools.bench.results import write_csv, write_json
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+          "fp64": torch.float64}
+# Shared memory a program may use, per architecture (bytes; the CUDA programming guide's
+# maximum per block with opt-in).
+SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+FIELDS = ["arch", "dtype", "kernel", "chunk", "feature_block", "num_warps", "registers",
+          "spill_bytes", "shared_bytes", "shared_limit", "fits"]
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    unknown = sorted(set(values) - set(SHARED_LIMIT))
+    if unknown or not values:
+        raise argparse.ArgumentTypeError(
+            f"unknown architectures {unknown or text!r}; choose from {sorted(SHARED_LIMIT)}")
+    return values
+
+
+def _dtypes(text: str) -> list[str]:
+    names = [x for x in text.split(",") if x]
+    unknown = sorted(set(names) - set(DTYPES))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown dtypes {unknown or text!r}; choose from {sorted(DTYPES)}")
+    return names
+
+
+def compile_kernel(kernel: Any, arch: int, dtype: torch.dtype, feature_dim: int = 256,
+                   value_dim: int = 64, chunk: int = 32) -> dict[str, Any]:
+    """Compile one kernel of ``effattn.kernelized.fused_kernels`` for sm_<arch> with the
+    launch's constexprs for ``dtype`` and return its resources."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from effattn.kernelized import fused_kernels
+
+    if not isinstance(kernel, JITFunction):
+        kernel = JITFunction(kernel.fn)  # the interpreter's wrapper (TRITON_INTERPRET=1)
+    meta = fused_kernels.meta(dtype, chunk, feature_dim, value_dim)
+    warps = meta.pop("num_warps")
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+             torch.float64: "fp64"}
+    inputs, acc = "*" + short[dtype], "*" + ("fp64" if dtype == torch.float64 else "fp32")
+    constants = {**meta, "LOG_FLOOR_": fused_kernels.LOG_FLOOR}
+    signature, constexprs = {}, {}
+    for name in kernel.arg_names:
+        if name in constants:
+            signature[name], constexprs[name] = "constexpr", constants[name]
+        elif name in fused_kernels.INTEGERS:
+            signature[name] = "i32"
+        else:
+            signature[name] = inputs if name in fused_kernels.INPUTS else acc
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Triton's notice about its FP-fusion default
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs),
+                                  target=GPUTarget("cuda", arch, 32),
+                                  options={"num_warps": warps})
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = Path(folder) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True,
+                               text=True, check=True).stdout
+    fields = dict(item.split(":")[:2] for line in usage.splitlines() if "REG:" in line
+                  for item in line.split() if ":" in item)
+    shared = int(compiled.metadata.shared)
+    return {"arch": arch, "dtype": short[dtype], "kernel": kernel.__name__.strip("_"),
+            "chunk": meta["BT"], "feature_block": meta["BK"], "num_warps": warps,
+            "registers": int(fields["REG"]), "spill_bytes": int(fields["STACK"]),
+            "shared_bytes": shared, "shared_limit": SHARED_LIMIT[arch],
+            "fits": shared <= SHARED_LIMIT[arch]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--archs", type=_ints, default=[80, 90],
+                        help="CUDA architectures, e.g. 80,90 (default)")
+    parser.add_argument("--dtypes", type=_dtypes, default=list(DTYPES),
+                        help="comma-separated: " + ", ".join(DTYPES))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/triton-resources"))
+    args = parser.parse_args(argv)
+    try:
+        from effattn.kernelized import fused_kernels
+    except ImportError as err:
+        parser.exit(2, f"triton_resources: needs triton ({err})\n")
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        parser.exit(2, f"--out {args.out}: {err.strerror}\n")
+    print(describe(machine_info()))
+    rows = []
+    try:
+        for arch in args.archs:
+            for name in args.dtypes:
+                for kernel in fused_kernels.KERNELS:
+                    rows.append(compile_kernel(kernel, arch, DTYPES[name]))
+                    r = rows[-1]
+                    print(f"sm_{arch} {name:4s} {r['kernel']:24s} C={r['chunk']:2d} "
+                          f"BK={r['feature_block']} warps={r['num_warps']} "
+                          f"regs={r['registers']:3d} spill={r['spill_bytes']:5d} B "
+                          f"shared={r['shared_bytes'] / 1024:6.1f} KiB"
+                          f"{'' if r['fits'] else ' DOES NOT FIT'}", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted: nothing written; rerun the same command", file=sys.stderr)
+        return 130
+    write_json(args.out / "results.json", {"machine": machine_info(), "rows": rows,
+                                           "triton": __import__("triton").__version__})
+    write_csv(args.out / "results.csv", rows, FIELDS)
+    print(f"wrote {args.out}/results.json and results.csv")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""The triton strategy's kernels compiled ahead of time for GPUs (no driver needed), by
+benchmarks/triton_resources.py: they compile for sm_80 and sm_90 in every dtype and fit the
+architecture's shared memory, and in bf16 (the dtype they are for) spill no register on sm_90.
+
+The script runs in a process of its own without TRITON_INTERPRET (which tests/conftest.py sets
+here for the kernels' CPU tests): under the interpreter's settings Triton's compiler fails."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import load_script
+
+pytest.importorskip("triton")
+
+from effattn.kernelized import fused_kernels  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "triton_resources.py"
+resources = load_script(SCRIPT, "triton_resources_benchmark")
+
+
+def _run(tmp_path, *argv):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT / "src")
+    done = subprocess.run([sys.executable, str(SCRIPT), *argv, "--out", str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "results.csv").read_text().startswith(",".join(resources.FIELDS))
+    return json.loads((tmp_path / "results.json").read_text())["rows"]
+
+
+def test_bf16_kernels_compile_for_sm90_without_spills(tmp_path):
+    rows = _run(tmp_path, "--archs", "90", "--dtypes", "bf16")
+    assert [r["kernel"] for r in rows] == [k.__name__.strip("_") for k in fused_kernels.KERNELS]
+    for r in rows:
+        assert r["fits"] and r["spill_bytes"] == 0, r
+        assert (r["num_warps"], r["chunk"], r["feature_block"]) == (8, 32, 64), r
+
+
+@pytest.mark.slow  # fp32 products in IEEE compile slowly: a minute or two in all
+def test_every_dtype_fits_both_architectures(tmp_path):
+    rows = _run(tmp_path, "--archs", "80,90", "--dtypes", "fp16,fp32,fp64")
+    assert len(rows) == 2 * 3 * len(fused_kernels.KERNELS)
+    assert all(r["fits"] for r in rows), [r for r in rows if not r["fits"]]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--archs", "70"], "unknown architectures"),
+    (["--dtypes", "int8"], "unknown dtypes"),
+])
+def test_bad_arguments_exit_2_with_one_line(argv, says, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        resources.main([*argv, "--out", str(tmp_path)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
