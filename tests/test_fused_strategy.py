@@ -231,19 +231,15 @@ def test_inference_equals_training_forward_and_the_gpu_strategy(launches):
     assert launches["forward"] == 1 and launches["gpu"] == 1
 
 
-@pytest.mark.parametrize("case", ["gated", "hybrid", "non-causal", "hedgehog-exp"])
+@pytest.mark.parametrize("case", ["gated", "non-causal", "hedgehog-exp"])
 def test_what_the_kernels_do_not_run_goes_to_the_gpu_strategy(case, launches):
-    """Gated RFA and the window hybrid's normalised form: the GPU strategy's causal form;
-    non-causal: its key state and read-out; hedgehog's exp form: the per-feature core's GPU
-    form (kernelized.exponents_gpu)."""
+    """Gated RFA: the GPU strategy's causal form; non-causal: its key state and read-out;
+    hedgehog's exp form: the per-feature core's GPU form (kernelized.exponents_gpu)."""
     q, k, v = (t.requires_grad_(True) for t in qkv(n=40, d=21, dv=5, scale=0.5))
     kw = {"causal": case != "non-causal"}
     if case == "gated":
         module = make("rfa", {"gated": True})
         kw["gate"] = torch.sigmoid(torch.randn(2, 3, 40, dtype=torch.float64))
-    elif case == "hybrid":
-        module = make("hedgehog", {"window": 8, "window_factor": True,
-                                   "feature_map": "softmax_dim"})
     elif case == "hedgehog-exp":
         module = make("hedgehog", {})
     else:
@@ -253,7 +249,43 @@ def test_what_the_kernels_do_not_run_goes_to_the_gpu_strategy(case, launches):
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
     out.sum().backward()
     assert launches["forward"] == launches["backward"] == 0
-    assert launches["gpu"] == (1 if case in ("gated", "hybrid") else 0)
+    assert launches["gpu"] == (1 if case == "gated" else 0)
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_window_hybrid_normaliser_runs_the_kernels(pad, launches):
+    """The hybrid's linear part (kernelized_causal_normalised) through the kernels: output and
+    the gradients of q, k, v and the map's parameters against the float64 reference, and the
+    normaliser (log |d|, sign) with its gradient against the GPU strategy's; backward spans
+    shorter than the slices."""
+    module = make("hedgehog", {"window": 8, "window_factor": True,
+                               "feature_map": "softmax_dim"})
+    module.slice_elements = 320
+    q, k, v = (t.requires_grad_(True) for t in qkv(n=63, d=21, dv=5, scale=0.5))
+    mask = padding(2, 63) if pad else None
+    params = [q, k, v, *module.parameters()]
+    out = module(q, k, v, causal=True, key_padding_mask=mask)
+    ref = module.spec.reference(module, q, k, v, causal=True, key_padding_mask=mask)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    for a, b in zip(torch.autograd.grad(out.square().sum(), params),
+                    torch.autograd.grad(ref.square().sum(), params), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-7)
+    assert launches["forward"] >= 1 and launches["backward"] > launches["forward"]
+    assert launches["gpu"] == 0
+    normalised = {}
+    for name in ("triton", "gpu"):
+        with strategy.force(kernelized=name):
+            o, _, norm = core.kernelized_causal_normalised(
+                q, k, v, module.features, feature_dim=module.feature_dim,
+                key_padding_mask=mask, chunk_size=16, slice_elements=320)
+            probe = (o.sum() + torch.where(norm.sign != 0, norm.log_abs, 0.0).sum())
+            normalised[name] = (o, norm, torch.autograd.grad(probe, (q, k, v)))
+    (o, norm, grads), (o_ref, norm_ref, grads_ref) = normalised["triton"], normalised["gpu"]
+    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(norm.log_abs, norm_ref.log_abs, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(norm.sign, norm_ref.sign)
+    for a, b in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
 def test_compiled_calls_run_the_gpu_strategy(launches):

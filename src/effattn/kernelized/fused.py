@@ -13,13 +13,14 @@ divisor and the lost-row check are the other strategies'; the results agree to r
 
 What it runs and what it hands on:
 
-- causal, ungated, without the hybrid's normaliser, eager: the fused kernels, in the GPU
-  strategy's slices (:func:`effattn.kernelized.gpu.slice_tokens`), each handing its state to
-  the next; training keeps q, k, v, the output, two scalars per token and a checkpoint state
-  every S_b tokens (written by the forward kernel), and the backward recomputes φ span by span
-  of S_b tokens (:func:`backward_span_tokens`, :class:`_FusedCausal`);
-- gated RFA, the window hybrid's normalised form, and calls traced by ``torch.compile``
-  (whose inductor fuses the GPU strategy's ATen operations itself): the GPU strategy;
+- causal, ungated, eager (the window hybrid's normalised form too: its log |d| comes from the
+  kernels' denominators and row scales): the fused kernels, in the GPU strategy's slices
+  (:func:`effattn.kernelized.gpu.slice_tokens`), each handing its state to the next; training
+  keeps q, k, v, the output, two scalars per token and a checkpoint state every S_b tokens
+  (written by the forward kernel), and the backward recomputes φ span by span of S_b tokens
+  (:func:`backward_span_tokens`, :class:`_FusedCausal`);
+- gated RFA, and calls traced by ``torch.compile`` (whose inductor fuses the GPU strategy's
+  ATen operations itself): the GPU strategy;
 - non-causal and cross-attention (two batched GEMMs already), and decoding: the GPU strategy's
   functions.
 
@@ -104,7 +105,7 @@ def causal(
     Raises RuntimeError where triton is missing or, on CPU tensors, not interpreting; and
     :class:`~effattn.kernelized.core.DenominatorUnderflowError` as the other strategies do.
     """
-    if gate is not None or normaliser or torch.compiler.is_compiling():
+    if gate is not None or torch.compiler.is_compiling():
         return gpu.causal(q, k, v, features, state, feature_dim=feature_dim,
                           key_padding_mask=key_padding_mask, gate=gate, chunk_size=chunk_size,
                           eps=eps, slice_elements=slice_elements,
@@ -127,12 +128,14 @@ def causal(
             kv, scale = (None, None) if state is None else (state.kv, state.log_scale)
             back = backward_span_tokens(b * h, feature_dim, v.shape[-1], chunk_size,
                                         slice_elements, q.dtype)
-            out, kv, scale = _FusedCausal.apply(q, k, v, key_padding_mask, kv, scale, features,
-                                                chunk_size, eps, (step, back), *tensors)
-            return out, RecurrentState(kv, scale, position + n), None
-    out, after, _ = _sliced(q, k, v, key_padding_mask, state, features, chunk_size, eps, step,
-                            None)
-    return out, RecurrentState(after.kv, after.log_scale, position + n), None
+            out, kv, scale, log_abs, sign = _FusedCausal.apply(
+                q, k, v, key_padding_mask, kv, scale, features, chunk_size, eps, (step, back),
+                normaliser, *tensors)
+            return (out, RecurrentState(kv, scale, position + n),
+                    Normaliser(log_abs, sign) if normaliser else None)
+    out, after, norm, _ = _sliced(q, k, v, key_padding_mask, state, features, chunk_size, eps,
+                                  step, None, normaliser)
+    return out, RecurrentState(after.kv, after.log_scale, position + n), norm
 
 
 def backward_span_tokens(batch_heads: int, feature_dim: int, value_dim: int, chunk_size: int,
@@ -167,14 +170,15 @@ def _key_log_scales(key_log_scale: Tensor | None, pad: Tensor | None, like: Tens
 
 def _forward_slice(q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None,
                    state: RecurrentState | None, features: FeatureFn, chunk: int,
-                   eps: float, back: int | None) -> tuple[Tensor, RecurrentState, Tensor | None,
-                                                          _Slice]:
-    """One slice: the output (B, H, n, Dv), the state after, the lost-row flag (None: not
+                   eps: float, back: int | None, normaliser: bool,
+                   ) -> tuple[Tensor, RecurrentState, Normaliser | None, Tensor | None, _Slice]:
+    """One slice: the output (B, H, n, Dv), the state after, with ``normaliser`` each query's
+    :class:`~effattn.kernelized.core.Normaliser` (else None), the lost-row flag (None: not
     checked) and what its backward needs, with checkpoints every ``back`` tokens (None:
     none)."""
     kernels = _kernels()
     b, h = q.shape[:2]
-    phi_q, _ = features(q, is_query=True)
+    phi_q, query_log_scale = features(q, is_query=True)
     phi_k, key_log_scale = features(k, is_query=False)
     core._check_shapes(phi_q, phi_k, None, key_log_scale)
     ls = _key_log_scales(key_log_scale, pad, phi_k)
@@ -186,24 +190,30 @@ def _forward_slice(q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None,
     out = (num / core._divisor(den, eps, m)).to(q.dtype)
     after = RecurrentState(kv.to(phi_k.dtype),
                            running[..., -1:, None].to(state.log_scale.dtype))
-    return out, after, core._lost_rows(den, eps, m), _Slice(state, marks, m, den, running)
+    norm = Normaliser(*core._normaliser(den, eps, m, query_log_scale)) if normaliser else None
+    return out, after, norm, core._lost_rows(den, eps, m), _Slice(state, marks, m, den, running)
 
 
 def _sliced(q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None, state: RecurrentState | None,
-            features: FeatureFn, chunk: int, eps: float, step: int,
-            back: int | None) -> tuple[Tensor, RecurrentState, list[_Slice]]:
+            features: FeatureFn, chunk: int, eps: float, step: int, back: int | None,
+            normaliser: bool) -> tuple[Tensor, RecurrentState, Normaliser | None, list[_Slice]]:
     """:func:`_forward_slice` slice after slice of ``step`` tokens (checkpoints every ``back``);
     raises on lost rows after the last (one host sync)."""
-    outs, lost, slices = [], [], []
+    outs, norms, lost, slices = [], [], [], []
     for a, e in core._spans(q.shape[2], step):
-        out, state, flag, saved = _forward_slice(
+        out, state, norm, flag, saved = _forward_slice(
             q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], None if pad is None else pad[:, a:e],
-            state, features, chunk, eps, back)
+            state, features, chunk, eps, back, normaliser)
         outs.append(out)
+        norms.append(norm)
         lost.append(flag)
         slices.append(saved)
     core._raise_if_lost(lost, q.dtype)
-    return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), state, slices
+    norm = None
+    if normaliser:
+        norm = Normaliser(torch.cat([x.log_abs for x in norms], 2),
+                          torch.cat([x.sign for x in norms], 2))
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), state, norm, slices
 
 
 class _FusedCausal(torch.autograd.Function):
@@ -213,9 +223,11 @@ class _FusedCausal(torch.autograd.Function):
     beyond the checkpoints.
 
     Backward, span by span of S_b tokens from the last
-    (:func:`effattn.kernelized.core._backward_in_spans`): φ(Q), φ(K) and the keys' log-scales
+    (:func:`effattn.kernelized.core._backward_in_spans`): φ(Q), φ(K) and the log-scales
     recomputed under autograd; the gradient of [num, den] from the output's (the divisor's
-    rule, :func:`effattn.kernelized.core._ratio_grad`); the backward kernels from the span's
+    rule, :func:`effattn.kernelized.core._ratio_grad`) and, for the hybrid, from the
+    normaliser's log |d| (1 / d to the denominator where d is it, and all of it to the query's
+    log-scale); the backward kernels from the span's
     checkpoint for dφ(Q), dφ(K), dv and the state entering the span; ∂L/∂ls_j =
     φ(k_j)·dφ(k_j); then autograd through the feature map to q, k and its tensors.
     """
@@ -223,13 +235,13 @@ class _FusedCausal(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
                 kv: Tensor | None, log_scale: Tensor | None, features: FeatureFn, chunk: int,
-                eps: float, steps: tuple[int, int],
-                *tensors: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                eps: float, steps: tuple[int, int], normaliser: bool,
+                *tensors: Tensor) -> tuple[Tensor, ...]:
         step, back = steps
-        out, state, slices = _sliced(
+        out, state, norm, slices = _sliced(
             q, k, v, key_padding_mask, None if kv is None else RecurrentState(kv, log_scale),
-            features, chunk, eps, step, back)
-        ctx.features, ctx.chunk, ctx.eps = features, chunk, eps
+            features, chunk, eps, step, back, normaliser)
+        ctx.features, ctx.chunk, ctx.eps, ctx.normaliser = features, chunk, eps, normaliser
         # Each span: its tokens, and where its entering state is (slice, checkpoint or -1).
         ctx.spans, ctx.where = [], []
         for i, (a, e) in enumerate(core._spans(q.shape[2], step)):
@@ -238,13 +250,15 @@ class _FusedCausal(torch.autograd.Function):
                 ctx.where.append((i, a, j - 1))
         saved = [t for s in slices for t in (s.state.kv, s.marks, s.m, s.den, s.running)]
         ctx.save_for_backward(q, k, v, key_padding_mask, out, *saved, *tensors)
-        ctx.mark_non_differentiable(state.log_scale)
-        return out, state.kv, state.log_scale
+        if norm is None:
+            norm = Normaliser(out.new_empty(0), out.new_empty(0))
+        ctx.mark_non_differentiable(state.log_scale, norm.sign)
+        return out, state.kv, state.log_scale, norm.log_abs, norm.sign
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, d_out: Tensor, d_kv: Tensor | None,
-                 _: Tensor | None) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, d_out: Tensor, d_kv: Tensor | None, _: Tensor | None,
+                 d_log_abs: Tensor | None, __: Tensor | None) -> tuple[Tensor | None, ...]:
         q, k, v, pad, out, *rest = ctx.saved_tensors
         spans = ctx.spans
         slices = len({w[0] for w in ctx.where})
@@ -265,25 +279,32 @@ class _FusedCausal(torch.autograd.Function):
             running = running[..., r0 // chunk:-(-r1 // chunk) + 1].contiguous()
             q_s, k_s, v_s = leaves
             with torch.enable_grad():
-                phi_q, _ = ctx.features(q_s, is_query=True)
+                phi_q, query_log_scale = ctx.features(q_s, is_query=True)
                 phi_k, key_log_scale = ctx.features(k_s, is_query=False)
                 ls = _key_log_scales(key_log_scale, None if pad is None else pad[:, a:e], phi_k)
             div = core._divisor(den, ctx.eps, m)
             back = torch.where(div == den, -1.0 / div, 0.0)
             g = core._ratio_grad(d_out[:, :, a:e], out[:, :, a:e], div, back)
+            d_query_scale = None
+            if ctx.normaliser and d_log_abs is not None:
+                # log |d| + the scales: d receives d_log_abs / d where it is the denominator.
+                d_query_scale = d_log_abs[:, :, a:e, None]
+                g[..., -1:].sub_(d_query_scale * back)
             pk = phi_k.detach().contiguous()
             d_q, d_k, d_v, d_kv_in = kernels.backward(
                 phi_q.detach().contiguous(), pk, ls.detach(), v_s.detach().contiguous(), kv,
                 m[..., 0].contiguous(), running, g[..., :-1], g[..., -1], d_after, ctx.chunk)
             d_ls = (pk.to(d_k.dtype) * d_k).sum(-1)
-            got = core._backprop((phi_q, phi_k, ls), (d_q.to(phi_q.dtype), d_k.to(phi_k.dtype),
-                                                      d_ls.to(ls.dtype)),
-                                 [q_s, k_s, *tensors])
+            got = core._backprop(
+                (phi_q, phi_k, ls, query_log_scale),
+                (d_q.to(phi_q.dtype), d_k.to(phi_k.dtype), d_ls.to(ls.dtype),
+                 None if query_log_scale is None else d_query_scale),
+                [q_s, k_s, *tensors])
             d_values = d_v.to(v_s.dtype) if v_s.requires_grad else None
             return d_kv_in.to(kv.dtype), [got[0], got[1], d_values, *got[2:]]
 
         needs = ctx.needs_input_grad
         grads, d_kv, d_tensors = core._backward_in_spans(
             (q, k, v), needs[:3], spans, len(tensors), d_kv, span)
-        return (*grads, None, d_kv if needs[4] else None, None, None, None, None, None,
+        return (*grads, None, d_kv if needs[4] else None, None, None, None, None, None, None,
                 *d_tensors)
