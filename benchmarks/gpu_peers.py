@@ -25,8 +25,8 @@ Peers, each on the problem it solves:
   apart and excluded from ``ms`` (shorter where inductor's on-disk cache holds the kernels from
   an earlier run).
 - ``triton``: the causal methods whose scan the kernelized engine's ``triton`` strategy fuses
-  into Triton kernels (``effattn.kernelized.fused``: performer, favor, ungated rfa, linear,
-  Taylor; methods ``<method>-triton``, impl ``effattn``), forced for the call: one kernel
+  into Triton kernels (``effattn.kernelized.fused``: performer, favor, rfa and gated rfa,
+  linear, Taylor; methods ``<method>-triton``, impl ``effattn``), forced for the call: one kernel
   launch per slice forward and two backward in place of the GPU strategy's chunk-parallel
   operations, and no chunk states. The strategy is chosen only when forced until these rows
   say it is faster. Without triton the rows say ``triton: not installed``.
@@ -266,7 +266,8 @@ FUSED = ("performer", "favor", "rfa", "linear", "taylor")
 
 
 def triton_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
-    """The causal methods of ``FUSED`` (ungated) with the triton strategy forced."""
+    """The causal methods of ``FUSED`` (gated RFA among them) with the triton strategy
+    forced."""
     if not p.causal:
         return
     q, k, v = qkv(p)
@@ -277,14 +278,15 @@ def triton_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
     else:
         error = None
     for name, options in methods:
-        if name not in FUSED or options.get("gated"):
+        if name not in FUSED:
             continue
         module = _module(name, options, p)
+        extra = {"gate": _gate(p)} if options.get("gated") else {}
 
-        def run(m=module) -> torch.Tensor:
+        def run(m=module, x=extra) -> torch.Tensor:
             # Forced around the call: the backward runs what the forward chose.
             with strategy.force(kernelized="triton"):
-                return m(q, k, v, causal=True)
+                return m(q, k, v, causal=True, **x)
 
         yield Case("effattn", f"{_label(name, options)}-triton", module.feature_dim, run,
                    (q, k, v), error=error)

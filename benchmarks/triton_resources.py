@@ -18,6 +18,8 @@ without triton.
 from __future__ import annotations
 
 import argparse
+import itertools
+import os
 import subprocess
 import sys
 import tempfile
@@ -35,8 +37,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
 # Shared memory a program may use, per architecture (bytes; the CUDA programming guide's
 # maximum per block with opt-in).
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
-FIELDS = ["arch", "dtype", "kernel", "chunk", "feature_block", "num_warps", "registers",
-          "spill_bytes", "shared_bytes", "shared_limit", "fits"]
+FIELDS = ["arch", "dtype", "kernel", "gated", "chunk", "feature_block", "num_warps",
+          "registers", "spill_bytes", "shared_bytes", "shared_limit", "fits"]
 
 
 def _ints(text: str) -> list[int]:
@@ -60,10 +62,10 @@ def _dtypes(text: str) -> list[str]:
     return names
 
 
-def compile_kernel(kernel: Any, arch: int, dtype: torch.dtype, feature_dim: int = 256,
-                   value_dim: int = 64, chunk: int = 32) -> dict[str, Any]:
+def compile_kernel(kernel: Any, arch: int, dtype: torch.dtype, gated: bool,
+                   feature_dim: int = 256, value_dim: int = 64, chunk: int = 32) -> dict[str, Any]:
     """Compile one kernel of ``effattn.kernelized.fused_kernels`` for sm_<arch> with the
-    launch's constexprs for ``dtype`` and return its resources."""
+    launch's constexprs for ``dtype`` (with or without gates) and return its resources."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -72,13 +74,14 @@ def compile_kernel(kernel: Any, arch: int, dtype: torch.dtype, feature_dim: int 
     from effattn.kernelized import fused_kernels
 
     if not isinstance(kernel, JITFunction):
-        kernel = JITFunction(kernel.fn)  # the interpreter's wrapper (TRITON_INTERPRET=1)
+        raise RuntimeError("compiling for a GPU needs TRITON_INTERPRET unset: the kernels were "
+                           "made for Triton's interpreter")
     meta = fused_kernels.meta(dtype, chunk, feature_dim, value_dim)
     warps = meta.pop("num_warps")
     short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
              torch.float64: "fp64"}
     inputs, acc = "*" + short[dtype], "*" + ("fp64" if dtype == torch.float64 else "fp32")
-    constants = {**meta, "LOG_FLOOR_": fused_kernels.LOG_FLOOR}
+    constants = {**meta, "LOG_FLOOR_": fused_kernels.LOG_FLOOR, "GATED": gated}
     signature, constexprs = {}, {}
     for name in kernel.arg_names:
         if name in constants:
@@ -102,6 +105,7 @@ def compile_kernel(kernel: Any, arch: int, dtype: torch.dtype, feature_dim: int 
                   for item in line.split() if ":" in item)
     shared = int(compiled.metadata.shared)
     return {"arch": arch, "dtype": short[dtype], "kernel": kernel.__name__.strip("_"),
+            "gated": gated,
             "chunk": meta["BT"], "feature_block": meta["BK"], "num_warps": warps,
             "registers": int(fields["REG"]), "spill_bytes": int(fields["STACK"]),
             "shared_bytes": shared, "shared_limit": SHARED_LIMIT[arch],
@@ -116,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated: " + ", ".join(DTYPES))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/triton-resources"))
     args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.exit(2, "triton_resources: unset TRITON_INTERPRET (compiling for a GPU, not "
+                       "interpreting)\n")
     try:
         from effattn.kernelized import fused_kernels
     except ImportError as err:
@@ -129,10 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for arch in args.archs:
             for name in args.dtypes:
-                for kernel in fused_kernels.KERNELS:
-                    rows.append(compile_kernel(kernel, arch, DTYPES[name]))
+                for kernel, gated in itertools.product(fused_kernels.KERNELS, (False, True)):
+                    rows.append(compile_kernel(kernel, arch, DTYPES[name], gated))
                     r = rows[-1]
-                    print(f"sm_{arch} {name:4s} {r['kernel']:24s} C={r['chunk']:2d} "
+                    print(f"sm_{arch} {name:4s} {r['kernel']:24s} "
+                          f"{'gated' if gated else '     '} C={r['chunk']:2d} "
                           f"BK={r['feature_block']} warps={r['num_warps']} "
                           f"regs={r['registers']:3d} spill={r['spill_bytes']:5d} B "
                           f"shared={r['shared_bytes'] / 1024:6.1f} KiB"

@@ -79,25 +79,32 @@ def launches(monkeypatch):
     return counts
 
 
-def _dense(phi_q, phi_k, ls, v, kv, log_scale):
-    """The causal sums at the true scale, float64: num_i = Σ_{j <= i} (φq_i·φk_j) e^{ls_j} v_j +
-    e^{R_0} φq_i S_0, den alike with 1 for v and z_0; and the state after at the true scale."""
+def _dense(phi_q, phi_k, ls, v, kv, log_scale, log_gate=None):
+    """The causal sums at the true scale, float64, with G the cumulative log-gate (0 ungated):
+    num_i = Σ_{j <= i} (φq_i·φk_j) e^{ls_j + G_i - G_j} v_j + e^{R_0 + G_i} φq_i S_0, den alike
+    with 1 for v and z_0; and the state after at the true scale."""
     n = phi_q.shape[2]
     mask = torch.ones(n, n, dtype=torch.bool, device=phi_q.device).tril()
-    w = (phi_q @ phi_k.transpose(-1, -2)) * torch.exp(ls)[..., None, :]
-    w = w.masked_fill(~mask, 0.0)
+    cum = torch.zeros_like(ls) if log_gate is None else log_gate.cumsum(-1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~mask, float("-inf"))
+    w = (phi_q @ phi_k.transpose(-1, -2)) * torch.exp(ls[..., None, :] + decay)
     v1 = core.with_ones(v)
     scale = torch.exp(log_scale)[..., None, None]
-    raw = w @ v1 + phi_q @ (kv * scale)
-    after = kv * scale + (phi_k * torch.exp(ls)[..., None]).transpose(-1, -2) @ v1
+    raw = w @ v1 + torch.exp(cum)[..., None] * (phi_q @ (kv * scale))
+    end = cum[..., -1:]
+    keys = phi_k * torch.exp(ls + end - cum)[..., None]
+    after = torch.exp(end)[..., None] * kv * scale + keys.transpose(-1, -2) @ v1
     return raw, after
 
 
+@pytest.mark.parametrize("gated", [False, True], ids=["ungated", "gated"])
 @pytest.mark.parametrize("f, n", [(70, 45), (13, 16), (24, 1)])
-def test_kernels_equal_the_dense_sums_with_their_gradients(f, n, device):
+def test_kernels_equal_the_dense_sums_with_their_gradients(f, n, gated, device):
     """Scales spread over 60 in log (the state's among them), padded keys (-inf), several
-    feature blocks (F = 70), a length that is not a multiple of the chunk; the gradients of
-    φ(Q), φ(K), v, the entering state and the log-scales against autograd of the dense form."""
+    feature blocks (F = 70), a length that is not a multiple of the chunk, gates down to the
+    floor; the gradients of φ(Q), φ(K), v, the entering state, the log-weights and (gated) the
+    log-gates (fused._log_gate_grad, from the kernels' products) against autograd of the dense
+    form."""
     g = torch.Generator().manual_seed(f + n)
     b, h, dv = 2, 2, 5
     phi_q = torch.rand(b, h, n, f, generator=g, dtype=torch.float64).requires_grad_()
@@ -108,40 +115,51 @@ def test_kernels_equal_the_dense_sums_with_their_gradients(f, n, device):
     v = torch.randn(b, h, n, dv, generator=g, dtype=torch.float64).requires_grad_()
     kv = torch.rand(b, h, f, dv + 1, generator=g, dtype=torch.float64).requires_grad_()
     log_scale = torch.tensor([[5.0, -3.0], [core.LOG_FLOOR, 40.0]], dtype=torch.float64)
+    log_gate = None
+    if gated:
+        log_gate = torch.log(torch.rand(b, h, n, generator=g, dtype=torch.float64))
+        log_gate = log_gate.clamp_min(core.LOG_GATE_FLOOR).requires_grad_()
     with torch.no_grad():
         kv[1, 0] = 0.0  # an empty state sits at the floor
     phi_q, phi_k, ls, v, kv, log_scale = (
         t.detach().to(device).requires_grad_(t.requires_grad)
         for t in (phi_q, phi_k, ls, v, kv, log_scale))
+    if gated:
+        log_gate = log_gate.detach().to(device).requires_grad_()
+    lg = None if log_gate is None else log_gate.detach()
     num, den, m, after, running, marks = fused_kernels.forward(
-        phi_q.detach(), phi_k.detach(), ls.detach(), v.detach(), kv.detach(), log_scale, 16, 16)
-    raw, ref_after = _dense(phi_q, phi_k, ls, v, kv, log_scale)
+        phi_q.detach(), phi_k.detach(), ls.detach(), v.detach(), kv.detach(), log_scale, 16, 16,
+        lg)
+    raw, ref_after = _dense(phi_q, phi_k, ls, v, kv, log_scale, log_gate)
     # Checkpoints: the states entering tokens 16, 32, ... at their chunks' running scales.
     assert marks.shape[2] == max(1, (n - 1) // 16)
     for j in range((n - 1) // 16):
         t = 16 * (j + 1)
         _, ref_mark = _dense(phi_q[:, :, :t], phi_k[:, :, :t], ls[:, :, :t], v[:, :, :t], kv,
-                             log_scale)
+                             log_scale, None if log_gate is None else log_gate[:, :, :t])
         torch.testing.assert_close(marks[:, :, j] * torch.exp(running[..., j + 1, None, None]),
                                    ref_mark.detach(), rtol=1e-12, atol=1e-12)
     got = torch.cat([num, den[..., None]], -1) * torch.exp(m)[..., None]
     torch.testing.assert_close(got, raw.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(after * torch.exp(running[..., -1:, None]), ref_after.detach(),
                                rtol=1e-12, atol=1e-12)
-    assert (m >= running[..., :1]).all()
     # Gradients of a loss of the scaled outputs and of the state after.
     g_num, g_den = torch.randn_like(num), torch.randn_like(den)
     g_after = torch.randn_like(after)
     d_q, d_k, d_v, d_kv = fused_kernels.backward(
         phi_q.detach(), phi_k.detach(), ls.detach(), v.detach(), kv.detach(), m, running, g_num,
-        g_den, g_after, 16)
+        g_den, g_after, 16, lg)
     scale_rows = torch.exp(-m)[..., None]
     scale_after = torch.exp(-running[..., -1:, None])
     loss = ((raw[..., :-1] * scale_rows * g_num).sum() + (raw[..., -1] * torch.exp(-m) * g_den)
             .sum() + (ref_after * scale_after * g_after).sum())
-    ref = torch.autograd.grad(loss, (phi_q, phi_k, v, kv, ls))
-    d_ls = (phi_k.detach() * d_k).sum(-1)
-    for got_grad, want in zip((d_q, d_k, d_v, d_kv, d_ls), ref, strict=True):
+    inputs = (phi_q, phi_k, v, kv, ls, *([log_gate] if gated else []))
+    ref = torch.autograd.grad(loss, inputs)
+    keys = (phi_k.detach() * d_k).sum(-1)
+    grads = [d_q, d_k, d_v, d_kv, keys]
+    if gated:
+        grads.append(fused._log_gate_grad((phi_q.detach() * d_q).sum(-1), keys, g_after, after))
+    for got_grad, want in zip(grads, ref, strict=True):
         torch.testing.assert_close(got_grad, want, rtol=1e-10, atol=1e-10)
 
 
@@ -201,6 +219,56 @@ def test_backward_spans_start_from_the_forwards_checkpoints(pad, launches):
     assert launches == {"forward": 3, "backward": 9, "gpu": 0}
 
 
+@pytest.mark.parametrize("slice_elements", [None, 320], ids=["one-span", "spans"])
+def test_gated_rfa_matches_reference_with_the_gates_gradient(slice_elements, launches):
+    """Gates as decays inside and between chunks, their gradient from the kernels' products
+    (fused._log_gate_grad): outputs and the gradients of q, k, v, the gate and the map's
+    parameters against the float64 reference, with padding; in one span, and in slices of 48
+    tokens with backward spans of 16 (the state after each span enters the gate's gradient).
+    Some gates are near 1 and near 0 (log-gates at the floor)."""
+    module = make("rfa", {"gated": True})
+    if slice_elements is not None:
+        module.slice_elements = slice_elements
+    q, k, v = (t.requires_grad_(True) for t in qkv(n=130, d=21, dv=5, scale=0.5))
+    g = torch.Generator().manual_seed(1)
+    gate = torch.sigmoid(3 * torch.randn(2, 3, 130, generator=g, dtype=torch.float64))
+    gate[0, 0, 5] = 1e-20
+    gate = gate.requires_grad_()
+    mask = padding(2, 130)
+    out = module(q, k, v, causal=True, key_padding_mask=mask, gate=gate)
+    ref = module.spec.reference(module, q, k, v, causal=True, key_padding_mask=mask, gate=gate)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    params = [q, k, v, gate, *module.parameters()]
+    probe = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad((out * probe).sum(), params),
+                    torch.autograd.grad((ref * probe).sum(), params), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-7)
+    assert launches["gpu"] == 0 and launches["forward"] >= 1
+    assert launches["backward"] == (1 if slice_elements is None else 9)
+
+
+def test_gated_prefill_and_decoding_continue_each_other():
+    """A gated prefill from a state that carries gradients, then steps (the shared decoding),
+    against the causal forward of the whole."""
+    module = make("rfa", {"gated": True})
+    q, k, v = (t.requires_grad_(True) for t in qkv(n=50, d=21, dv=5, scale=0.5))
+    gate = torch.sigmoid(torch.randn(2, 3, 50, dtype=torch.float64)).requires_grad_()
+    full = module(q, k, v, causal=True, gate=gate)
+    first, state = module.prefill(q[:, :, :20], k[:, :, :20], v[:, :, :20], gate=gate[:, :, :20])
+    second, state = module.prefill(q[:, :, 20:45], k[:, :, 20:45], v[:, :, 20:45], state,
+                                   gate=gate[:, :, 20:45])
+    steps = [first, second]
+    for i in range(45, 50):
+        y, state = module.step(q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], state,
+                               gate=gate[:, :, i:i + 1])
+        steps.append(y)
+    out = torch.cat(steps, 2)
+    torch.testing.assert_close(out, full, rtol=1e-10, atol=1e-10)
+    for a, b in zip(torch.autograd.grad(out.square().sum(), (q, k, v, gate)),
+                    torch.autograd.grad(full.square().sum(), (q, k, v, gate)), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-8)
+
+
 def test_prefill_from_a_state_that_carries_gradients():
     module = make("performer", {})
     module.slice_elements = 40
@@ -231,25 +299,18 @@ def test_inference_equals_training_forward_and_the_gpu_strategy(launches):
     assert launches["forward"] == 1 and launches["gpu"] == 1
 
 
-@pytest.mark.parametrize("case", ["gated", "non-causal", "hedgehog-exp"])
-def test_what_the_kernels_do_not_run_goes_to_the_gpu_strategy(case, launches):
-    """Gated RFA: the GPU strategy's causal form; non-causal: its key state and read-out;
-    hedgehog's exp form: the per-feature core's GPU form (kernelized.exponents_gpu)."""
+@pytest.mark.parametrize("case", ["non-causal", "hedgehog-exp"])
+def test_what_the_kernels_do_not_run_goes_elsewhere(case, launches):
+    """Non-causal: the GPU strategy's key state and read-out; hedgehog's exp form: the
+    per-feature core's GPU form (kernelized.exponents_gpu)."""
     q, k, v = (t.requires_grad_(True) for t in qkv(n=40, d=21, dv=5, scale=0.5))
     kw = {"causal": case != "non-causal"}
-    if case == "gated":
-        module = make("rfa", {"gated": True})
-        kw["gate"] = torch.sigmoid(torch.randn(2, 3, 40, dtype=torch.float64))
-    elif case == "hedgehog-exp":
-        module = make("hedgehog", {})
-    else:
-        module = make("performer", {})
+    module = make("hedgehog" if case == "hedgehog-exp" else "performer", {})
     out = module(q, k, v, **kw)
     ref = module.spec.reference(module, q, k, v, **kw)
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
     out.sum().backward()
-    assert launches["forward"] == launches["backward"] == 0
-    assert launches["gpu"] == (1 if case == "gated" else 0)
+    assert launches == {"forward": 0, "backward": 0, "gpu": 0}
 
 
 @pytest.mark.parametrize("pad", [False, True])

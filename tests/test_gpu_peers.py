@@ -109,8 +109,7 @@ def test_triton_rows_force_the_fused_strategy_for_the_causal_methods(tmp_path):
     assert peers.main(["--device", "cpu", "--smoke", "--dtypes", "fp32", "--repeats", "1",
                        "--impls", "triton", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
-    labels = {peers._label(name, opts) for name, opts in peers.METHODS
-              if name in peers.FUSED and not opts.get("gated")}
+    labels = {peers._label(name, opts) for name, opts in peers.METHODS if name in peers.FUSED}
     assert {r["method"] for r in rows} == {f"{label}-triton" for label in labels}
     assert all(r["causal"] and "error" not in r and r["ms"] is not None for r in rows)
     p = peers.Point(40, 1, 2, "fp32", True, torch.device("cpu"))

@@ -35,7 +35,8 @@ def _run(tmp_path, *argv):
 
 def test_bf16_kernels_compile_for_sm90_without_spills(tmp_path):
     rows = _run(tmp_path, "--archs", "90", "--dtypes", "bf16")
-    assert [r["kernel"] for r in rows] == [k.__name__.strip("_") for k in fused_kernels.KERNELS]
+    assert [(r["kernel"], r["gated"]) for r in rows] == [
+        (k.__name__.strip("_"), gated) for k in fused_kernels.KERNELS for gated in (False, True)]
     for r in rows:
         assert r["fits"] and r["spill_bytes"] == 0, r
         assert (r["num_warps"], r["chunk"], r["feature_block"]) == (8, 32, 64), r
@@ -44,13 +45,14 @@ def test_bf16_kernels_compile_for_sm90_without_spills(tmp_path):
 @pytest.mark.slow  # fp32 products in IEEE compile slowly: a minute or two in all
 def test_every_dtype_fits_both_architectures(tmp_path):
     rows = _run(tmp_path, "--archs", "80,90", "--dtypes", "fp16,fp32,fp64")
-    assert len(rows) == 2 * 3 * len(fused_kernels.KERNELS)
+    assert len(rows) == 2 * 3 * 2 * len(fused_kernels.KERNELS)
     assert all(r["fits"] for r in rows), [r for r in rows if not r["fits"]]
 
 
 @pytest.mark.parametrize("argv, says", [
     (["--archs", "70"], "unknown architectures"),
     (["--dtypes", "int8"], "unknown dtypes"),
+    ([], "unset TRITON_INTERPRET"),  # tests/conftest.py sets it here
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, says, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -3,7 +3,7 @@
 The GPU strategy (:mod:`effattn.kernelized.gpu`) forms the chunk-parallel sums with a few
 hundred ATen operations per call, whatever N: on a GPU each is a kernel launch, and it holds
 the chunk states ((N / C) F (Dv + 1) values) and the C x C blocks of every chunk of a slice at
-once. This strategy runs the causal form of the ungated methods in one kernel
+once. This strategy runs the causal form in one kernel
 (:mod:`effattn.kernelized.fused_kernels`): each program walks the chunks of one (batch, head,
 feature block) in order with its state in registers, and writes only the outputs, so that what
 a forward holds beyond φ(Q), φ(K) is the output itself and a few scalars per token; its backward
@@ -13,14 +13,15 @@ divisor and the lost-row check are the other strategies'; the results agree to r
 
 What it runs and what it hands on:
 
-- causal, ungated, eager (the window hybrid's normalised form too: its log |d| comes from the
-  kernels' denominators and row scales): the fused kernels, in the GPU strategy's slices
+- causal, eager (gated RFA too: its gates are decays within and between chunks; and the
+  window hybrid's normalised form: its log |d| comes from the kernels' denominators and row
+  scales): the fused kernels, in the GPU strategy's slices
   (:func:`effattn.kernelized.gpu.slice_tokens`), each handing its state to the next; training
   keeps q, k, v, the output, two scalars per token and a checkpoint state every S_b tokens
   (written by the forward kernel), and the backward recomputes φ span by span of S_b tokens
   (:func:`backward_span_tokens`, :class:`_FusedCausal`);
-- gated RFA, and calls traced by ``torch.compile`` (whose inductor fuses the GPU strategy's
-  ATen operations itself): the GPU strategy;
+- calls traced by ``torch.compile`` (whose inductor fuses the GPU strategy's ATen operations
+  itself): the GPU strategy;
 - non-causal and cross-attention (two batched GEMMs already), and decoding: the GPU strategy's
   functions.
 
@@ -105,7 +106,7 @@ def causal(
     Raises RuntimeError where triton is missing or, on CPU tensors, not interpreting; and
     :class:`~effattn.kernelized.core.DenominatorUnderflowError` as the other strategies do.
     """
-    if gate is not None or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         return gpu.causal(q, k, v, features, state, feature_dim=feature_dim,
                           key_padding_mask=key_padding_mask, gate=gate, chunk_size=chunk_size,
                           eps=eps, slice_elements=slice_elements,
@@ -124,17 +125,17 @@ def causal(
         tensors = core._feature_inputs(features, q, True, feature_tensors)
         if feature_tensors is None:
             tensors = core._unique(tensors + core._feature_inputs(features, k, False, None))
-        if core._needs_grad(q, k, v, None if state is None else state.kv, *tensors):
+        if core._needs_grad(q, k, v, gate, None if state is None else state.kv, *tensors):
             kv, scale = (None, None) if state is None else (state.kv, state.log_scale)
             back = backward_span_tokens(b * h, feature_dim, v.shape[-1], chunk_size,
                                         slice_elements, q.dtype)
             out, kv, scale, log_abs, sign = _FusedCausal.apply(
-                q, k, v, key_padding_mask, kv, scale, features, chunk_size, eps, (step, back),
-                normaliser, *tensors)
+                q, k, v, gate, key_padding_mask, kv, scale, features, chunk_size, eps,
+                (step, back), normaliser, *tensors)
             return (out, RecurrentState(kv, scale, position + n),
                     Normaliser(log_abs, sign) if normaliser else None)
-    out, after, norm, _ = _sliced(q, k, v, key_padding_mask, state, features, chunk_size, eps,
-                                  step, None, normaliser)
+    out, after, norm, _ = _sliced(q, k, v, gate, key_padding_mask, state, features, chunk_size,
+                                  eps, step, None, normaliser)
     return out, RecurrentState(after.kv, after.log_scale, position + n), norm
 
 
@@ -159,16 +160,26 @@ class _Slice:
         self.state, self.marks, self.m, self.den, self.running = state, marks, m, den, running
 
 
-def _key_log_scales(key_log_scale: Tensor | None, pad: Tensor | None, like: Tensor) -> Tensor:
-    """The keys' log-scales (B, H, n) as the kernels read them: 0 for maps without them, -inf
-    at padded keys (a padded key has no weight and sets no scale)."""
+def _log_weights(key_log_scale: Tensor | None, pad: Tensor | None, gate: Tensor | None,
+                 like: Tensor) -> tuple[Tensor, Tensor | None]:
+    """The keys' log-weights (B, H, n) as the kernels read them: the log-scales (0 for maps
+    without them) plus log(1 - g) with a gate g, -inf at padded keys (a padded key has no
+    weight and sets no scale); and the log-gates (B, H, n) (None ungated), floored at
+    ``LOG_GATE_FLOOR`` and 0 at padded tokens (which leave the state alone), as the other
+    strategies form them (:func:`effattn.kernelized.chunkwise._factors`)."""
     ls = like.new_zeros(like.shape[:3]) if key_log_scale is None else key_log_scale[..., 0]
+    log_gate = None
+    if gate is not None:
+        ls = ls + torch.log1p(-gate)
+        log_gate = torch.log(gate).clamp_min(core.LOG_GATE_FLOOR)
     if pad is not None:
         ls = ls.masked_fill(pad[:, None, :], float("-inf"))
-    return ls.contiguous()
+        if log_gate is not None:
+            log_gate = log_gate.masked_fill(pad[:, None, :], 0.0)
+    return ls.contiguous(), None if log_gate is None else log_gate.contiguous()
 
 
-def _forward_slice(q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None,
+def _forward_slice(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None, pad: Tensor | None,
                    state: RecurrentState | None, features: FeatureFn, chunk: int,
                    eps: float, back: int | None, normaliser: bool,
                    ) -> tuple[Tensor, RecurrentState, Normaliser | None, Tensor | None, _Slice]:
@@ -181,20 +192,23 @@ def _forward_slice(q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None,
     phi_q, query_log_scale = features(q, is_query=True)
     phi_k, key_log_scale = features(k, is_query=False)
     core._check_shapes(phi_q, phi_k, None, key_log_scale)
-    ls = _key_log_scales(key_log_scale, pad, phi_k)
+    ls, log_gate = _log_weights(key_log_scale, pad, gate, phi_k)
     state = core._state_of(state, b, h, phi_k.shape[-1], v.shape[-1], phi_k)
     num, den, m, kv, running, marks = kernels.forward(
         phi_q.contiguous(), phi_k.contiguous(), ls, v.contiguous(), state.kv,
-        state.log_scale.reshape(b, h), chunk, back)
+        state.log_scale.reshape(b, h), chunk, back, log_gate)
     den, m = den[..., None], m[..., None]
     out = (num / core._divisor(den, eps, m)).to(q.dtype)
     after = RecurrentState(kv.to(phi_k.dtype),
                            running[..., -1:, None].to(state.log_scale.dtype))
     norm = Normaliser(*core._normaliser(den, eps, m, query_log_scale)) if normaliser else None
-    return out, after, norm, core._lost_rows(den, eps, m), _Slice(state, marks, m, den, running)
+    # A gate can decay what a query sees to a legitimate 0: only ungated rows are checked.
+    lost = None if gate is not None else core._lost_rows(den, eps, m)
+    return out, after, norm, lost, _Slice(state, marks, m, den, running)
 
 
-def _sliced(q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None, state: RecurrentState | None,
+def _sliced(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None, pad: Tensor | None,
+            state: RecurrentState | None,
             features: FeatureFn, chunk: int, eps: float, step: int, back: int | None,
             normaliser: bool) -> tuple[Tensor, RecurrentState, Normaliser | None, list[_Slice]]:
     """:func:`_forward_slice` slice after slice of ``step`` tokens (checkpoints every ``back``);
@@ -202,8 +216,8 @@ def _sliced(q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None, state: Recurren
     outs, norms, lost, slices = [], [], [], []
     for a, e in core._spans(q.shape[2], step):
         out, state, norm, flag, saved = _forward_slice(
-            q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], None if pad is None else pad[:, a:e],
-            state, features, chunk, eps, back, normaliser)
+            q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], None if gate is None else gate[:, :, a:e],
+            None if pad is None else pad[:, a:e], state, features, chunk, eps, back, normaliser)
         outs.append(out)
         norms.append(norm)
         lost.append(flag)
@@ -233,14 +247,15 @@ class _FusedCausal(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
-                kv: Tensor | None, log_scale: Tensor | None, features: FeatureFn, chunk: int,
-                eps: float, steps: tuple[int, int], normaliser: bool,
-                *tensors: Tensor) -> tuple[Tensor, ...]:
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None,
+                key_padding_mask: Tensor | None, kv: Tensor | None, log_scale: Tensor | None,
+                features: FeatureFn, chunk: int, eps: float, steps: tuple[int, int],
+                normaliser: bool, *tensors: Tensor) -> tuple[Tensor, ...]:
         step, back = steps
         out, state, norm, slices = _sliced(
-            q, k, v, key_padding_mask, None if kv is None else RecurrentState(kv, log_scale),
-            features, chunk, eps, step, back, normaliser)
+            q, k, v, gate, key_padding_mask,
+            None if kv is None else RecurrentState(kv, log_scale), features, chunk, eps, step,
+            back, normaliser)
         ctx.features, ctx.chunk, ctx.eps, ctx.normaliser = features, chunk, eps, normaliser
         # Each span: its tokens, and where its entering state is (slice, checkpoint or -1).
         ctx.spans, ctx.where = [], []
@@ -249,7 +264,8 @@ class _FusedCausal(torch.autograd.Function):
                 ctx.spans.append((start, min(e, start + back)))
                 ctx.where.append((i, a, j - 1))
         saved = [t for s in slices for t in (s.state.kv, s.marks, s.m, s.den, s.running)]
-        ctx.save_for_backward(q, k, v, key_padding_mask, out, *saved, *tensors)
+        # The state after the last slice: a gate's gradient reads the state after each span.
+        ctx.save_for_backward(q, k, v, gate, key_padding_mask, out, state.kv, *saved, *tensors)
         if norm is None:
             norm = Normaliser(out.new_empty(0), out.new_empty(0))
         ctx.mark_non_differentiable(state.log_scale, norm.sign)
@@ -259,12 +275,20 @@ class _FusedCausal(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, d_out: Tensor, d_kv: Tensor | None, _: Tensor | None,
                  d_log_abs: Tensor | None, __: Tensor | None) -> tuple[Tensor | None, ...]:
-        q, k, v, pad, out, *rest = ctx.saved_tensors
+        q, k, v, gate, pad, out, final, *rest = ctx.saved_tensors
         spans = ctx.spans
         slices = len({w[0] for w in ctx.where})
         saved, tensors = rest[:5 * slices], rest[5 * slices:]
         kernels = _kernels()
         chunk = kernels.tile(ctx.chunk, q.dtype)
+
+        def after(i: int) -> Tensor:
+            """The state after span i: the next span's checkpoint, the next slice's entering
+            state, or the last."""
+            s, _, mark = ctx.where[i]
+            if i + 1 < len(spans) and ctx.where[i + 1][0] == s:
+                return saved[5 * s + 1][:, :, mark + 1]
+            return final if i + 1 == len(spans) else saved[5 * (s + 1)]
 
         def span(i: int, leaves: list[Tensor | None],
                  d_after: Tensor | None) -> tuple[Tensor, list[Tensor | None]]:
@@ -277,11 +301,12 @@ class _FusedCausal(torch.autograd.Function):
             r0, r1 = a - start, e - start
             m, den = m[:, :, r0:r1], den[:, :, r0:r1]
             running = running[..., r0 // chunk:-(-r1 // chunk) + 1].contiguous()
-            q_s, k_s, v_s = leaves
+            q_s, k_s, v_s, gate_s = leaves
             with torch.enable_grad():
                 phi_q, query_log_scale = ctx.features(q_s, is_query=True)
                 phi_k, key_log_scale = ctx.features(k_s, is_query=False)
-                ls = _key_log_scales(key_log_scale, None if pad is None else pad[:, a:e], phi_k)
+                ls, log_gate = _log_weights(key_log_scale, None if pad is None else pad[:, a:e],
+                                            gate_s, phi_k)
             div = core._divisor(den, ctx.eps, m)
             back = torch.where(div == den, -1.0 / div, 0.0)
             g = core._ratio_grad(d_out[:, :, a:e], out[:, :, a:e], div, back)
@@ -290,21 +315,50 @@ class _FusedCausal(torch.autograd.Function):
                 # log |d| + the scales: d receives d_log_abs / d where it is the denominator.
                 d_query_scale = d_log_abs[:, :, a:e, None]
                 g[..., -1:].sub_(d_query_scale * back)
-            pk = phi_k.detach().contiguous()
+            pq, pk = phi_q.detach().contiguous(), phi_k.detach().contiguous()
             d_q, d_k, d_v, d_kv_in = kernels.backward(
-                phi_q.detach().contiguous(), pk, ls.detach(), v_s.detach().contiguous(), kv,
-                m[..., 0].contiguous(), running, g[..., :-1], g[..., -1], d_after, ctx.chunk)
-            d_ls = (pk.to(d_k.dtype) * d_k).sum(-1)
+                pq, pk, ls.detach(), v_s.detach().contiguous(), kv, m[..., 0].contiguous(),
+                running, g[..., :-1], g[..., -1], d_after, ctx.chunk,
+                None if log_gate is None else log_gate.detach())
+            # The output depends on φ(k_j) and its log-weight only through φ(k_j) e^{ls_j}.
+            keys = (pk.to(d_k.dtype) * d_k).sum(-1)
+            d_log_gate = None
+            if log_gate is not None and log_gate.requires_grad:
+                d_log_gate = _log_gate_grad((pq.to(d_q.dtype) * d_q).sum(-1), keys, d_after,
+                                            after(i))
             got = core._backprop(
-                (phi_q, phi_k, ls, query_log_scale),
-                (d_q.to(phi_q.dtype), d_k.to(phi_k.dtype), d_ls.to(ls.dtype),
+                (phi_q, phi_k, ls, log_gate, query_log_scale),
+                (d_q.to(phi_q.dtype), d_k.to(phi_k.dtype), keys.to(ls.dtype),
+                 None if d_log_gate is None else d_log_gate.to(log_gate.dtype),
                  None if query_log_scale is None else d_query_scale),
-                [q_s, k_s, *tensors])
+                [q_s, k_s, *([] if gate_s is None else [gate_s]), *tensors])
             d_values = d_v.to(v_s.dtype) if v_s.requires_grad else None
-            return d_kv_in.to(kv.dtype), [got[0], got[1], d_values, *got[2:]]
+            d_gate = None
+            if gate_s is not None:
+                d_gate = got.pop(2)
+            return d_kv_in.to(kv.dtype), [got[0], got[1], d_values, d_gate, *got[2:]]
 
         needs = ctx.needs_input_grad
         grads, d_kv, d_tensors = core._backward_in_spans(
-            (q, k, v), needs[:3], spans, len(tensors), d_kv, span)
-        return (*grads, None, d_kv if needs[4] else None, None, None, None, None, None, None,
+            (q, k, v, gate), needs[:4], spans, len(tensors), d_kv, span)
+        # One gradient per input of forward: q, k, v, gate, the mask, kv, log_scale, features,
+        # chunk, eps, steps, normaliser, then the feature tensors.
+        return (*grads, None, d_kv if needs[5] else None, None, None, None, None, None, None,
                 *d_tensors)
+
+
+def _log_gate_grad(queries: Tensor, keys: Tensor, d_after: Tensor | None,
+                   after: Tensor) -> Tensor:
+    """∂L/∂(log g_t) (B, H, n) of a span from Q_i = φ(q_i)·dφ(q_i), K_j = φ(k_j)·dφ(k_j)
+    (B, H, n), the gradient of the state after the span and that state (B, H, F, Dv + 1).
+
+    log g_t enters every weight exp(G_i - G_j) with j < t <= i (G the cumulative log-gate):
+    a query's terms all carry e^{G_i} (so Q_i is the gradient of its G_i), a key's e^{-G_j}
+    (K_j of its -G_j), and the state after the span e^{G_n} (<dS, S>). The pairs j < t <= i are
+    those with i >= t less those with j >= t, so
+
+        ∂L/∂(log g_t) = Σ_{i >= t} Q_i - Σ_{j >= t} K_j + <dS_after, S_after>."""
+    d = (queries - keys).flip(-1).cumsum(-1).flip(-1)
+    if d_after is not None:
+        d = d + (d_after.to(d.dtype) * after.to(d.dtype)).sum((-2, -1))[..., None]
+    return d

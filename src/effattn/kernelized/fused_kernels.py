@@ -3,33 +3,40 @@ program walking the chunks of one (batch, head, feature block) with its state in
 
 The sums are those of the chunk-parallel form (:mod:`effattn.kernelized.gpu`), walked in order
 rather than unrolled: per chunk c of C tokens, with S_c, z_c the state before it at scale
-exp(R_c), the keys' log-scales ls (-inf at padded keys and after the sequence), their prefix max
-P_i = max(LOG_FLOOR, max_{j <= i, j in c} ls_j) and the output scale m_i = max(P_i, R_c):
+exp(R_c), the keys' log-weights ls (log-scale, plus log(1 - g) with a gate; -inf at padded keys
+and after the sequence), the inclusive cumulative log-gates Λ_i inside the chunk (0 ungated),
+a_j = ls_j - Λ_j, the prefix max P_i = max_{j <= i, j in c} a_j and the output scale
+m_i = max(LOG_FLOOR, P_i + Λ_i, R_c + Λ_i):
 
-    num_i = ω_i φ(q_i) S_c + Σ_{j in c, j <= i} (φ(q_i)·φ(k_j)) exp(ls_j - m_i) v_j,
-    den_i = ω_i φ(q_i)·z_c + Σ_{j in c, j <= i} (φ(q_i)·φ(k_j)) exp(ls_j - m_i),
-    ω_i   = exp(R_c - m_i),
-    R_{c+1} = max(R_c, max_{j in c} ls_j),
-    S_{c+1} = exp(R_c - R_{c+1}) S_c + Σ_{j in c} exp(ls_j - R_{c+1}) φ(k_j) v_j^T (z alike),
+    num_i = ω_i φ(q_i) S_c + Σ_{j in c, j <= i} (φ(q_i)·φ(k_j)) exp(a_j + Λ_i - m_i) v_j,
+    den_i = ω_i φ(q_i)·z_c + Σ_{j in c, j <= i} (φ(q_i)·φ(k_j)) exp(a_j + Λ_i - m_i),
+    ω_i   = exp(R_c + Λ_i - m_i),
+    R_{c+1} = Λ_last + max(R_c, max_{j in c} a_j),
+    S_{c+1} = exp(R_c + Λ_last - R_{c+1}) S_c
+              + Σ_{j in c} exp(a_j + Λ_last - R_{c+1}) φ(k_j) v_j^T   (z alike).
 
-the same scales as the other strategies (:func:`effattn.kernelized.chunkwise._out_weights`,
-``_scan_factors``): every exponent <= 0 (those above the diagonal, which are masked, are
-clamped to 0 so that none overflows), and no key sets the scale of an earlier query. No
+Every exponent is <= 0 (those above the diagonal, which are masked, are clamped to 0 so that
+none overflows), no key sets the scale of an earlier query, and a gate's decay is part of the
+scale, so that a state that has decayed is held at its own size (ungated, these are the other
+strategies' scales: :func:`effattn.kernelized.chunkwise._out_weights`, ``_scan_factors``). No
 chunk state is written to memory: per call the kernel writes the outputs, the row scales m
 (B, H, N) and the running scales R_0..R_nc (B, H, nc + 1), which the backward reads, and on
 request the states entering every S_b tokens (checkpoints, from which the backward recomputes
 spans shorter than the forward's slice).
 
 Backward (:func:`backward`), from G = ∂L/∂num, g = ∂L/∂den, dA_ij = G_i·v_j + g_i and
-dX = dA ⊙ exp(ls_j - m_i) (j <= i in the chunk):
+dX = dA ⊙ exp(a_j + Λ_i - m_i) (j <= i in the chunk):
 
 - ``_backward_queries_kernel``, chunks in order, the state recomputed as in the forward:
   dφ(q_i) = ω_i (S_c G_i + z_c g_i) + Σ_j dX_ij φ(k_j);
 - ``_backward_keys_kernel``, chunks in reverse, with the adjoint of the states
-  U_c = Σ_{i in c} ω_i φ(q_i) [G_i, g_i]^T + exp(R_c - R_{c+1}) U_{c+1} (U_nc = ∂L/∂ state
-  after; U_0 is the entering state's gradient): with e_j = exp(ls_j - R_{c+1}),
-  dφ(k_j) = e_j U_{c+1} [v_j, 1] + Σ_i dX_ij φ(q_i) and dv_j = e_j U_{c+1}^T φ(k_j) +
-  Σ_i A_ij G_i (A_ij = (φ(q_i)·φ(k_j)) exp(ls_j - m_i)).
+  U_c = Σ_{i in c} ω_i φ(q_i) [G_i, g_i]^T + exp(R_c + Λ_last - R_{c+1}) U_{c+1} (U_nc =
+  ∂L/∂ state after; U_0 is the entering state's gradient): with
+  e_j = exp(a_j + Λ_last - R_{c+1}), dφ(k_j) = e_j U_{c+1} [v_j, 1] + Σ_i dX_ij φ(q_i) and
+  dv_j = e_j U_{c+1}^T φ(k_j) + Σ_i A_ij G_i (A_ij = (φ(q_i)·φ(k_j)) exp(a_j + Λ_i - m_i)).
+
+The log-weights' and log-gates' gradients follow from dφ (the caller's:
+:func:`effattn.kernelized.fused._log_gate_grad`).
 
 A program holds one block of BK features and all Dv values, so that the sums over features
 (num, den, dv) come out per feature block and are added by the caller; the rest needs no
@@ -55,12 +62,24 @@ from effattn.kernelized.core import LOG_FLOOR
 
 
 @triton.jit
+def _decays(lg_ptrs, ok, GATED: tl.constexpr, BT: tl.constexpr, ACC: tl.constexpr):
+    """A chunk's inclusive cumulative log-gates Λ (BT) and their total (0 ungated)."""
+    gc = tl.zeros([BT], dtype=ACC)
+    total = tl.sum(gc, 0)
+    if GATED:
+        lg = tl.load(lg_ptrs, mask=ok, other=0.0).to(ACC)
+        gc = tl.cumsum(lg, 0)
+        total = tl.sum(lg, 0)
+    return gc, total
+
+
+@triton.jit
 def _forward_kernel(
-    q_ptr, k_ptr, ls_ptr, v_ptr, kv_in_ptr, r_in_ptr,
+    q_ptr, k_ptr, ls_ptr, lg_ptr, v_ptr, kv_in_ptr, r_in_ptr,
     num_ptr, den_ptr, m_ptr, kv_out_ptr, r_ptr, marks_ptr,
     N, F, DV, NC, BH, EVERY, NMARKS, LOG_FLOOR_: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, GATED: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -84,8 +103,10 @@ def _forward_kernel(
         t = c * BT + t0
         t_ok = t < N
         ls = tl.load(ls_ptr + bh * N + t, mask=t_ok, other=float("-inf")).to(ACC)
-        prefix = tl.max(tl.where(causal, ls[None, :], float("-inf")), 1)
-        m = tl.maximum(tl.maximum(prefix, LOG_FLOOR_), r)
+        gc, total = _decays(lg_ptr + bh * N + t, t_ok, GATED, BT, ACC)
+        kt = ls - gc
+        prefix = tl.max(tl.where(causal, kt[None, :], float("-inf")), 1)
+        m = tl.maximum(tl.maximum(prefix + gc, LOG_FLOOR_), r + gc)
         rows = t[:, None] * F + f[None, :]
         ok = t_ok[:, None] & f_ok[None, :]
         qc = tl.load(q_ptr + bh * N * F + rows, mask=ok, other=0.0)
@@ -93,8 +114,9 @@ def _forward_kernel(
         vc = tl.load(v_ptr + bh * N * DV + t[:, None] * DV + d[None, :],
                      mask=t_ok[:, None] & d_ok[None, :], other=0.0)
         x = tl.dot(qc, tl.trans(kc), input_precision=PRECISION).to(ACC)
-        a = tl.where(causal, x * tl.exp(tl.minimum(ls[None, :] - m[:, None], 0.0)), 0.0)
-        omega = tl.exp(r - m)
+        a = tl.where(causal,
+                     x * tl.exp(tl.minimum(kt[None, :] + gc[:, None] - m[:, None], 0.0)), 0.0)
+        omega = tl.exp(r + gc - m)
         num = omega[:, None] * tl.dot(qc, s.to(qc.dtype), input_precision=PRECISION).to(ACC)
         num += tl.dot(a.to(vc.dtype), vc, input_precision=PRECISION).to(ACC)
         den = omega * tl.sum(qc.to(ACC) * z[None, :], 1) + tl.sum(a, 1)
@@ -104,9 +126,9 @@ def _forward_kernel(
         if kb == 0:
             tl.store(m_ptr + bh * N + t, m, mask=t_ok)
             tl.store(r_ptr + bh * (NC + 1) + c, r)
-        r_next = tl.maximum(r, tl.max(ls, 0))
-        enter = tl.exp(ls - r_next)
-        keep = tl.exp(r - r_next)
+        r_next = total + tl.maximum(r, tl.max(kt, 0))
+        enter = tl.exp(kt + total - r_next)
+        keep = tl.exp(r + total - r_next)
         entering = (vc.to(ACC) * enter[:, None]).to(kc.dtype)
         s = s * keep + tl.dot(tl.trans(kc), entering, input_precision=PRECISION).to(ACC)
         z = z * keep + tl.sum(kc.to(ACC) * enter[:, None], 0)
@@ -120,10 +142,10 @@ def _forward_kernel(
 
 @triton.jit
 def _backward_queries_kernel(
-    k_ptr, ls_ptr, v_ptr, kv_in_ptr, m_ptr, r_ptr, gn_ptr, gd_ptr, dq_ptr,
+    k_ptr, ls_ptr, lg_ptr, v_ptr, kv_in_ptr, m_ptr, r_ptr, gn_ptr, gd_ptr, dq_ptr,
     N, F, DV, NC,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, GATED: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -142,7 +164,9 @@ def _backward_queries_kernel(
         r = tl.load(r_ptr + bh * (NC + 1) + c).to(ACC)
         r_next = tl.load(r_ptr + bh * (NC + 1) + c + 1).to(ACC)
         ls = tl.load(ls_ptr + bh * N + t, mask=t_ok, other=float("-inf")).to(ACC)
-        m = tl.load(m_ptr + bh * N + t, mask=t_ok, other=0.0).to(ACC)
+        gc, total = _decays(lg_ptr + bh * N + t, t_ok, GATED, BT, ACC)
+        kt = ls - gc
+        m = tl.load(m_ptr + bh * N + t, mask=t_ok, other=float("inf")).to(ACC)
         rows = t[:, None] * F + f[None, :]
         ok = t_ok[:, None] & f_ok[None, :]
         kc = tl.load(k_ptr + bh * N * F + rows, mask=ok, other=0.0)
@@ -151,15 +175,16 @@ def _backward_queries_kernel(
         vc = tl.load(v_ptr + bh * N * DV + values, mask=vd_ok, other=0.0)
         gn = tl.load(gn_ptr + bh * N * DV + values, mask=vd_ok, other=0.0)
         gd = tl.load(gd_ptr + bh * N + t, mask=t_ok, other=0.0).to(ACC)
-        weight = tl.where(causal, tl.exp(tl.minimum(ls[None, :] - m[:, None], 0.0)), 0.0)
+        weight = tl.where(
+            causal, tl.exp(tl.minimum(kt[None, :] + gc[:, None] - m[:, None], 0.0)), 0.0)
         d_x = (tl.dot(gn, tl.trans(vc), input_precision=PRECISION).to(ACC) + gd[:, None]) * weight
-        omega = tl.exp(r - m)
+        omega = tl.exp(r + gc - m)
         read = tl.dot(gn, tl.trans(s.to(gn.dtype)), input_precision=PRECISION).to(ACC)
         dq = omega[:, None] * (read + gd[:, None] * z[None, :])
         dq += tl.dot(d_x.to(kc.dtype), kc, input_precision=PRECISION).to(ACC)
         tl.store(dq_ptr + bh * N * F + rows, dq, mask=ok)
-        enter = tl.exp(ls - r_next)
-        keep = tl.exp(r - r_next)
+        enter = tl.exp(kt + total - r_next)
+        keep = tl.exp(r + total - r_next)
         entering = (vc.to(ACC) * enter[:, None]).to(kc.dtype)
         s = s * keep + tl.dot(tl.trans(kc), entering, input_precision=PRECISION).to(ACC)
         z = z * keep + tl.sum(kc.to(ACC) * enter[:, None], 0)
@@ -167,11 +192,11 @@ def _backward_queries_kernel(
 
 @triton.jit
 def _backward_keys_kernel(
-    q_ptr, k_ptr, ls_ptr, v_ptr, m_ptr, r_ptr, gn_ptr, gd_ptr, du_ptr,
+    q_ptr, k_ptr, ls_ptr, lg_ptr, v_ptr, m_ptr, r_ptr, gn_ptr, gd_ptr, du_ptr,
     dk_ptr, dv_ptr, dkv_in_ptr,
     N, F, DV, NC, BH,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, GATED: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -192,7 +217,9 @@ def _backward_keys_kernel(
         r = tl.load(r_ptr + bh * (NC + 1) + c).to(ACC)
         r_next = tl.load(r_ptr + bh * (NC + 1) + c + 1).to(ACC)
         ls = tl.load(ls_ptr + bh * N + t, mask=t_ok, other=float("-inf")).to(ACC)
-        m = tl.load(m_ptr + bh * N + t, mask=t_ok, other=0.0).to(ACC)
+        gc, total = _decays(lg_ptr + bh * N + t, t_ok, GATED, BT, ACC)
+        kt = ls - gc
+        m = tl.load(m_ptr + bh * N + t, mask=t_ok, other=float("inf")).to(ACC)
         rows = t[:, None] * F + f[None, :]
         ok = t_ok[:, None] & f_ok[None, :]
         qc = tl.load(q_ptr + bh * N * F + rows, mask=ok, other=0.0)
@@ -202,10 +229,11 @@ def _backward_keys_kernel(
         vc = tl.load(v_ptr + bh * N * DV + values, mask=vd_ok, other=0.0)
         gn = tl.load(gn_ptr + bh * N * DV + values, mask=vd_ok, other=0.0)
         gd = tl.load(gd_ptr + bh * N + t, mask=t_ok, other=0.0).to(ACC)
-        weight = tl.where(causal, tl.exp(tl.minimum(ls[None, :] - m[:, None], 0.0)), 0.0)
+        weight = tl.where(
+            causal, tl.exp(tl.minimum(kt[None, :] + gc[:, None] - m[:, None], 0.0)), 0.0)
         a = tl.dot(qc, tl.trans(kc), input_precision=PRECISION).to(ACC) * weight
         d_x = (tl.dot(gn, tl.trans(vc), input_precision=PRECISION).to(ACC) + gd[:, None]) * weight
-        enter = tl.exp(ls - r_next)
+        enter = tl.exp(kt + total - r_next)
         later = tl.dot(vc, tl.trans(u.to(vc.dtype)), input_precision=PRECISION).to(ACC)
         dk = enter[:, None] * (later + uz[None, :])
         dk += tl.dot(tl.trans(d_x.to(qc.dtype)), qc, input_precision=PRECISION).to(ACC)
@@ -213,9 +241,9 @@ def _backward_keys_kernel(
         dv = enter[:, None] * tl.dot(kc, u.to(kc.dtype), input_precision=PRECISION).to(ACC)
         dv += tl.dot(tl.trans(a.to(gn.dtype)), gn, input_precision=PRECISION).to(ACC)
         tl.store(dv_ptr + part * DV + values, dv, mask=vd_ok)
-        omega = tl.exp(r - m)
+        omega = tl.exp(r + gc - m)
         read = (qc.to(ACC) * omega[:, None]).to(qc.dtype)
-        keep = tl.exp(r - r_next)
+        keep = tl.exp(r + total - r_next)
         u = u * keep + tl.dot(tl.trans(read), gn, input_precision=PRECISION).to(ACC)
         uz = uz * keep + tl.sum(read.to(ACC) * gd[:, None], 0)
     tl.store(dkv_in_ptr + bh * F * (DV + 1) + f[:, None] * (DV + 1) + d[None, :], u,
@@ -227,7 +255,7 @@ def _backward_keys_kernel(
 # ahead of time with these): pointers to inputs of the call's dtype, integers, and the rest
 # pointers to accumulator-typed buffers.
 KERNELS = (_forward_kernel, _backward_queries_kernel, _backward_keys_kernel)
-INPUTS = frozenset({"q_ptr", "k_ptr", "v_ptr", "ls_ptr", "gn_ptr"})
+INPUTS = frozenset({"q_ptr", "k_ptr", "v_ptr", "ls_ptr", "lg_ptr", "gn_ptr"})
 INTEGERS = frozenset({"N", "F", "DV", "NC", "BH", "EVERY", "NMARKS"})
 
 
@@ -256,12 +284,21 @@ def meta(dtype: torch.dtype, chunk: int, feature_dim: int, value_dim: int) -> di
             "PRECISION": "ieee" if wide else "tf32", "num_warps": 8}
 
 
+def _gates(log_gate: Tensor | None, like: Tensor) -> Tensor:
+    """The log-gates as the kernels read them; ungated, any tensor (the kernels read none, but
+    an argument must point at memory)."""
+    return like if log_gate is None else log_gate.contiguous()
+
+
 def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: Tensor,
-            log_scale: Tensor, chunk: int,
-            every: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The fused causal scan: φ(Q), φ(K) (B, H, N, F), the keys' log-scales (B, H, N) (-inf at
+            log_scale: Tensor, chunk: int, every: int | None = None,
+            log_gate: Tensor | None = None,
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The fused causal scan: φ(Q), φ(K) (B, H, N, F), the keys' log-weights (B, H, N) (-inf at
     padded keys), v (B, H, N, Dv), the entering state kv (B, H, F, Dv + 1) at scale
-    ``log_scale`` (B, H). Returns num (B, H, N, Dv) and den (B, H, N) at the row scales m
+    ``log_scale`` (B, H), and the log-gates (B, H, N) or None: the state decays by g_t at
+    token t, a key's weight from j to i by exp(Λ_i - Λ_j) (Λ their cumulative sum). Returns
+    num (B, H, N, Dv) and den (B, H, N) at the row scales m
     (B, H, N), the state after (B, H, F, Dv + 1), the running scales R_0..R_nc
     (B, H, nc + 1), whose last is the state after's, and the states entering tokens ``every``,
     2 ``every``, ... < N (a multiple of the chunk; None: none) at their running scales,
@@ -286,9 +323,10 @@ def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: 
     # A slot even when unused: a kernel argument must point at memory.
     marks = phi_q.new_empty(b, h, max(1, n_marks), f, dv + 1, dtype=acc)
     _forward_kernel[(nk, b * h)](
-        phi_q, phi_k, key_log_scale, v, kv.to(acc).contiguous(), log_scale.to(acc).contiguous(),
-        num, den, m, kv_out, running, marks, n, f, dv, nc, b * h, every, max(1, n_marks),
-        LOG_FLOOR, **config,
+        phi_q, phi_k, key_log_scale, _gates(log_gate, key_log_scale), v,
+        kv.to(acc).contiguous(), log_scale.to(acc).contiguous(), num, den, m, kv_out, running,
+        marks, n, f, dv, nc, b * h, every, max(1, n_marks), LOG_FLOOR, **config,
+        GATED=log_gate is not None,
     )
     if nk > 1:
         return num.sum(0), den.sum(0), m, kv_out, running, marks
@@ -297,12 +335,13 @@ def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: 
 
 def backward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: Tensor,
              m: Tensor, running: Tensor, d_num: Tensor, d_den: Tensor, d_after: Tensor | None,
-             chunk: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+             chunk: int, log_gate: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The gradients of :func:`forward`'s inputs φ(Q), φ(K), v and kv (the entering state)
     from those of num (B, H, N, Dv), den (B, H, N) and the state after (None: 0), given the
-    forward's row scales m and running scales. The keys' log-scales get theirs from the
-    caller: the output depends on φ(k_j) and ls_j only through φ(k_j) exp(ls_j), so
-    ∂L/∂ls_j = φ(k_j)·∂L/∂φ(k_j)."""
+    forward's row scales m and running scales. The keys' log-weights and the log-gates get
+    theirs from the caller: the output depends on φ(k_j) and ls_j only through φ(k_j)
+    exp(ls_j), so ∂L/∂ls_j = φ(k_j)·∂L/∂φ(k_j), and the log-gates' follow from the same
+    products (:func:`effattn.kernelized.fused._log_gate_grad`)."""
     b, h, n, f = phi_q.shape
     dv = v.shape[-1]
     config = meta(phi_q.dtype, chunk, f, dv)
@@ -317,12 +356,14 @@ def backward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv:
     d_v = v.new_empty(nk, b, h, n, dv, dtype=acc)
     d_kv = kv.new_empty(b, h, f, dv + 1, dtype=acc)
     grid = (nk, b * h)
+    gates, gated = _gates(log_gate, key_log_scale), log_gate is not None
     _backward_queries_kernel[grid](
-        phi_k, key_log_scale, v, kv.to(acc).contiguous(), m, running, d_num, d_den, d_q,
-        n, f, dv, nc, **config,
+        phi_k, key_log_scale, gates, v, kv.to(acc).contiguous(), m, running, d_num, d_den, d_q,
+        n, f, dv, nc, **config, GATED=gated,
     )
     _backward_keys_kernel[grid](
-        phi_q, phi_k, key_log_scale, v, m, running, d_num, d_den,
+        phi_q, phi_k, key_log_scale, gates, v, m, running, d_num, d_den,
         d_after.to(acc).contiguous(), d_k, d_v, d_kv, n, f, dv, nc, b * h, **config,
+        GATED=gated,
     )
     return d_q, d_k, d_v.sum(0) if nk > 1 else d_v[0], d_kv
