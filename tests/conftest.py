@@ -8,6 +8,8 @@ import matplotlib.image
 import pytest
 import torch
 
+import effattn
+
 # Without a GPU, Triton kernels (the kernelized engine's triton strategy) run on CPU tensors
 # under Triton's interpreter, which is chosen when a kernel is defined: before any test imports
 # effattn's kernels. With one, they compile for it and its CUDA cases run them.
@@ -66,6 +68,39 @@ def assert_prefill_continues(module, n, cut):
     for a, b in zip(torch.autograd.grad(out.square().sum(), (q, k, v)),
                     torch.autograd.grad(ref.square().sum(), (q, k, v)), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-7)
+
+
+# Every kernelized map a causal strategy runs through its row core, small (F = 24 projections),
+# for the strategies' tests (gpu, triton). hedgehog's exp form runs the per-feature core: tests of
+# its own (tests/test_exponents_gpu.py).
+STRATEGY_VARIANTS = [
+    ("performer", {"feature_map": "positive"}),
+    ("performer", {"feature_map": "hyperbolic"}),
+    ("performer", {"feature_map": "trig"}),
+    ("performer", {"feature_map": "relu"}),
+    ("favor", {}),
+    ("rfa", {"feature_map": "sincos"}),
+    ("rfa", {"feature_map": "arccos", "sigma": 0.7}),
+    ("rfa", {"learn_sigma": True}),
+    ("linear", {}),
+    ("hedgehog", {"feature_map": "softmax_dim"}),
+    ("taylor", {}),
+]
+# Maps whose features can be negative: their normaliser's rounding is amplified.
+SIGNED_MAPS = {("performer", "trig"), ("favor", None)}
+
+
+def variant_id(variant):
+    name, opts = variant
+    return name + "".join(f"-{k}={v}" for k, v in opts.items())
+
+
+def make_kernelized(name, opts, d=21, h=3, chunk=16):
+    """A small float64 kernelized module in eval mode (no redraw between calls)."""
+    options = {"chunk_size": chunk, **opts}
+    if name in ("performer", "favor", "rfa"):
+        options.setdefault("num_features", 24)
+    return effattn.build(name, head_dim=d, heads=h, seed=0, **options).double().eval()
 
 
 def padding(b, m, seed=0):

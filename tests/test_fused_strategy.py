@@ -15,39 +15,34 @@ import pytest
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
-from conftest import assert_prefill_continues, padding, qkv  # noqa: E402
+from conftest import (  # noqa: E402
+    SIGNED_MAPS,
+    STRATEGY_VARIANTS,
+    assert_prefill_continues,
+    make_kernelized,
+    padding,
+    qkv,
+    variant_id,
+)
 
 import effattn  # noqa: E402
 from effattn import strategy  # noqa: E402
 from effattn.kernelized import core, fused, fused_kernels, gpu  # noqa: E402
 from effattn.tools.bench.accounting import count_ops, live_peak_bytes  # noqa: E402
 
-VARIANTS = [
-    ("performer", {"feature_map": "positive"}),
-    ("performer", {"feature_map": "hyperbolic"}),
-    ("performer", {"feature_map": "trig"}),
-    ("performer", {"feature_map": "relu"}),
-    ("favor", {}),
-    ("rfa", {"feature_map": "sincos"}),
-    ("rfa", {"feature_map": "arccos", "sigma": 0.7}),
-    ("rfa", {"learn_sigma": True}),
-    ("linear", {}),
-    ("hedgehog", {"feature_map": "softmax_dim"}),
-    ("taylor", {}),
-]
-SIGNED = {("performer", "trig"), ("favor", None)}
 
-
-def _id(variant):
-    name, opts = variant
-    return name + "".join(f"-{k}={v}" for k, v in opts.items())
-
-
-def make(name, opts, d=21, h=3, chunk=16):
-    options = {"chunk_size": chunk, **opts}
-    if name in ("performer", "favor", "rfa"):
-        options.setdefault("num_features", 24)
-    return effattn.build(name, head_dim=d, heads=h, seed=0, **options).double().eval()
+def _matches_reference(module, q, k, v, extra=(), **kw):
+    """The causal call with padding equals the float64 reference, and so do the gradients of q,
+    k, v, ``extra`` and the module's parameters."""
+    mask = padding(2, q.shape[2]) if kw.pop("pad", True) else None
+    out = module(q, k, v, causal=True, key_padding_mask=mask, **kw)
+    ref = module.spec.reference(module, q, k, v, causal=True, key_padding_mask=mask, **kw)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    params = [q, k, v, *extra, *module.parameters()]
+    probe = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad((out * probe).sum(), params),
+                    torch.autograd.grad((ref * probe).sum(), params), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-7)
 
 
 @pytest.fixture(autouse=True)
@@ -163,15 +158,15 @@ def test_kernels_equal_the_dense_sums_with_their_gradients(f, n, gated, device):
         torch.testing.assert_close(got_grad, want, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=_id)
+@pytest.mark.parametrize("variant", STRATEGY_VARIANTS, ids=variant_id)
 def test_method_matches_reference_outputs_and_gradients(variant, launches, device):
     name, opts = variant
-    module = make(name, opts).to(device)
+    module = make_kernelized(name, opts).to(device)
     q, k, v = (t.to(device).requires_grad_(True) for t in qkv(n=63, d=21, dv=5, scale=0.5))
     mask = padding(2, 63).to(device)
     out = module(q, k, v, causal=True, key_padding_mask=mask)
     ref = module.spec.reference(module, q, k, v, causal=True, key_padding_mask=mask)
-    tol = 1e-7 if (name, opts.get("feature_map")) in SIGNED else 1e-9
+    tol = 1e-7 if (name, opts.get("feature_map")) in SIGNED_MAPS else 1e-9
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     params = [q, k, v, *module.parameters()]
     probe = torch.randn_like(out)
@@ -184,18 +179,11 @@ def test_method_matches_reference_outputs_and_gradients(variant, launches, devic
 @pytest.mark.parametrize("name", ["performer", "linear"])
 def test_slices_hand_on_state_and_gradient(name, launches):
     """A slice budget of 16 tokens: 9 slices of N = 130, each a forward launch and a backward."""
-    module = make(name, {})
+    module = make_kernelized(name, {})
     module.slice_elements = 40
     assert gpu.slice_tokens(6, module.feature_dim, 5, 16, module.slice_elements) == 16
-    q, k, v = (t.requires_grad_(True) for t in qkv(n=130, d=21, dv=5, scale=0.5))
-    mask = padding(2, 130)
-    out = module(q, k, v, causal=True, key_padding_mask=mask)
-    ref = module.spec.reference(module, q, k, v, causal=True, key_padding_mask=mask)
-    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
-    params = [q, k, v, *module.parameters()]
-    for a, b in zip(torch.autograd.grad(out.square().sum(), params),
-                    torch.autograd.grad(ref.square().sum(), params), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-7)
+    _matches_reference(module, *(t.requires_grad_(True)
+                                 for t in qkv(n=130, d=21, dv=5, scale=0.5)))
     assert launches == {"forward": 9, "backward": 9, "gpu": 0}
 
 
@@ -203,19 +191,12 @@ def test_slices_hand_on_state_and_gradient(name, launches):
 def test_backward_spans_start_from_the_forwards_checkpoints(pad, launches):
     """Slices of 48 tokens, backward spans of 16 (N = 130: 3 slices, the last of 34 tokens, and
     9 spans): each span after a slice's first starts from a state the forward kernel wrote."""
-    module = make("performer", {})
+    module = make_kernelized("performer", {})
     module.slice_elements = 320
     assert gpu.slice_tokens(6, module.feature_dim, 5, 16, 320) == 48
     assert fused.backward_span_tokens(6, module.feature_dim, 5, 16, 320, torch.float64) == 16
-    q, k, v = (t.requires_grad_(True) for t in qkv(n=130, d=21, dv=5, scale=0.5))
-    mask = padding(2, 130) if pad else None
-    out = module(q, k, v, causal=True, key_padding_mask=mask)
-    ref = module.spec.reference(module, q, k, v, causal=True, key_padding_mask=mask)
-    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
-    params = [q, k, v, *module.parameters()]
-    for a, b in zip(torch.autograd.grad(out.square().sum(), params),
-                    torch.autograd.grad(ref.square().sum(), params), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-7)
+    _matches_reference(module, *(t.requires_grad_(True)
+                                 for t in qkv(n=130, d=21, dv=5, scale=0.5)), pad=pad)
     assert launches == {"forward": 3, "backward": 9, "gpu": 0}
 
 
@@ -226,7 +207,7 @@ def test_gated_rfa_matches_reference_with_the_gates_gradient(slice_elements, lau
     parameters against the float64 reference, with padding; in one span, and in slices of 48
     tokens with backward spans of 16 (the state after each span enters the gate's gradient).
     Some gates are near 1 and near 0 (log-gates at the floor)."""
-    module = make("rfa", {"gated": True})
+    module = make_kernelized("rfa", {"gated": True})
     if slice_elements is not None:
         module.slice_elements = slice_elements
     q, k, v = (t.requires_grad_(True) for t in qkv(n=130, d=21, dv=5, scale=0.5))
@@ -234,15 +215,7 @@ def test_gated_rfa_matches_reference_with_the_gates_gradient(slice_elements, lau
     gate = torch.sigmoid(3 * torch.randn(2, 3, 130, generator=g, dtype=torch.float64))
     gate[0, 0, 5] = 1e-20
     gate = gate.requires_grad_()
-    mask = padding(2, 130)
-    out = module(q, k, v, causal=True, key_padding_mask=mask, gate=gate)
-    ref = module.spec.reference(module, q, k, v, causal=True, key_padding_mask=mask, gate=gate)
-    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
-    params = [q, k, v, gate, *module.parameters()]
-    probe = torch.randn_like(out)
-    for a, b in zip(torch.autograd.grad((out * probe).sum(), params),
-                    torch.autograd.grad((ref * probe).sum(), params), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-7)
+    _matches_reference(module, q, k, v, (gate,), gate=gate)
     assert launches["gpu"] == 0 and launches["forward"] >= 1
     assert launches["backward"] == (1 if slice_elements is None else 9)
 
@@ -250,7 +223,7 @@ def test_gated_rfa_matches_reference_with_the_gates_gradient(slice_elements, lau
 def test_gated_prefill_and_decoding_continue_each_other():
     """A gated prefill from a state that carries gradients, then steps (the shared decoding),
     against the causal forward of the whole."""
-    module = make("rfa", {"gated": True})
+    module = make_kernelized("rfa", {"gated": True})
     q, k, v = (t.requires_grad_(True) for t in qkv(n=50, d=21, dv=5, scale=0.5))
     gate = torch.sigmoid(torch.randn(2, 3, 50, dtype=torch.float64)).requires_grad_()
     full = module(q, k, v, causal=True, gate=gate)
@@ -270,14 +243,14 @@ def test_gated_prefill_and_decoding_continue_each_other():
 
 
 def test_prefill_from_a_state_that_carries_gradients():
-    module = make("performer", {})
+    module = make_kernelized("performer", {})
     module.slice_elements = 40
     assert_prefill_continues(module, n=50, cut=20)
 
 
 def test_decoding_continues_the_fused_prefill():
     """Prefill through the kernels, then steps (the shared decoding): the causal forward."""
-    module = make("performer", {})
+    module = make_kernelized("performer", {})
     q, k, v = qkv(n=40, d=21, dv=5, scale=0.5)
     full = module(q, k, v, causal=True)
     out, state = module.prefill(q[:, :, :33], k[:, :, :33], v[:, :, :33])
@@ -289,7 +262,7 @@ def test_decoding_continues_the_fused_prefill():
 
 
 def test_inference_equals_training_forward_and_the_gpu_strategy(launches):
-    module = make("performer", {}).float()
+    module = make_kernelized("performer", {}).float()
     q, k, v = (t.float() for t in qkv(n=100, d=21, dv=5, scale=0.5))
     with torch.no_grad():
         out = module(q, k, v, causal=True)
@@ -305,7 +278,7 @@ def test_what_the_kernels_do_not_run_goes_elsewhere(case, launches):
     per-feature core's GPU form (kernelized.exponents_gpu)."""
     q, k, v = (t.requires_grad_(True) for t in qkv(n=40, d=21, dv=5, scale=0.5))
     kw = {"causal": case != "non-causal"}
-    module = make("hedgehog" if case == "hedgehog-exp" else "performer", {})
+    module = make_kernelized("hedgehog" if case == "hedgehog-exp" else "performer", {})
     out = module(q, k, v, **kw)
     ref = module.spec.reference(module, q, k, v, **kw)
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
@@ -319,7 +292,7 @@ def test_window_hybrid_normaliser_runs_the_kernels(pad, launches):
     the gradients of q, k, v and the map's parameters against the float64 reference, and the
     normaliser (log |d|, sign) with its gradient against the GPU strategy's; backward spans
     shorter than the slices."""
-    module = make("hedgehog", {"window": 8, "window_factor": True,
+    module = make_kernelized("hedgehog", {"window": 8, "window_factor": True,
                                "feature_map": "softmax_dim"})
     module.slice_elements = 320
     q, k, v = (t.requires_grad_(True) for t in qkv(n=63, d=21, dv=5, scale=0.5))
@@ -351,7 +324,7 @@ def test_window_hybrid_normaliser_runs_the_kernels(pad, launches):
 
 def test_compiled_calls_run_the_gpu_strategy(launches):
     torch._dynamo.reset()
-    module = make("performer", {})
+    module = make_kernelized("performer", {})
     compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
     q, k, v = qkv(n=40, d=21)
     torch.testing.assert_close(compiled(q, k, v, causal=True),
@@ -362,7 +335,7 @@ def test_compiled_calls_run_the_gpu_strategy(launches):
 
 
 def test_redraw_between_forward_and_backward_raises():
-    module = make("performer", {"redraw_interval": 1}).train()
+    module = make_kernelized("performer", {"redraw_interval": 1}).train()
     q, k, v = (t.requires_grad_(True) for t in qkv(n=40, d=21))
     out = module(q, k, v, causal=True)
     module.redraw()
@@ -388,7 +361,7 @@ def test_cpu_tensors_without_the_interpreter_raise(monkeypatch):
     monkeypatch.setattr(knobs.runtime, "interpret", False)
     q, k, v = qkv(n=20, d=21)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        make("performer", {})(q, k, v, causal=True)
+        make_kernelized("performer", {})(q, k, v, causal=True)
 
 
 def test_without_triton_the_error_says_how_to_get_it(monkeypatch):
@@ -396,7 +369,7 @@ def test_without_triton_the_error_says_how_to_get_it(monkeypatch):
     monkeypatch.delattr(effattn.kernelized, "fused_kernels")
     q, k, v = qkv(n=20, d=21)
     with pytest.raises(RuntimeError, match="needs the triton package"):
-        make("performer", {})(q, k, v, causal=True)
+        make_kernelized("performer", {})(q, k, v, causal=True)
 
 
 def test_holds_and_dispatches_less_than_the_gpu_strategy():

@@ -9,46 +9,24 @@ redraw guard; decoding; torch.compile. The whole kernelized test suite also runs
 
 import pytest
 import torch
-from conftest import assert_prefill_continues, padding, qkv
+from conftest import (
+    SIGNED_MAPS,
+    STRATEGY_VARIANTS,
+    assert_prefill_continues,
+    make_kernelized,
+    padding,
+    qkv,
+    variant_id,
+)
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import effattn
 from effattn import strategy
 from effattn.kernelized import chunkwise, core, cpu, exponents_gpu, gpu
 
-VARIANTS = [
-    ("performer", {"feature_map": "positive"}),
-    ("performer", {"feature_map": "hyperbolic"}),
-    ("performer", {"feature_map": "trig"}),
-    ("performer", {"feature_map": "relu"}),
-    ("favor", {}),
-    ("rfa", {"feature_map": "sincos"}),
-    ("rfa", {"feature_map": "arccos", "sigma": 0.7}),
-    ("rfa", {"learn_sigma": True}),
-    ("linear", {}),
-    # hedgehog's exp form runs the per-feature core, on this strategy its chunk-parallel form
-    # (kernelized.exponents_gpu): tests/test_exponents_gpu.py and the test below; its softmax
-    # form runs the row core's.
-    ("hedgehog", {"feature_map": "softmax_dim"}),
-    ("taylor", {}),
-]
-SIGNED = {("performer", "trig"), ("favor", None)}
-
-
-def _id(variant):
-    name, opts = variant
-    return name + "".join(f"-{k}={v}" for k, v in opts.items())
-
 
 def _tol(name, opts):
-    return 1e-7 if (name, opts.get("feature_map")) in SIGNED else 1e-9
-
-
-def make(name, opts, d=21, h=3, chunk=16):
-    options = {"chunk_size": chunk, **opts}
-    if name in ("performer", "favor", "rfa"):
-        options.setdefault("num_features", 24)
-    return effattn.build(name, head_dim=d, heads=h, seed=0, **options).double().eval()
+    return 1e-7 if (name, opts.get("feature_map")) in SIGNED_MAPS else 1e-9
 
 
 @pytest.fixture
@@ -72,12 +50,12 @@ def _gpu_strategy():
         yield
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=_id)
+@pytest.mark.parametrize("variant", STRATEGY_VARIANTS, ids=variant_id)
 # Non-causal is one slice whatever N: one awkward length; causal crosses 4 and 17 chunks.
 @pytest.mark.parametrize("causal, n", [(False, 63), (True, 63), (True, 257)])
 def test_method_matches_reference_outputs_and_gradients(variant, causal, n, calls):
     name, opts = variant
-    module = make(name, opts)
+    module = make_kernelized(name, opts)
     q, k, v = qkv(n=n, d=21, dv=5, scale=0.5)
     mask = padding(2, n)
     for t in (q, k, v):
@@ -99,13 +77,13 @@ def test_method_matches_reference_outputs_and_gradients(variant, causal, n, call
     (("performer", {}), True), (("rfa", {"gated": True}), True), (("linear", {}), True),
     (("hedgehog", {"window": 5, "feature_map": "softmax_dim"}), True), (("performer", {}), False),
     (("linear", {}), False),
-], ids=lambda x: _id(x) if isinstance(x, tuple) else ("causal" if x else "full"))
+], ids=lambda x: variant_id(x) if isinstance(x, tuple) else ("causal" if x else "full"))
 def test_slices_match_the_reference(variant, causal, calls):
     """Small slice budgets (causal: one chunk per slice; non-causal: 17 tokens): the state and
     its gradient cross slice borders, in the forward, the recomputing backward and the hybrid's
     normaliser."""
     name, opts = variant
-    module = make(name, opts)
+    module = make_kernelized(name, opts)
     module.slice_elements = 40
     assert gpu.slice_tokens(6, module.feature_dim, 5, 16, module.slice_elements) == 16
     q, k, v = (t.requires_grad_(True) for t in qkv(n=63, d=21, dv=5, scale=0.5))
@@ -127,15 +105,15 @@ def test_slices_match_the_reference(variant, causal, calls):
 def test_prefill_from_a_state_that_carries_gradients():
     """The entering state's gradient (a state from an earlier prefill) flows back through
     every slice of the next."""
-    module = make("performer", {})
+    module = make_kernelized("performer", {})
     module.slice_elements = 40
     assert_prefill_continues(module, n=50, cut=20)
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=_id)
+@pytest.mark.parametrize("variant", STRATEGY_VARIANTS, ids=variant_id)
 def test_cross_attention_matches_reference(variant, calls):
     name, opts = variant
-    module = make(name, opts)
+    module = make_kernelized(name, opts)
     q = qkv(n=17, d=21, scale=0.5)[0].requires_grad_(True)
     k, v = (t.requires_grad_(True) for t in qkv(n=40, d=21, dv=5, scale=0.5, seed=1)[1:])
     mask = padding(2, 40)
@@ -151,7 +129,7 @@ def test_cross_attention_matches_reference(variant, calls):
 
 
 def test_gated_rfa_matches_reference_and_decoding(calls):
-    module = make("rfa", {"gated": True})
+    module = make_kernelized("rfa", {"gated": True})
     q, k, v = qkv(n=63, d=21, dv=5)
     gate = torch.sigmoid(torch.randn(2, 3, 63, dtype=torch.float64))
     mask = padding(2, 63)
@@ -210,14 +188,14 @@ def test_decayed_prefix_equals_the_cpu_strategys_recurrence(n, scaled, gated, em
 
 
 @pytest.mark.parametrize("variant", [("performer", {}), ("rfa", {"gated": True}),
-                                     ("hedgehog", {"window": 3})], ids=_id)
+                                     ("hedgehog", {"window": 3})], ids=variant_id)
 def test_decoding_reads_nothing_back_to_the_host(variant, monkeypatch):
     """The GPU strategy's step is branch-free: no tensor's truth value or item is read (on a
     GPU each would wait for the device), yet keys far beyond the state's scale (the rescale)
     and gates still give the causal forward's result. The engine's step (``_step``), after
     the call's input checks: those read one flag per call (the contract's NaN check)."""
     name, opts = variant
-    module = make(name, opts)
+    module = make_kernelized(name, opts)
     q, k, v = qkv(n=12, d=21, dv=5)
     k = k * torch.linspace(0.5, 4.0, 12, dtype=torch.float64)[:, None]  # growing log-scales
     kw = {}
@@ -241,7 +219,7 @@ def test_decoding_reads_nothing_back_to_the_host(variant, monkeypatch):
 
 
 def test_strategy_follows_the_override(calls):
-    module = make("performer", {})
+    module = make_kernelized("performer", {})
     q, k, v = qkv(n=33, d=21)
     with strategy.force(kernelized="cpu"):
         cpu = module(q, k, v, causal=True)
@@ -253,7 +231,7 @@ def test_strategy_follows_the_override(calls):
 def test_hybrid_normaliser_and_gradients_match_the_cpu_strategy():
     """The window hybrid's linear part (kernelized_causal_normalised): output, state and the
     differentiable normaliser on both strategies."""
-    module = make("hedgehog", {"window": 8, "window_factor": True})
+    module = make_kernelized("hedgehog", {"window": 8, "window_factor": True})
     q, k, v = (t.requires_grad_(True) for t in qkv(n=63, d=21, dv=5, scale=0.5))
     mask = padding(2, 63)
     params = [q, k, v, *module.parameters()]
@@ -289,7 +267,7 @@ def test_training_keeps_inputs_not_features_or_states():
 
 
 def test_redraw_between_forward_and_backward_raises():
-    module = make("performer", {"redraw_interval": 1}).train()
+    module = make_kernelized("performer", {"redraw_interval": 1}).train()
     q, k, v = (t.requires_grad_(True) for t in qkv(n=40, d=21))
     out = module(q, k, v, causal=True)
     module.redraw()
@@ -312,7 +290,7 @@ def test_hedgehog_exp_runs_the_per_feature_core_in_its_gpu_form(causal, calls, m
     """The exp form runs the per-feature core, whose causal form on this strategy is the
     chunk-parallel one (kernelized.exponents_gpu, float64 in-chunk products, no host sync), not
     the row core's entry points; checked against the reference, with gradients."""
-    module = make("hedgehog", {})
+    module = make_kernelized("hedgehog", {})
     q, k, v = (t.requires_grad_(True) for t in qkv(n=63, d=21, dv=5, scale=0.5))
     mask = padding(2, 63)
     ran, original = [], exponents_gpu.causal
@@ -336,7 +314,7 @@ def test_compile_fullgraph_with_the_gpu_strategy():
     """No graph break, no host sync to trace through: outputs equal eager's to the last bit
     (the same operations), gradients to rounding (eager recomputes in its backward)."""
     torch._dynamo.reset()
-    module = make("performer", {})
+    module = make_kernelized("performer", {})
     backend = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(module, backend=backend, fullgraph=True)
     q, k, v = (t.requires_grad_(True) for t in qkv(n=40, d=21))
