@@ -220,6 +220,35 @@ def test_gated_rfa_matches_reference_with_the_gates_gradient(slice_elements, lau
     assert launches["backward"] == (1 if slice_elements is None else 9)
 
 
+@pytest.mark.parametrize("kind", ["cpu", "gpu", "triton"])
+def test_saturated_gates_keep_gradients_finite(kind):
+    """Gates of exactly 0 and 1 (a saturated sigmoid) on every strategy: the output equals the
+    reference, and every gradient is finite (it was NaN at 0: core.log_gates) and equals the
+    reference's, except at 0, below the log-gates' floor, where the decay's part is 0, and the
+    triton strategy's at exactly 1, which lacks the part through the key's weight 1 - g
+    (fused._log_weights: that weight is a log there)."""
+    module = make_kernelized("rfa", {"gated": True})
+    q, k, v = (t.requires_grad_(True) for t in qkv(n=40, d=21, dv=5, scale=0.5))
+    gate = torch.sigmoid(torch.randn(2, 3, 40, dtype=torch.float64))
+    gate[0, 0, 7] = gate[1, 2, 30] = 1.0
+    gate[0, 1, 3] = 0.0
+    gate.requires_grad_()
+    with strategy.force(kernelized=kind):
+        out = module(q, k, v, causal=True, gate=gate)
+        grads = torch.autograd.grad(out.sum(), (q, k, v, gate))
+    ref = module.spec.reference(module, q, k, v, causal=True, gate=gate)
+    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v, gate))
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    assert all(torch.isfinite(g).all() for g in grads)
+    exact = torch.ones_like(gate, dtype=torch.bool)
+    exact[0, 1, 3] = False
+    if kind == "triton":
+        exact[0, 0, 7] = exact[1, 2, 30] = False
+    for a, b in zip((*grads[:3], grads[3][exact]), (*ref_grads[:3], ref_grads[3][exact]),
+                    strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-7)
+
+
 def test_gated_prefill_and_decoding_continue_each_other():
     """A gated prefill from a state that carries gradients, then steps (the shared decoding),
     against the causal forward of the whole."""

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from effattn.kernelized import core
-from effattn.kernelized.core import LOG_FLOOR, LOG_GATE_FLOOR, FeatureFn, with_ones
+from effattn.kernelized.core import LOG_FLOOR, FeatureFn, with_ones
 from effattn.kernelized.features import LOG2E
 
 
@@ -95,7 +95,7 @@ def _factors(v: Tensor, key_log_scale: Tensor | None, key_padding_mask: Tensor |
         v1 = with_ones(v)
         if gate is not None:
             v1 = v1 * (1.0 - gate)[..., None]
-            log_gate = torch.log(gate).clamp_min(LOG_GATE_FLOOR)
+            log_gate = core.log_gates(gate)
         if key_padding_mask is not None:
             pad = key_padding_mask[:, None, :]
             v1 = v1.masked_fill(pad[..., None], 0.0)

@@ -150,6 +150,13 @@ def with_ones(v: Tensor) -> Tensor:
     return torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
 
 
+def log_gates(gate: Tensor) -> Tensor:
+    """log g of gates g in [0, 1], floored at ``LOG_GATE_FLOOR``: the floor taken on g, so that
+    the gradient stays finite (0 below the floor) at g = 0, where ``log(g).clamp_min`` gives
+    0 * inf = NaN."""
+    return torch.log(gate.clamp_min(math.exp(LOG_GATE_FLOOR)))
+
+
 def _divisor(den: Tensor, eps: float, log_scale: Tensor) -> Tensor:
     """The denominator Σ_j w_ij φ(q_i)·φ(k_j) (..., 1), held at scale exp(log_scale), as divided
     by: |den| pushed to ``eps`` at the true scale (as the reference does), so that the result
@@ -1178,7 +1185,7 @@ def step_state(
             )
         g = gate[..., None]
         # The decay g S_{t-1} is a shift of the state's scale, not a pass over the state.
-        scale = scale + torch.log(g).clamp_min(LOG_GATE_FLOOR)
+        scale = scale + log_gates(g)
         v1 = v1 * (1.0 - g)
     key_scale = torch.zeros_like(scale) if key_log_scale is None else key_log_scale
     kv = state.kv

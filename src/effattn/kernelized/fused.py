@@ -170,8 +170,12 @@ def _log_weights(key_log_scale: Tensor | None, pad: Tensor | None, gate: Tensor 
     ls = like.new_zeros(like.shape[:3]) if key_log_scale is None else key_log_scale[..., 0]
     log_gate = None
     if gate is not None:
-        ls = ls + torch.log1p(-gate)
-        log_gate = torch.log(gate).clamp_min(core.LOG_GATE_FLOOR)
+        # log(1 - g), 1 - g floored at the dtype's smallest normal number first: at a gate of
+        # exactly 1 (a saturated sigmoid) log's gradient would be 0 * inf = NaN. Such a gate gets
+        # 0 from its key's weight (the other strategies, which multiply by 1 - g, get the exact
+        # value).
+        ls = ls + torch.log((1.0 - gate).clamp_min(torch.finfo(gate.dtype).tiny))
+        log_gate = core.log_gates(gate)
     if pad is not None:
         ls = ls.masked_fill(pad[:, None, :], float("-inf"))
         if log_gate is not None:

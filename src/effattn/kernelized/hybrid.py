@@ -58,10 +58,10 @@ from torch.utils.checkpoint import checkpoint
 from effattn.kernelized import exponents
 from effattn.kernelized.core import (
     LOG_FLOOR,
-    LOG_GATE_FLOOR,
     CoreConfig,
     Normaliser,
     RecurrentState,
+    log_gates,
     read_checked,
     slice_tokens,
 )
@@ -205,7 +205,7 @@ def window_log_gate(gate: Tensor, key_padding_mask: Tensor | None, window: int,
     tokens leaving it alone as in the core. ``earlier`` (B, H, window): the log-gates of the
     ``window`` tokens before these (a decoder's ring buffer), None: none. Summed in float64 as
     a difference of cumulative sums (a window of any length costs one pass)."""
-    log_gate = torch.log(gate).clamp_min(LOG_GATE_FLOOR)
+    log_gate = log_gates(gate)
     if key_padding_mask is not None:
         log_gate = log_gate.masked_fill(key_padding_mask[:, None, :], 0.0)
     if earlier is None:
@@ -560,7 +560,7 @@ def hybrid_prefill(
 def _masked_log(gate: Tensor, empty: Tensor | None) -> Tensor:
     """log g (clamped as the core clamps it), 0 at the ring's empty slots (``empty`` (W,), None:
     none)."""
-    log_gate = torch.log(gate).clamp_min(LOG_GATE_FLOOR)
+    log_gate = log_gates(gate)
     return log_gate if empty is None else log_gate.masked_fill(empty, 0.0)
 
 

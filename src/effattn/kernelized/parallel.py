@@ -35,9 +35,9 @@ from effattn.base import compute_dtype
 from effattn.kernelized.base import KernelizedAttention
 from effattn.kernelized.core import (
     LOG_FLOOR,
-    LOG_GATE_FLOOR,
     RecurrentState,
     accumulate_keys,
+    log_gates,
 )
 from effattn.kernelized.hybrid import Partial, linear_part, merge, window_log_gate, window_part
 from effattn.parallel import SequenceGroup, SequenceStrategy
@@ -94,7 +94,7 @@ def _slice_state(
     if gate is None:
         state = attn.core().key_state(k, v, key_padding_mask=key_padding_mask)
         return state, k.new_zeros(k.shape[:2])
-    log_gate = torch.log(gate).clamp_min(LOG_GATE_FLOOR)  # as the core clamps it
+    log_gate = log_gates(gate)  # as the core floors it
     if key_padding_mask is not None:
         log_gate = log_gate.masked_fill(key_padding_mask[:, None, :], 0.0)
     # Σ_{l > j} log g_l as a reversed cumsum shifted by one: no subtraction of long sums.
@@ -183,7 +183,7 @@ def _hybrid(
     lagged = _exchanged_part(attn, group, q, k_e[:, :, :n], v_e[:, :, :n], pad_e[:, :n],
                              None if gate is None else gate_e[:, :, :n], reverse=False)
     if gate is not None:
-        earlier = torch.log(gate_e[:, :, :lag]).clamp_min(LOG_GATE_FLOOR).masked_fill(
+        earlier = log_gates(gate_e[:, :, :lag]).masked_fill(
             pad_e[:, None, :lag], 0.0)
         lagged = Partial(lagged.out, lagged.log_abs
                          + window_log_gate(gate, key_padding_mask, lag, earlier), lagged.sign)
