@@ -510,10 +510,20 @@ def main(argv: list[str] | None = None, suites: Mapping[str, Suite] = SUITES,
     unknown = set(dtypes) - set(DTYPES)
     if unknown:
         parser.error(f"unknown dtypes {sorted(unknown)}; choose from {sorted(DTYPES)}")
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        print(f"gpu_peers: --out {args.out}: {err.strerror}", file=sys.stderr)
+        return 2
     machine = machine_info(device)
-    rows = measure(chosen, points(device, args.smoke, dtypes, None if args.smoke else lengths),
-                   args.out, args.repeats, machine, methods)
+    try:
+        rows = measure(chosen, points(device, args.smoke, dtypes, None if args.smoke else lengths),
+                       args.out, args.repeats, machine, methods)
+    except KeyboardInterrupt:
+        # results.json is rewritten (atomically) after every row: the finished ones are kept.
+        print("gpu_peers: interrupted: results.json holds the finished rows; the same command "
+              "starts over", file=sys.stderr)
+        return 130
     plot(rows, args.out / "results.png")
     print(f"wrote {args.out / 'results.json'} and results.png ({len(rows)} rows, "
           f"{gpu_label(machine) or 'cpu'})")

@@ -135,3 +135,30 @@ def test_lengths_narrow_the_sweep():
     chosen = list(peers.points(torch.device("cpu"), False, ["bf16"], {4096}))
     assert {(p.n, p.batch) for p in chosen} == {(4096, 1), (4096, 8)}
     assert len(chosen) == 4  # causal and not
+
+
+def test_an_unwritable_out_exits_2_with_one_line(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert peers.main(["--device", "cpu", "--smoke", "--out", str(blocker / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--out" in err
+
+
+def test_ctrl_c_keeps_the_finished_rows_and_exits_130(tmp_path, capsys, monkeypatch):
+    measured = []
+
+    def interrupted(fn, device, repeats):
+        if measured:
+            raise KeyboardInterrupt
+        measured.append(1)
+        return 1.0
+
+    monkeypatch.setattr(peers, "timer", interrupted)
+    with strategy.force(kernelized="gpu"):
+        assert peers.main(["--device", "cpu", "--smoke", "--dtypes", "fp32", "--impls", "sdpa",
+                           "--out", str(tmp_path)]) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "interrupted" in err and "Traceback" not in err
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert len(rows) == 1 and rows[0]["ms"] == 1.0
