@@ -103,6 +103,22 @@ def make_kernelized(name, opts, d=21, h=3, chunk=16):
     return effattn.build(name, head_dim=d, heads=h, seed=0, **options).double().eval()
 
 
+def count_calls(monkeypatch, targets):
+    """Counts of the calls to functions during a test: ``targets`` maps a key to (module,
+    function name); each function is wrapped (monkeypatched back after the test). Returns the
+    counts, key -> calls so far."""
+    counts = dict.fromkeys(targets, 0)
+    for key, (owner, name) in targets.items():
+        original = getattr(owner, name)
+
+        def spy(*args, _key=key, _original=original, **kwargs):
+            counts[_key] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, spy)
+    return counts
+
+
 def padding(b, m, seed=0):
     """A (B, M) padding mask: left padding on batch 0, right padding elsewhere, never all padded."""
     mask = torch.zeros(b, m, dtype=torch.bool)

@@ -19,6 +19,7 @@ from conftest import (  # noqa: E402
     SIGNED_MAPS,
     STRATEGY_VARIANTS,
     assert_prefill_continues,
+    count_calls,
     make_kernelized,
     padding,
     qkv,
@@ -61,17 +62,9 @@ def _triton_strategy(request):
 def launches(monkeypatch):
     """Counts of the fused kernels' launches (forward, backward) and of the GPU strategy's
     causal calls during the test."""
-    counts = {"forward": 0, "backward": 0, "gpu": 0}
-    for owner, entry, key in ((fused_kernels, "forward", "forward"),
-                              (fused_kernels, "backward", "backward"), (gpu, "causal", "gpu")):
-        original = getattr(owner, entry)
-
-        def spy(*args, _key=key, _original=original, **kwargs):
-            counts[_key] += 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(owner, entry, spy)
-    return counts
+    return count_calls(monkeypatch, {"forward": (fused_kernels, "forward"),
+                                     "backward": (fused_kernels, "backward"),
+                                     "gpu": (gpu, "causal")})
 
 
 def _dense(phi_q, phi_k, ls, v, kv, log_scale, log_gate=None):

@@ -13,6 +13,7 @@ from conftest import (
     SIGNED_MAPS,
     STRATEGY_VARIANTS,
     assert_prefill_continues,
+    count_calls,
     make_kernelized,
     padding,
     qkv,
@@ -32,16 +33,8 @@ def _tol(name, opts):
 @pytest.fixture
 def calls(monkeypatch):
     """Counts of the GPU strategy's entry points run during the test."""
-    counts = {"causal": 0, "key_state": 0, "read_queries": 0}
-    for entry in counts:
-        original = getattr(gpu, entry)
-
-        def spy(*args, _entry=entry, _original=original, **kwargs):
-            counts[_entry] += 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(gpu, entry, spy)
-    return counts
+    return count_calls(monkeypatch, {entry: (gpu, entry)
+                                     for entry in ("causal", "key_state", "read_queries")})
 
 
 @pytest.fixture(autouse=True)
