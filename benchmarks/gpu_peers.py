@@ -30,6 +30,14 @@ Peers, each on the problem it solves:
   launch per slice forward and two backward in place of the GPU strategy's chunk-parallel
   operations, and no chunk states. The strategy is chosen only when forced until these rows
   say it is faster. Without triton the rows say ``triton: not installed``.
+- ``tf32``: the ``effattn`` and ``triton`` suites again with torch's fp32 CUDA matmuls on TF32
+  tensor cores (``torch.backends.cuda.matmul.fp32_precision = "tf32"``, what
+  ``torch.set_float32_matmul_precision("high")`` sets; methods ``<method>-tf32`` and
+  ``<method>-triton-tf32``). The kernelized methods compute in fp32 whatever the inputs' dtype
+  (bf16 inputs too, so that features do not overflow), and by default torch multiplies fp32 in
+  IEEE, off the tensor cores that fla's bf16 products use; the triton strategy's products follow
+  the same setting (``effattn.kernelized.fused_kernels.precision``). These rows say what a user
+  who allows TF32 gets.
 
 Rows (``ROW_KEYS``): ``{impl, method, feature_dim, n, batch, heads, causal, pass, dtype, ms,
 peak_mib, device}`` (+ ``error`` where a point failed, + ``compile_s`` on compiled rows),
@@ -63,7 +71,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -292,9 +300,23 @@ def triton_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
                    (q, k, v), error=error)
 
 
+def tf32_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
+    """``effattn_suite`` and ``triton_suite`` with fp32 CUDA matmuls on TF32. The setting holds
+    while the cases are measured, backward included: the driver measures each case before it
+    resumes the suite, and the setting is restored when the suite ends."""
+    before = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    try:
+        for suite in (effattn_suite, triton_suite):
+            for case in suite(p, methods):
+                yield replace(case, method=f"{case.method}-tf32")
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before
+
+
 SUITES: dict[str, Suite] = {"effattn": effattn_suite, "fla": fla_suite, "sdpa": sdpa_suite,
                             "spans": spans_suite, "compiled": compiled_suite,
-                            "triton": triton_suite}
+                            "triton": triton_suite, "tf32": tf32_suite}
 
 
 def _sync(device: torch.device) -> None:

@@ -6,7 +6,10 @@ Triton compiles for a target without a driver (``triton.compile`` with a ``GPUTa
 wheel brings ``ptxas`` and ``cuobjdump``), so a CPU machine can say whether a kernel fits a
 GPU's shared memory (a kernel over the limit does not launch), and whether it spills registers
 to local memory (slower, not wrong), at the tile sizes ``effattn.kernelized.fused_kernels.meta``
-chooses for each dtype. Not its speed: that needs the GPU (``benchmarks/gpu_peers.py``).
+chooses for each dtype. ``tf32`` is fp32 with torch's fp32 CUDA matmuls set to TF32
+(``torch.set_float32_matmul_precision("high")``), which the kernels' fp32 products follow
+(``fused_kernels.precision``); ``fp32`` is the default, IEEE. Not its speed: that needs the GPU
+(``benchmarks/gpu_peers.py``).
 
     python3 benchmarks/triton_resources.py                     # sm_80 and sm_90, every dtype
     python3 benchmarks/triton_resources.py --archs 90 --dtypes bf16
@@ -18,12 +21,14 @@ without triton.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +38,7 @@ from effattn.tools.bench.machine import describe, machine_info
 from effattn.tools.bench.results import write_csv, write_json
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-          "fp64": torch.float64}
+          "tf32": torch.float32, "fp64": torch.float64}
 # Shared memory a program may use, per architecture (bytes; the CUDA programming guide's
 # maximum per block with opt-in).
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
@@ -62,10 +67,23 @@ def _dtypes(text: str) -> list[str]:
     return names
 
 
-def compile_kernel(kernel: Any, arch: int, dtype: torch.dtype, gated: bool,
+@contextlib.contextmanager
+def _fp32_products(name: str) -> Iterator[None]:
+    """torch's fp32 CUDA matmuls set to TF32 for ``name`` "tf32" (restored after)."""
+    before = torch.backends.cuda.matmul.fp32_precision
+    if name == "tf32":
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before
+
+
+def compile_kernel(kernel: Any, arch: int, name: str, gated: bool,
                    feature_dim: int = 256, value_dim: int = 64, chunk: int = 32) -> dict[str, Any]:
     """Compile one kernel of ``effattn.kernelized.fused_kernels`` for sm_<arch> with the
-    launch's constexprs for ``dtype`` (with or without gates) and return its resources."""
+    launch's constexprs for inputs ``name`` (a key of ``DTYPES``; with or without gates) and
+    return its resources."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -76,20 +94,22 @@ def compile_kernel(kernel: Any, arch: int, dtype: torch.dtype, gated: bool,
     if not isinstance(kernel, JITFunction):
         raise RuntimeError("compiling for a GPU needs TRITON_INTERPRET unset: the kernels were "
                            "made for Triton's interpreter")
-    meta = fused_kernels.meta(dtype, chunk, feature_dim, value_dim)
+    dtype = DTYPES[name]
+    with _fp32_products(name):
+        meta = fused_kernels.meta(dtype, chunk, feature_dim, value_dim)
     warps = meta.pop("num_warps")
     short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
              torch.float64: "fp64"}
     inputs, acc = "*" + short[dtype], "*" + ("fp64" if dtype == torch.float64 else "fp32")
     constants = {**meta, "LOG_FLOOR_": fused_kernels.LOG_FLOOR, "GATED": gated}
     signature, constexprs = {}, {}
-    for name in kernel.arg_names:
-        if name in constants:
-            signature[name], constexprs[name] = "constexpr", constants[name]
-        elif name in fused_kernels.INTEGERS:
-            signature[name] = "i32"
+    for arg in kernel.arg_names:
+        if arg in constants:
+            signature[arg], constexprs[arg] = "constexpr", constants[arg]
+        elif arg in fused_kernels.INTEGERS:
+            signature[arg] = "i32"
         else:
-            signature[name] = inputs if name in fused_kernels.INPUTS else acc
+            signature[arg] = inputs if arg in fused_kernels.INPUTS else acc
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Triton's notice about its FP-fusion default
         compiled = triton.compile(ASTSource(kernel, signature, constexprs),
@@ -104,7 +124,7 @@ def compile_kernel(kernel: Any, arch: int, dtype: torch.dtype, gated: bool,
     fields = dict(item.split(":")[:2] for line in usage.splitlines() if "REG:" in line
                   for item in line.split() if ":" in item)
     shared = int(compiled.metadata.shared)
-    return {"arch": arch, "dtype": short[dtype], "kernel": kernel.__name__.strip("_"),
+    return {"arch": arch, "dtype": name, "kernel": kernel.__name__.strip("_"),
             "gated": gated,
             "chunk": meta["BT"], "feature_block": meta["BK"], "num_warps": warps,
             "registers": int(fields["REG"]), "spill_bytes": int(fields["STACK"]),
@@ -137,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         for arch in args.archs:
             for name in args.dtypes:
                 for kernel, gated in itertools.product(fused_kernels.KERNELS, (False, True)):
-                    rows.append(compile_kernel(kernel, arch, DTYPES[name], gated))
+                    rows.append(compile_kernel(kernel, arch, name, gated))
                     r = rows[-1]
                     print(f"sm_{arch} {name:4s} {r['kernel']:24s} "
                           f"{'gated' if gated else '     '} C={r['chunk']:2d} "

@@ -151,6 +151,79 @@ def test_kernels_equal_the_dense_sums_with_their_gradients(f, n, gated, device):
         torch.testing.assert_close(got_grad, want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("gated", [False, True], ids=["ungated", "gated"])
+def test_half_precision_kernels_equal_the_dense_sums(gated, device):
+    """fp16 inputs: the kernels' half-precision tiles (a chunk of 32, products on tensor cores,
+    fp32 accumulation) against the dense float64 sums of the same rounded inputs, outputs and
+    gradients, to half precision's rounding. Several feature blocks (F = 70) and a last chunk
+    that is not full (N = 45). The interpreter cannot run bf16 products (Triton's interpreter
+    multiplies bf16 bit patterns, triton-lang/triton#11584), so fp16 stands for both here;
+    bf16 runs in the CUDA case."""
+    dtypes = [torch.float16] + ([torch.bfloat16] if device == "cuda" else [])
+    g = torch.Generator().manual_seed(45)
+    b, h, n, f, dv = 2, 2, 45, 70, 5
+    assert fused_kernels.meta(torch.float16, 32, f, dv)["BT"] == 32
+    for dtype in dtypes:
+        phi_q, phi_k = (torch.rand(b, h, n, f, generator=g).to(dtype) for _ in range(2))
+        ls = (torch.rand(b, h, n, generator=g) * 6 - 3).to(dtype)
+        ls[0, 0, : n // 3] = float("-inf")
+        v = torch.randn(b, h, n, dv, generator=g).to(dtype)
+        kv = torch.rand(b, h, f, dv + 1, generator=g)
+        log_scale = torch.tensor([[1.0, -2.0], [core.LOG_FLOOR, 3.0]])
+        log_gate = None
+        if gated:
+            log_gate = torch.log(torch.rand(b, h, n, generator=g)).clamp_min(-4.0).to(dtype)
+        on = [t.to(device) for t in (phi_q, phi_k, ls, v, kv, log_scale)]
+        lg = None if log_gate is None else log_gate.to(device)
+        num, den, m, after, running, _ = fused_kernels.forward(*on, 32, None, lg)
+        exact = [t.double().requires_grad_() for t in (phi_q, phi_k, ls, v, kv)]
+        raw, ref_after = _dense(*exact, log_scale.double(),
+                                None if log_gate is None else log_gate.double())
+        got = torch.cat([num, den[..., None]], -1).double() * torch.exp(m.double())[..., None]
+        torch.testing.assert_close(got.cpu(), raw.detach(), rtol=1e-2,
+                                   atol=1e-3 * raw.abs().max().item())
+        scale_after = torch.exp(running[..., -1:, None].double())
+        torch.testing.assert_close((after.double() * scale_after).cpu(), ref_after.detach(),
+                                   rtol=1e-2, atol=1e-3 * ref_after.abs().max().item())
+        g_num, g_den = torch.randn_like(num), torch.randn_like(den)
+        grads = fused_kernels.backward(*on[:5], m, running, g_num, g_den, None, 32, lg)
+        # The kernels take the output's gradient in the inputs' dtype: so does the reference.
+        rows = torch.exp(-m.double()).cpu()
+        loss = ((raw[..., :-1] * rows[..., None] * g_num.to(dtype).double().cpu()).sum()
+                + (raw[..., -1] * rows * g_den.double().cpu()).sum())
+        ref = torch.autograd.grad(loss, [exact[i] for i in (0, 1, 3, 4)])
+        for got_grad, want in zip(grads, ref, strict=True):
+            torch.testing.assert_close(got_grad.double().cpu(), want, rtol=2e-2,
+                                       atol=2e-3 * want.abs().max().item())
+
+
+@pytest.fixture
+def fp32_precision():
+    """torch's fp32 CUDA matmul precision, restored after the test."""
+    before = torch.backends.cuda.matmul.fp32_precision
+    yield
+    torch.backends.cuda.matmul.fp32_precision = before
+
+
+@pytest.mark.parametrize("setting, fp32", [("ieee", "ieee"), ("tf32", "tf32")])
+def test_fp32_products_follow_torchs_matmul_precision(setting, fp32, fp32_precision, launches):
+    """fp32 products in IEEE, or on TF32 tensor cores where torch's fp32 CUDA matmuls are
+    (``torch.set_float32_matmul_precision("high")`` sets it): the kernels launch with the
+    setting's precision; fp64 stays IEEE and half precision runs on tensor cores whatever it
+    is. (The interpreter computes every product in IEEE, so on the CPU the result is the
+    reference's either way.)"""
+    torch.backends.cuda.matmul.fp32_precision = setting
+    assert fused_kernels.meta(torch.float32, 32, 64, 64)["PRECISION"] == fp32
+    assert fused_kernels.meta(torch.float64, 32, 64, 64)["PRECISION"] == "ieee"
+    assert fused_kernels.meta(torch.bfloat16, 32, 64, 64)["PRECISION"] == "tf32"
+    module = make_kernelized("linear", {}).float()
+    q, k, v = (t.float() for t in qkv(n=40, d=21, dv=5, scale=0.5))
+    out = module(q, k, v, causal=True)
+    ref = module.spec.reference(module, q.double(), k.double(), v.double(), causal=True)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+    assert launches["forward"] == 1
+
+
 @pytest.mark.parametrize("variant", STRATEGY_VARIANTS, ids=variant_id)
 def test_method_matches_reference_outputs_and_gradients(variant, launches, device):
     name, opts = variant

@@ -119,6 +119,30 @@ def test_triton_rows_force_the_fused_strategy_for_the_causal_methods(tmp_path):
         torch.testing.assert_close(fused_case.run(), eager.run(), rtol=1e-5, atol=1e-5)
 
 
+def test_tf32_rows_hold_the_setting_while_measured_and_restore_it(tmp_path, monkeypatch):
+    """The tf32 suite: the effattn and triton rows again, each measured (backward included)
+    with fp32 CUDA matmuls on TF32, the setting restored after the suite."""
+    pytest.importorskip("triton")
+    seen = []
+    timer = peers.timer
+
+    def spy(fn, device, repeats):
+        seen.append(torch.backends.cuda.matmul.fp32_precision)
+        return timer(fn, device, repeats)
+
+    monkeypatch.setattr(peers, "timer", spy)
+    before = torch.backends.cuda.matmul.fp32_precision
+    assert peers.main(["--device", "cpu", "--smoke", "--dtypes", "fp32", "--repeats", "1",
+                       "--impls", "tf32", "--methods", "performer,linear",
+                       "--out", str(tmp_path)]) == 0
+    assert torch.backends.cuda.matmul.fp32_precision == before
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert sorted({r["method"] for r in rows}) == [
+        "linear-tf32", "linear-triton-tf32", "performer-tf32", "performer-triton-tf32"]
+    assert all("error" not in r and r["ms"] is not None for r in rows)
+    assert seen and set(seen) == {"tf32"}
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--impls", "effattn,nope"], "--impls"),
     (["--lengths", "4096,5"], "--lengths"),

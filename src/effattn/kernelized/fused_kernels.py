@@ -269,19 +269,28 @@ def tile(chunk: int, dtype: torch.dtype) -> int:
     return min(cap, max(16, triton.next_power_of_2(chunk)))
 
 
+def precision(dtype: torch.dtype) -> str:
+    """How ``tl.dot`` multiplies inputs of ``dtype``: fp32 products as torch's own fp32 CUDA
+    matmuls are set to (``torch.backends.cuda.matmul.fp32_precision``, which
+    ``torch.set_float32_matmul_precision("high")`` sets to "tf32": TF32 tensor cores, 10 bits of
+    mantissa; IEEE by default), the rule inductor's Triton matmuls follow; fp64 in IEEE; half
+    precision on tensor cores whatever the setting (it only concerns fp32 inputs)."""
+    if dtype == torch.float32 and torch.backends.cuda.matmul.fp32_precision == "tf32":
+        return "tf32"
+    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
+
+
 def meta(dtype: torch.dtype, chunk: int, feature_dim: int, value_dim: int) -> dict[str, Any]:
     """The launch's constexprs and warps for inputs of ``dtype``: the chunk BT (:func:`tile`),
     the feature block BK (at most 64: a (BK, Dv) state tile in registers), the value width BV
     (Dv rounded up to a power of two, at least 16), the accumulator type (fp32; fp64 for fp64
-    inputs), the precision of fp32 products (IEEE, as torch's fp32 matmuls are by default;
-    Triton's own default, TF32, keeps 10 bits of mantissa) and 8 warps (with 4, a (64, 64) fp32
+    inputs), the products' precision (:func:`precision`) and 8 warps (with 4, a (64, 64) fp32
     state and the chunk's tiles spill registers in bf16 on sm_90)."""
-    wide = dtype in (torch.float32, torch.float64)
     return {"BT": tile(chunk, dtype),
             "BK": min(64, max(16, triton.next_power_of_2(feature_dim))),
             "BV": max(16, triton.next_power_of_2(value_dim)),
             "ACC": tl.float64 if dtype == torch.float64 else tl.float32,
-            "PRECISION": "ieee" if wide else "tf32", "num_warps": 8}
+            "PRECISION": precision(dtype), "num_warps": 8}
 
 
 def _gates(log_gate: Tensor | None, like: Tensor) -> Tensor:
