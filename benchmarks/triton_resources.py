@@ -42,7 +42,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
 # Shared memory a program may use, per architecture (bytes; the CUDA programming guide's
 # maximum per block with opt-in).
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
-FIELDS = ["arch", "dtype", "kernel", "gated", "chunk", "feature_block", "num_warps",
+FIELDS = ["arch", "dtype", "kernel", "gated", "fused", "chunk", "feature_block", "num_warps",
           "registers", "spill_bytes", "shared_bytes", "shared_limit", "fits"]
 
 
@@ -79,11 +79,13 @@ def _fp32_products(name: str) -> Iterator[None]:
         torch.backends.cuda.matmul.fp32_precision = before
 
 
-def compile_kernel(kernel: Any, arch: int, name: str, gated: bool,
-                   feature_dim: int = 256, value_dim: int = 64, chunk: int = 32) -> dict[str, Any]:
+def compile_kernel(kernel: Any, arch: int, name: str, gated: bool, fused: bool,
+                   feature_dim: int = 256, value_dim: int = 64, key_dim: int = 64,
+                   chunk: int = 32) -> dict[str, Any]:
     """Compile one kernel of ``effattn.kernelized.fused_kernels`` for sm_<arch> with the
-    launch's constexprs for inputs ``name`` (a key of ``DTYPES``; with or without gates) and
-    return its resources."""
+    launch's constexprs for inputs ``name`` (a key of ``DTYPES``), with or without gates, with
+    φ read from memory or formed in the kernel (``fused``: the positive map), and return its
+    resources."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -96,12 +98,12 @@ def compile_kernel(kernel: Any, arch: int, name: str, gated: bool,
                            "made for Triton's interpreter")
     dtype = DTYPES[name]
     with _fp32_products(name):
-        meta = fused_kernels.meta(dtype, chunk, feature_dim, value_dim)
+        meta = fused_kernels.meta(dtype, chunk, feature_dim, value_dim, key_dim, fused)
     warps = meta.pop("num_warps")
     short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
              torch.float64: "fp64"}
     inputs, acc = "*" + short[dtype], "*" + ("fp64" if dtype == torch.float64 else "fp32")
-    constants = {**meta, "LOG_FLOOR_": fused_kernels.LOG_FLOOR, "GATED": gated}
+    constants = {**meta, "LOG_FLOOR_": fused_kernels.LOG_FLOOR, "GATED": gated, "FUSED": fused}
     signature, constexprs = {}, {}
     for arg in kernel.arg_names:
         if arg in constants:
@@ -125,11 +127,23 @@ def compile_kernel(kernel: Any, arch: int, name: str, gated: bool,
                   for item in line.split() if ":" in item)
     shared = int(compiled.metadata.shared)
     return {"arch": arch, "dtype": name, "kernel": kernel.__name__.strip("_"),
-            "gated": gated,
+            "gated": gated, "fused": fused,
             "chunk": meta["BT"], "feature_block": meta["BK"], "num_warps": warps,
             "registers": int(fields["REG"]), "spill_bytes": int(fields["STACK"]),
             "shared_bytes": shared, "shared_limit": SHARED_LIMIT[arch],
             "fits": shared <= SHARED_LIMIT[arch]}
+
+
+def variants(kernels: Any) -> list[tuple[Any, bool, bool]]:
+    """(kernel, gated, fused) to compile: the scan's kernels ungated and gated, with φ from
+    memory and formed inside (positive map); the row maxima's kernel once."""
+    out = []
+    for kernel in kernels:
+        if "FUSED" in kernel.arg_names:
+            out += [(kernel, g, f) for g, f in itertools.product((False, True), (False, True))]
+        else:
+            out.append((kernel, False, False))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,11 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for arch in args.archs:
             for name in args.dtypes:
-                for kernel, gated in itertools.product(fused_kernels.KERNELS, (False, True)):
-                    rows.append(compile_kernel(kernel, arch, name, gated))
+                for kernel, gated, fused in variants(fused_kernels.KERNELS):
+                    rows.append(compile_kernel(kernel, arch, name, gated, fused))
                     r = rows[-1]
                     print(f"sm_{arch} {name:4s} {r['kernel']:24s} "
-                          f"{'gated' if gated else '     '} C={r['chunk']:2d} "
+                          f"{'gated' if gated else '     '} {'fused' if fused else '     '} "
+                          f"C={r['chunk']:2d} "
                           f"BK={r['feature_block']} warps={r['num_warps']} "
                           f"regs={r['registers']:3d} spill={r['spill_bytes']:5d} B "
                           f"shared={r['shared_bytes'] / 1024:6.1f} KiB"

@@ -134,9 +134,10 @@ def test_kernels_equal_the_dense_sums_with_their_gradients(f, n, gated, device):
     # Gradients of a loss of the scaled outputs and of the state after.
     g_num, g_den = torch.randn_like(num), torch.randn_like(den)
     g_after = torch.randn_like(after)
-    d_q, d_k, d_v, d_kv = fused_kernels.backward(
+    d_q, d_k, d_v, d_kv, sums = fused_kernels.backward(
         phi_q.detach(), phi_k.detach(), ls.detach(), v.detach(), kv.detach(), m, running, g_num,
         g_den, g_after, 16, lg)
+    assert sums is None
     scale_rows = torch.exp(-m)[..., None]
     scale_after = torch.exp(-running[..., -1:, None])
     loss = ((raw[..., :-1] * scale_rows * g_num).sum() + (raw[..., -1] * torch.exp(-m) * g_den)
@@ -162,7 +163,7 @@ def test_half_precision_kernels_equal_the_dense_sums(gated, device):
     dtypes = [torch.float16] + ([torch.bfloat16] if device == "cuda" else [])
     g = torch.Generator().manual_seed(45)
     b, h, n, f, dv = 2, 2, 45, 70, 5
-    assert fused_kernels.meta(torch.float16, 32, f, dv)["BT"] == 32
+    assert fused_kernels.tile(32, torch.float16) == 32
     for dtype in dtypes:
         phi_q, phi_k = (torch.rand(b, h, n, f, generator=g).to(dtype) for _ in range(2))
         ls = (torch.rand(b, h, n, generator=g) * 6 - 3).to(dtype)
@@ -186,7 +187,7 @@ def test_half_precision_kernels_equal_the_dense_sums(gated, device):
         torch.testing.assert_close((after.double() * scale_after).cpu(), ref_after.detach(),
                                    rtol=1e-2, atol=1e-3 * ref_after.abs().max().item())
         g_num, g_den = torch.randn_like(num), torch.randn_like(den)
-        grads = fused_kernels.backward(*on[:5], m, running, g_num, g_den, None, 32, lg)
+        grads = fused_kernels.backward(*on[:5], m, running, g_num, g_den, None, 32, lg)[:4]
         # The kernels take the output's gradient in the inputs' dtype: so does the reference.
         rows = torch.exp(-m.double()).cpu()
         loss = ((raw[..., :-1] * rows[..., None] * g_num.to(dtype).double().cpu()).sum()
@@ -195,6 +196,106 @@ def test_half_precision_kernels_equal_the_dense_sums(gated, device):
         for got_grad, want in zip(grads, ref, strict=True):
             torch.testing.assert_close(got_grad.double().cpu(), want, rtol=2e-2,
                                        atol=2e-3 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["ungated", "gated"])
+def test_kernels_form_the_positive_map_themselves(gated, device):
+    """With a projection the kernels form φ = exp(x̃ w^T - m) from x̃ (B, H, N, D), w (F, D) and
+    the row maxima (fused_kernels.row_max, against the dense max): the outputs, the state after
+    and the checkpoints equal the kernels' given that φ, and the gradient of x̃ and the sums
+    φ·dφ equal those formed from the gradient of φ, (dφ ⊙ φ) w and Σ_f dφ ⊙ φ. F = 70 (two
+    feature blocks), D = 21, N = 45 (a last chunk not full), padded keys, an entering state."""
+    g = torch.Generator().manual_seed(7)
+    b, h, n, f, d, dv = 2, 2, 45, 70, 21, 5
+    xq, xk = (torch.randn(b, h, n, d, generator=g, dtype=torch.float64) for _ in range(2))
+    w = torch.randn(f, d, generator=g, dtype=torch.float64)
+    ls = torch.rand(b, h, n, generator=g, dtype=torch.float64) * 6 - 3
+    ls[0, 1, :10] = float("-inf")
+    v = torch.randn(b, h, n, dv, generator=g, dtype=torch.float64)
+    kv = torch.rand(b, h, f, dv + 1, generator=g, dtype=torch.float64)
+    log_scale = torch.tensor([[1.0, -2.0], [core.LOG_FLOOR, 3.0]], dtype=torch.float64)
+    lg = (torch.log(torch.rand(b, h, n, generator=g, dtype=torch.float64)).clamp_min(-4.0)
+          if gated else None)
+    xq, xk, w, ls, v, kv, log_scale = (t.to(device) for t in (xq, xk, w, ls, v, kv, log_scale))
+    lg = None if lg is None else lg.to(device)
+    mq, mk = fused_kernels.row_max(xq, w), fused_kernels.row_max(xk, w)
+    torch.testing.assert_close(mq, (xq @ w.T).amax(-1), rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(mk, (xk @ w.T).amax(-1), rtol=1e-14, atol=1e-14)
+    phi_q, phi_k = torch.exp(xq @ w.T - mq[..., None]), torch.exp(xk @ w.T - mk[..., None])
+    fused = fused_kernels.forward(xq, xk, ls, v, kv, log_scale, 16, 16, lg, (w, mq, mk))
+    given = fused_kernels.forward(phi_q, phi_k, ls, v, kv, log_scale, 16, 16, lg)
+    for a, want in zip(fused, given, strict=True):
+        torch.testing.assert_close(a, want, rtol=1e-12, atol=1e-12)
+    num, den, m, _, running, _ = given
+    g_num, g_den = torch.randn_like(num), torch.randn_like(den)
+    g_after = torch.randn_like(kv)
+    d_xq, d_xk, d_v, d_kv, (q_sums, k_sums) = fused_kernels.backward(
+        xq, xk, ls, v, kv, m, running, g_num, g_den, g_after, 16, lg, (w, mq, mk))
+    d_pq, d_pk, d_v_given, d_kv_given, _ = fused_kernels.backward(
+        phi_q, phi_k, ls, v, kv, m, running, g_num, g_den, g_after, 16, lg)
+    want = ((d_pq * phi_q) @ w, (d_pk * phi_k) @ w, d_v_given, d_kv_given,
+            (d_pq * phi_q).sum(-1), (d_pk * phi_k).sum(-1))
+    for a, b_ in zip((d_xq, d_xk, d_v, d_kv, q_sums, k_sums), want, strict=True):
+        torch.testing.assert_close(a, b_, rtol=1e-11, atol=1e-11)
+
+
+@pytest.fixture
+def row_maxima(monkeypatch):
+    """Counts of fused_kernels.row_max calls (two per slice or span where the kernels form the
+    positive map)."""
+    return count_calls(monkeypatch, {"row_max": (fused_kernels, "row_max")})
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_performer_forms_its_map_in_the_kernels(pad, row_maxima, launches):
+    """performer's default (positive) map: no φ in memory, the kernels form it (two row-max
+    launches per slice and per backward span); outputs and gradients against the float64
+    reference over 3 slices and 9 backward spans (N = 130), with padding."""
+    module = make_kernelized("performer", {})
+    assert isinstance(module.feature_fn(), effattn.kernelized.features.PositiveMap)
+    module.slice_elements = 320
+    _matches_reference(module, *(t.requires_grad_(True)
+                                 for t in qkv(n=130, d=21, dv=5, scale=0.5)), pad=pad)
+    assert launches == {"forward": 3, "backward": 9, "gpu": 0}
+    assert row_maxima == {"row_max": 2 * (3 + 9)}
+
+
+def test_a_trained_projection_takes_the_features_path(row_maxima, launches):
+    """A projection that requires grad: φ from the feature map under autograd (whose backward
+    gives the projection its gradient), not formed in the kernels; the projection's gradient
+    against the reference's."""
+    module = make_kernelized("performer", {})
+    module.projection.requires_grad_(True)
+    _matches_reference(module, *(t.requires_grad_(True)
+                                 for t in qkv(n=63, d=21, dv=5, scale=0.5)),
+                       extra=(module.projection,))
+    assert row_maxima == {"row_max": 0} and launches["forward"] == 1
+
+
+def test_the_map_formed_in_the_kernels_holds_less():
+    """Accounted (bytes, not time), performer F = 256 at N = 1024, fp32: with the map formed in
+    the kernels neither the forward nor the backward's spans hold N x F features (nor the map's
+    autograd graph); the same module with its projection requiring grad (φ from the map) holds
+    them."""
+    module = effattn.build("performer", head_dim=16, heads=2, seed=0, num_features=256)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 1024, 16, generator=g).requires_grad_() for _ in range(3))
+
+    def forward():
+        with torch.no_grad():
+            module(q, k, v, causal=True)
+
+    def train():
+        module(q, k, v, causal=True).sum().backward()
+
+    measured = {}
+    for trained in (False, True):
+        module.projection.requires_grad_(trained)
+        train()
+        measured[trained] = (live_peak_bytes(forward), live_peak_bytes(train))
+    (fwd, training), (fwd_phi, training_phi) = measured[False], measured[True]
+    assert fwd < 0.5 * fwd_phi, measured
+    assert training < 0.6 * training_phi, measured
 
 
 @pytest.fixture
@@ -213,9 +314,9 @@ def test_fp32_products_follow_torchs_matmul_precision(setting, fp32, fp32_precis
     is. (The interpreter computes every product in IEEE, so on the CPU the result is the
     reference's either way.)"""
     torch.backends.cuda.matmul.fp32_precision = setting
-    assert fused_kernels.meta(torch.float32, 32, 64, 64)["PRECISION"] == fp32
-    assert fused_kernels.meta(torch.float64, 32, 64, 64)["PRECISION"] == "ieee"
-    assert fused_kernels.meta(torch.bfloat16, 32, 64, 64)["PRECISION"] == "tf32"
+    assert fused_kernels.precision(torch.float32) == fp32
+    assert fused_kernels.precision(torch.float64) == "ieee"
+    assert fused_kernels.precision(torch.bfloat16) == "tf32"
     module = make_kernelized("linear", {}).float()
     q, k, v = (t.float() for t in qkv(n=40, d=21, dv=5, scale=0.5))
     out = module(q, k, v, causal=True)
@@ -382,13 +483,15 @@ def test_what_the_kernels_do_not_run_goes_elsewhere(case, launches):
 
 
 @pytest.mark.parametrize("pad", [False, True])
-def test_window_hybrid_normaliser_runs_the_kernels(pad, launches):
+@pytest.mark.parametrize("name, options", [("hedgehog", {"feature_map": "softmax_dim"}),
+                                           ("performer", {})], ids=["hedgehog", "performer"])
+def test_window_hybrid_normaliser_runs_the_kernels(name, options, pad, launches):
     """The hybrid's linear part (kernelized_causal_normalised) through the kernels: output and
     the gradients of q, k, v and the map's parameters against the float64 reference, and the
     normaliser (log |d|, sign) with its gradient against the GPU strategy's; backward spans
-    shorter than the slices."""
-    module = make_kernelized("hedgehog", {"window": 8, "window_factor": True,
-                               "feature_map": "softmax_dim"})
+    shorter than the slices. Performer's positive map is formed inside the kernels (its
+    queries' log-scale, which the normaliser carries, from their row maxima)."""
+    module = make_kernelized(name, {"window": 8, "window_factor": True, **options})
     module.slice_elements = 320
     q, k, v = (t.requires_grad_(True) for t in qkv(n=63, d=21, dv=5, scale=0.5))
     mask = padding(2, 63) if pad else None
@@ -405,7 +508,7 @@ def test_window_hybrid_normaliser_runs_the_kernels(pad, launches):
     for name in ("triton", "gpu"):
         with strategy.force(kernelized=name):
             o, _, norm = core.kernelized_causal_normalised(
-                q, k, v, module.features, feature_dim=module.feature_dim,
+                q, k, v, module.feature_fn(), feature_dim=module.feature_dim,
                 key_padding_mask=mask, chunk_size=16, slice_elements=320)
             probe = (o.sum() + torch.where(norm.sign != 0, norm.log_abs, 0.0).sum())
             normalised[name] = (o, norm, torch.autograd.grad(probe, (q, k, v)))

@@ -1,6 +1,7 @@
 """The triton strategy's kernels compiled ahead of time for GPUs (no driver needed), by
 benchmarks/triton_resources.py: they compile for sm_80 and sm_90 in every dtype and fit the
-architecture's shared memory, and in bf16 (the dtype they are for) spill no register on sm_90.
+architecture's shared memory; in bf16 on sm_90 they spill no register (24 bytes in the keys'
+backward with the positive map formed inside), and with fp32 on TF32 at most 64 bytes.
 
 The script runs in a process of its own without TRITON_INTERPRET (which tests/conftest.py sets
 here for the kernels' CPU tests): under the interpreter's settings Triton's compiler fails."""
@@ -35,11 +36,12 @@ def _run(tmp_path, *argv):
 
 def test_bf16_kernels_compile_for_sm90_without_spills(tmp_path):
     rows = _run(tmp_path, "--archs", "90", "--dtypes", "bf16")
-    assert [(r["dtype"], r["kernel"], r["gated"]) for r in rows] == [
-        ("bf16", k.__name__.strip("_"), gated)
-        for k in fused_kernels.KERNELS for gated in (False, True)]
+    assert [(r["dtype"], r["kernel"], r["gated"], r["fused"]) for r in rows] == [
+        ("bf16", k.__name__.strip("_"), gated, fused)
+        for k, gated, fused in resources.variants(fused_kernels.KERNELS)]
     for r in rows:
-        assert r["fits"] and r["spill_bytes"] == 0, r
+        # With the positive map formed inside, the keys' backward spills 24 bytes (measured).
+        assert r["fits"] and r["spill_bytes"] <= (64 if r["fused"] else 0), r
         assert (r["num_warps"], r["chunk"], r["feature_block"]) == (8, 32, 64), r
 
 
@@ -48,7 +50,7 @@ def test_tf32_products_compile_for_sm90_nearly_without_spills(tmp_path):
     cores, a chunk of 16, and at most a few bytes spilled a thread (16 in the keys' backward when
     measured, against about 4 KiB with IEEE products, which lower to FMA loops)."""
     rows = _run(tmp_path, "--archs", "90", "--dtypes", "tf32")
-    assert len(rows) == 2 * len(fused_kernels.KERNELS)
+    assert len(rows) == len(resources.variants(fused_kernels.KERNELS))
     for r in rows:
         assert r["dtype"] == "tf32" and r["chunk"] == 16 and r["fits"], r
         assert r["spill_bytes"] <= 256, r
@@ -57,7 +59,7 @@ def test_tf32_products_compile_for_sm90_nearly_without_spills(tmp_path):
 @pytest.mark.slow  # fp32 products in IEEE compile slowly: a minute or two in all
 def test_every_dtype_fits_both_architectures(tmp_path):
     rows = _run(tmp_path, "--archs", "80,90", "--dtypes", "fp16,fp32,fp64")
-    assert len(rows) == 2 * 3 * 2 * len(fused_kernels.KERNELS)
+    assert len(rows) == 2 * 3 * len(resources.variants(fused_kernels.KERNELS))
     assert all(r["fits"] for r in rows), [r for r in rows if not r["fits"]]
 
 

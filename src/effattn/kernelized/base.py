@@ -12,6 +12,7 @@ from effattn.kernelized.core import (
     SLICE_ELEMENTS,
     CoreConfig,
     DenominatorUnderflowError,
+    FeatureFn,
     RecurrentState,
 )
 from effattn.kernelized.features import Features
@@ -120,8 +121,15 @@ class KernelizedAttention(RandomizedAttention):
     def core(self) -> CoreConfig:
         """The core's settings for one call: every caller (this module, the window hybrid,
         sequence parallelism) passes them whole."""
-        return CoreConfig(self.features, self.feature_dim, self.chunk_size, self.eps,
+        return CoreConfig(self.feature_fn(), self.feature_dim, self.chunk_size, self.eps,
                           self.slice_elements, self.feature_tensors(), self.exponent_map())
+
+    def feature_fn(self) -> FeatureFn:
+        """The map the core calls: :meth:`features` by default. A map that a strategy can read
+        as data is returned as such (performer's positive map,
+        :class:`~effattn.kernelized.features.PositiveMap`, which the triton strategy forms
+        inside its kernels)."""
+        return self.features
 
     def exponent_map(self) -> Callable[[Tensor], Tensor] | None:
         """A map whose features are exp of per-feature exponents returns its exponents function

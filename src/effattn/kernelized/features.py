@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -109,8 +110,32 @@ def _half_sq_norm(x: Tensor) -> Tensor:
 def positive(x: Tensor, w: Tensor, *, is_query: bool) -> Features:
     """FAVOR+ positive features: φ(x) = F^(-1/2) exp(w x - |x|²/2)  (Choromanski et al. 2020)."""
     phi, m = _exp_projection(x, w)
+    return phi, positive_log_scale(x, m, w.shape[0], is_query=is_query)
+
+
+def positive_log_scale(x: Tensor, m: Tensor, num_features: int, *, is_query: bool) -> Tensor:
+    """The log-scale (..., L, 1) of :func:`positive`'s features exp(w x - m) of x (..., L, D)
+    with row maxima m (..., L, 1) of w x: m - |x|²/2, less log F for queries."""
     log_scale = m - _half_sq_norm(x)
-    return phi, log_scale - math.log(w.shape[0]) if is_query else log_scale
+    return log_scale - math.log(num_features) if is_query else log_scale
+
+
+@dataclass(frozen=True)
+class PositiveMap:
+    """:func:`positive` of ``x * x_scale`` with the projection ``w`` (F, D), as data: a
+    :data:`~effattn.kernelized.core.FeatureFn` like any map, and readable by a strategy that
+    forms φ = exp(w x̃ - m) inside its own kernels (:mod:`effattn.kernelized.fused`: no N x F
+    features in memory). Performer's default map."""
+
+    w: Tensor
+    x_scale: float
+
+    def __call__(self, x: Tensor, *, is_query: bool) -> Features:
+        return positive(self.inputs(x), self.w.to(x.dtype), is_query=is_query)
+
+    def inputs(self, x: Tensor) -> Tensor:
+        """x̃ = x * x_scale, what the projection multiplies."""
+        return x * self.x_scale
 
 
 def hyperbolic(x: Tensor, w: Tensor, *, is_query: bool) -> Features:

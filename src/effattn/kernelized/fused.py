@@ -48,6 +48,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from effattn.kernelized import core, gpu
+from effattn.kernelized import features as fm
 from effattn.kernelized.core import FeatureFn, Normaliser, RecurrentState
 
 key_state = gpu.key_state
@@ -183,6 +184,29 @@ def _log_weights(key_log_scale: Tensor | None, pad: Tensor | None, gate: Tensor 
     return ls.contiguous(), None if log_gate is None else log_gate.contiguous()
 
 
+def _map(features: FeatureFn, q: Tensor, k: Tensor,
+         ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Any]:
+    """What the kernels read of q and k (B, H, n, D): (φ(Q), φ(K), the queries' and keys'
+    log-scales, None); for the positive map given as data
+    (:class:`~effattn.kernelized.features.PositiveMap`, its projection not trained) x̃ = q, k
+    times its scale in place of φ, and the projection and row maxima with which the kernels form
+    φ = exp(x̃ w^T - m) themselves, so that no N x F features are held. Differentiable in q, k
+    (both forms) where grad mode is on."""
+    if isinstance(features, fm.PositiveMap) and not features.w.requires_grad:
+        xq, xk = features.inputs(q), features.inputs(k)
+        w = features.w.to(xq.dtype).contiguous()
+        kernels = _kernels()
+        mq = kernels.row_max(xq.detach().contiguous(), w)
+        mk = kernels.row_max(xk.detach().contiguous(), w)
+        f = w.shape[0]
+        return (xq, xk, fm.positive_log_scale(xq, mq[..., None], f, is_query=True),
+                fm.positive_log_scale(xk, mk[..., None], f, is_query=False), (w, mq, mk))
+    phi_q, query_log_scale = features(q, is_query=True)
+    phi_k, key_log_scale = features(k, is_query=False)
+    core._check_shapes(phi_q, phi_k, None, key_log_scale)
+    return phi_q, phi_k, query_log_scale, key_log_scale, None
+
+
 def _forward_slice(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None, pad: Tensor | None,
                    state: RecurrentState | None, features: FeatureFn, chunk: int,
                    eps: float, back: int | None, normaliser: bool,
@@ -193,14 +217,13 @@ def _forward_slice(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None, pad: Te
     none)."""
     kernels = _kernels()
     b, h = q.shape[:2]
-    phi_q, query_log_scale = features(q, is_query=True)
-    phi_k, key_log_scale = features(k, is_query=False)
-    core._check_shapes(phi_q, phi_k, None, key_log_scale)
+    phi_q, phi_k, query_log_scale, key_log_scale, projection = _map(features, q, k)
     ls, log_gate = _log_weights(key_log_scale, pad, gate, phi_k)
-    state = core._state_of(state, b, h, phi_k.shape[-1], v.shape[-1], phi_k)
+    f = phi_k.shape[-1] if projection is None else projection[0].shape[0]
+    state = core._state_of(state, b, h, f, v.shape[-1], phi_k)
     num, den, m, kv, running, marks = kernels.forward(
         phi_q.contiguous(), phi_k.contiguous(), ls, v.contiguous(), state.kv,
-        state.log_scale.reshape(b, h), chunk, back, log_gate)
+        state.log_scale.reshape(b, h), chunk, back, log_gate, projection)
     den, m = den[..., None], m[..., None]
     out = (num / core._divisor(den, eps, m)).to(q.dtype)
     after = RecurrentState(kv.to(phi_k.dtype),
@@ -307,8 +330,8 @@ class _FusedCausal(torch.autograd.Function):
             running = running[..., r0 // chunk:-(-r1 // chunk) + 1].contiguous()
             q_s, k_s, v_s, gate_s = leaves
             with torch.enable_grad():
-                phi_q, query_log_scale = ctx.features(q_s, is_query=True)
-                phi_k, key_log_scale = ctx.features(k_s, is_query=False)
+                phi_q, phi_k, query_log_scale, key_log_scale, projection = _map(
+                    ctx.features, q_s, k_s)
                 ls, log_gate = _log_weights(key_log_scale, None if pad is None else pad[:, a:e],
                                             gate_s, phi_k)
             div = core._divisor(den, ctx.eps, m)
@@ -320,16 +343,17 @@ class _FusedCausal(torch.autograd.Function):
                 d_query_scale = d_log_abs[:, :, a:e, None]
                 g[..., -1:].sub_(d_query_scale * back)
             pq, pk = phi_q.detach().contiguous(), phi_k.detach().contiguous()
-            d_q, d_k, d_v, d_kv_in = kernels.backward(
+            d_q, d_k, d_v, d_kv_in, sums = kernels.backward(
                 pq, pk, ls.detach(), v_s.detach().contiguous(), kv, m[..., 0].contiguous(),
                 running, g[..., :-1], g[..., -1], d_after, ctx.chunk,
-                None if log_gate is None else log_gate.detach())
-            # The output depends on φ(k_j) and its log-weight only through φ(k_j) e^{ls_j}.
-            keys = (pk.to(d_k.dtype) * d_k).sum(-1)
+                None if log_gate is None else log_gate.detach(), projection)
+            # The output depends on φ(k_j) and its log-weight only through φ(k_j) e^{ls_j}:
+            # ∂L/∂ls_j = φ(k_j)·dφ(k_j) (the kernels' sums, where they form φ themselves).
+            keys = (pk.to(d_k.dtype) * d_k).sum(-1) if sums is None else sums[1]
             d_log_gate = None
             if log_gate is not None and log_gate.requires_grad:
-                d_log_gate = _log_gate_grad((pq.to(d_q.dtype) * d_q).sum(-1), keys, d_after,
-                                            after(i))
+                queries = (pq.to(d_q.dtype) * d_q).sum(-1) if sums is None else sums[0]
+                d_log_gate = _log_gate_grad(queries, keys, d_after, after(i))
             got = core._backprop(
                 (phi_q, phi_k, ls, log_gate, query_log_scale),
                 (d_q.to(phi_q.dtype), d_k.to(phi_k.dtype), keys.to(ls.dtype),

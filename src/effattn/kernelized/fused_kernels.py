@@ -74,12 +74,53 @@ def _decays(lg_ptrs, ok, GATED: tl.constexpr, BT: tl.constexpr, ACC: tl.constexp
 
 
 @triton.jit
+def _projection(w_ptr, f, f_ok, D, BD: tl.constexpr):
+    """The rows f of the projection w (F, D): (BK, BD), 0 past F and D."""
+    e = tl.arange(0, BD)
+    return tl.load(w_ptr + f[:, None] * D + e[None, :], mask=f_ok[:, None] & (e < D)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _features(x_ptr, w, rows_ptr, t, t_ok, f_ok, D, BD: tl.constexpr, ACC: tl.constexpr,
+              PRECISION: tl.constexpr):
+    """φ = exp(x̃ w^T - m) of a chunk's tokens t (BT, BK) from x̃ (at x_ptr, N x D), the
+    projection's rows w and the row maxima m (at rows_ptr); 0 past the sequence and past F."""
+    e = tl.arange(0, BD)
+    x = tl.load(x_ptr + t[:, None] * D + e[None, :], mask=t_ok[:, None] & (e < D)[None, :],
+                other=0.0)
+    m = tl.load(rows_ptr + t, mask=t_ok, other=0.0).to(ACC)
+    u = tl.dot(x, tl.trans(w), input_precision=PRECISION).to(ACC)
+    return tl.where(t_ok[:, None] & f_ok[None, :], tl.exp(u - m[:, None]), 0.0)
+
+
+@triton.jit
+def _row_max_kernel(x_ptr, w_ptr, m_ptr, N, F, D, BT: tl.constexpr, BK: tl.constexpr,
+                    BD: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr):
+    """m_t = max_f w_f·x̃_t of BT tokens, over all F features in blocks of BK."""
+    bh = tl.program_id(1).to(tl.int64)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    t_ok = t < N
+    e = tl.arange(0, BD)
+    x = tl.load(x_ptr + bh * N * D + t[:, None] * D + e[None, :],
+                mask=t_ok[:, None] & (e < D)[None, :], other=0.0)
+    best = tl.full([BT], float("-inf"), ACC)
+    for f0 in range(0, F, BK):
+        f = f0 + tl.arange(0, BK)
+        f_ok = f < F
+        u = tl.dot(x, tl.trans(_projection(w_ptr, f, f_ok, D, BD)),
+                   input_precision=PRECISION).to(ACC)
+        best = tl.maximum(best, tl.max(tl.where(f_ok[None, :], u, float("-inf")), 1))
+    tl.store(m_ptr + bh * N + t, best, mask=t_ok)
+
+
+@triton.jit
 def _forward_kernel(
-    q_ptr, k_ptr, ls_ptr, lg_ptr, v_ptr, kv_in_ptr, r_in_ptr,
+    q_ptr, k_ptr, ls_ptr, lg_ptr, v_ptr, kv_in_ptr, r_in_ptr, w_ptr, mq_ptr, mk_ptr,
     num_ptr, den_ptr, m_ptr, kv_out_ptr, r_ptr, marks_ptr,
-    N, F, DV, NC, BH, EVERY, NMARKS, LOG_FLOOR_: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr,
-    PRECISION: tl.constexpr, GATED: tl.constexpr,
+    N, F, D, DV, NC, BH, EVERY, NMARKS, LOG_FLOOR_: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
+    PRECISION: tl.constexpr, GATED: tl.constexpr, FUSED: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -93,6 +134,8 @@ def _forward_kernel(
     s = tl.load(state + d[None, :], mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(ACC)
     z = tl.load(kv_in_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(ACC)
     r = tl.load(r_in_ptr + bh).to(ACC)
+    if FUSED:
+        w = _projection(w_ptr, f, f_ok, D, BD)
     part = (kb * BH + bh) * N
     for c in range(0, NC):
         if (c > 0) & (c % EVERY == 0):
@@ -107,10 +150,16 @@ def _forward_kernel(
         kt = ls - gc
         prefix = tl.max(tl.where(causal, kt[None, :], float("-inf")), 1)
         m = tl.maximum(tl.maximum(prefix + gc, LOG_FLOOR_), r + gc)
-        rows = t[:, None] * F + f[None, :]
-        ok = t_ok[:, None] & f_ok[None, :]
-        qc = tl.load(q_ptr + bh * N * F + rows, mask=ok, other=0.0)
-        kc = tl.load(k_ptr + bh * N * F + rows, mask=ok, other=0.0)
+        if FUSED:
+            qc = _features(q_ptr + bh * N * D, w, mq_ptr + bh * N, t, t_ok, f_ok, D, BD, ACC,
+                           PRECISION).to(w.dtype)
+            kc = _features(k_ptr + bh * N * D, w, mk_ptr + bh * N, t, t_ok, f_ok, D, BD, ACC,
+                           PRECISION).to(w.dtype)
+        else:
+            rows = t[:, None] * F + f[None, :]
+            ok = t_ok[:, None] & f_ok[None, :]
+            qc = tl.load(q_ptr + bh * N * F + rows, mask=ok, other=0.0)
+            kc = tl.load(k_ptr + bh * N * F + rows, mask=ok, other=0.0)
         vc = tl.load(v_ptr + bh * N * DV + t[:, None] * DV + d[None, :],
                      mask=t_ok[:, None] & d_ok[None, :], other=0.0)
         x = tl.dot(qc, tl.trans(kc), input_precision=PRECISION).to(ACC)
@@ -141,11 +190,24 @@ def _forward_kernel(
 
 
 @triton.jit
+def _store_inputs_grad(dx_ptr, sums_ptr, g, w, t, t_ok, D, BD: tl.constexpr, ACC: tl.constexpr,
+                       PRECISION: tl.constexpr):
+    """From g = dφ ⊙ φ (BT, BK) of one feature block: this block's part of ∂L/∂x̃ = g w
+    (with the row maxima held constant: they cancel) and of Σ_f g (the log-scale's gradient),
+    stored at the chunk's tokens t."""
+    e = tl.arange(0, BD)
+    dx = tl.dot(g.to(w.dtype), w, input_precision=PRECISION).to(ACC)
+    tl.store(dx_ptr + t[:, None] * D + e[None, :], dx, mask=t_ok[:, None] & (e < D)[None, :])
+    tl.store(sums_ptr + t, tl.sum(g, 1), mask=t_ok)
+
+
+@triton.jit
 def _backward_queries_kernel(
-    k_ptr, ls_ptr, lg_ptr, v_ptr, kv_in_ptr, m_ptr, r_ptr, gn_ptr, gd_ptr, dq_ptr,
-    N, F, DV, NC,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr,
-    PRECISION: tl.constexpr, GATED: tl.constexpr,
+    q_ptr, k_ptr, ls_ptr, lg_ptr, v_ptr, kv_in_ptr, m_ptr, r_ptr, gn_ptr, gd_ptr, w_ptr,
+    mq_ptr, mk_ptr, dq_ptr, sq_ptr,
+    N, F, D, DV, NC, BH,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
+    PRECISION: tl.constexpr, GATED: tl.constexpr, FUSED: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -158,6 +220,9 @@ def _backward_queries_kernel(
     state = kv_in_ptr + bh * F * (DV + 1) + f[:, None] * (DV + 1)
     s = tl.load(state + d[None, :], mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(ACC)
     z = tl.load(kv_in_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(ACC)
+    if FUSED:
+        w = _projection(w_ptr, f, f_ok, D, BD)
+    part = (kb * BH + bh) * N
     for c in range(0, NC):
         t = c * BT + t0
         t_ok = t < N
@@ -167,9 +232,13 @@ def _backward_queries_kernel(
         gc, total = _decays(lg_ptr + bh * N + t, t_ok, GATED, BT, ACC)
         kt = ls - gc
         m = tl.load(m_ptr + bh * N + t, mask=t_ok, other=float("inf")).to(ACC)
-        rows = t[:, None] * F + f[None, :]
-        ok = t_ok[:, None] & f_ok[None, :]
-        kc = tl.load(k_ptr + bh * N * F + rows, mask=ok, other=0.0)
+        if FUSED:
+            kc = _features(k_ptr + bh * N * D, w, mk_ptr + bh * N, t, t_ok, f_ok, D, BD, ACC,
+                           PRECISION).to(w.dtype)
+        else:
+            rows = t[:, None] * F + f[None, :]
+            ok = t_ok[:, None] & f_ok[None, :]
+            kc = tl.load(k_ptr + bh * N * F + rows, mask=ok, other=0.0)
         values = t[:, None] * DV + d[None, :]
         vd_ok = t_ok[:, None] & d_ok[None, :]
         vc = tl.load(v_ptr + bh * N * DV + values, mask=vd_ok, other=0.0)
@@ -182,7 +251,13 @@ def _backward_queries_kernel(
         read = tl.dot(gn, tl.trans(s.to(gn.dtype)), input_precision=PRECISION).to(ACC)
         dq = omega[:, None] * (read + gd[:, None] * z[None, :])
         dq += tl.dot(d_x.to(kc.dtype), kc, input_precision=PRECISION).to(ACC)
-        tl.store(dq_ptr + bh * N * F + rows, dq, mask=ok)
+        if FUSED:
+            g = dq * _features(q_ptr + bh * N * D, w, mq_ptr + bh * N, t, t_ok, f_ok, D, BD,
+                               ACC, PRECISION)
+            _store_inputs_grad(dq_ptr + part * D, sq_ptr + part, g, w, t, t_ok, D, BD, ACC,
+                               PRECISION)
+        else:
+            tl.store(dq_ptr + bh * N * F + rows, dq, mask=ok)
         enter = tl.exp(kt + total - r_next)
         keep = tl.exp(r + total - r_next)
         entering = (vc.to(ACC) * enter[:, None]).to(kc.dtype)
@@ -192,11 +267,11 @@ def _backward_queries_kernel(
 
 @triton.jit
 def _backward_keys_kernel(
-    q_ptr, k_ptr, ls_ptr, lg_ptr, v_ptr, m_ptr, r_ptr, gn_ptr, gd_ptr, du_ptr,
-    dk_ptr, dv_ptr, dkv_in_ptr,
-    N, F, DV, NC, BH,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr,
-    PRECISION: tl.constexpr, GATED: tl.constexpr,
+    q_ptr, k_ptr, ls_ptr, lg_ptr, v_ptr, m_ptr, r_ptr, gn_ptr, gd_ptr, du_ptr, w_ptr, mq_ptr,
+    mk_ptr, dk_ptr, sk_ptr, dv_ptr, dkv_in_ptr,
+    N, F, D, DV, NC, BH,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
+    PRECISION: tl.constexpr, GATED: tl.constexpr, FUSED: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -209,6 +284,8 @@ def _backward_keys_kernel(
     after = du_ptr + bh * F * (DV + 1) + f[:, None] * (DV + 1)
     u = tl.load(after + d[None, :], mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(ACC)
     uz = tl.load(du_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(ACC)
+    if FUSED:
+        w = _projection(w_ptr, f, f_ok, D, BD)
     part = (kb * BH + bh) * N
     for i in range(0, NC):
         c = NC - 1 - i
@@ -220,10 +297,16 @@ def _backward_keys_kernel(
         gc, total = _decays(lg_ptr + bh * N + t, t_ok, GATED, BT, ACC)
         kt = ls - gc
         m = tl.load(m_ptr + bh * N + t, mask=t_ok, other=float("inf")).to(ACC)
-        rows = t[:, None] * F + f[None, :]
-        ok = t_ok[:, None] & f_ok[None, :]
-        qc = tl.load(q_ptr + bh * N * F + rows, mask=ok, other=0.0)
-        kc = tl.load(k_ptr + bh * N * F + rows, mask=ok, other=0.0)
+        if FUSED:
+            qc = _features(q_ptr + bh * N * D, w, mq_ptr + bh * N, t, t_ok, f_ok, D, BD, ACC,
+                           PRECISION).to(w.dtype)
+            kc = _features(k_ptr + bh * N * D, w, mk_ptr + bh * N, t, t_ok, f_ok, D, BD, ACC,
+                           PRECISION).to(w.dtype)
+        else:
+            rows = t[:, None] * F + f[None, :]
+            ok = t_ok[:, None] & f_ok[None, :]
+            qc = tl.load(q_ptr + bh * N * F + rows, mask=ok, other=0.0)
+            kc = tl.load(k_ptr + bh * N * F + rows, mask=ok, other=0.0)
         values = t[:, None] * DV + d[None, :]
         vd_ok = t_ok[:, None] & d_ok[None, :]
         vc = tl.load(v_ptr + bh * N * DV + values, mask=vd_ok, other=0.0)
@@ -237,7 +320,11 @@ def _backward_keys_kernel(
         later = tl.dot(vc, tl.trans(u.to(vc.dtype)), input_precision=PRECISION).to(ACC)
         dk = enter[:, None] * (later + uz[None, :])
         dk += tl.dot(tl.trans(d_x.to(qc.dtype)), qc, input_precision=PRECISION).to(ACC)
-        tl.store(dk_ptr + bh * N * F + rows, dk, mask=ok)
+        if FUSED:
+            _store_inputs_grad(dk_ptr + part * D, sk_ptr + part, dk * kc.to(ACC), w, t, t_ok, D,
+                               BD, ACC, PRECISION)
+        else:
+            tl.store(dk_ptr + bh * N * F + rows, dk, mask=ok)
         dv = enter[:, None] * tl.dot(kc, u.to(kc.dtype), input_precision=PRECISION).to(ACC)
         dv += tl.dot(tl.trans(a.to(gn.dtype)), gn, input_precision=PRECISION).to(ACC)
         tl.store(dv_ptr + part * DV + values, dv, mask=vd_ok)
@@ -254,9 +341,13 @@ def _backward_keys_kernel(
 # The kernels, and how their arguments are typed (benchmarks/triton_resources.py compiles them
 # ahead of time with these): pointers to inputs of the call's dtype, integers, and the rest
 # pointers to accumulator-typed buffers.
-KERNELS = (_forward_kernel, _backward_queries_kernel, _backward_keys_kernel)
-INPUTS = frozenset({"q_ptr", "k_ptr", "v_ptr", "ls_ptr", "lg_ptr", "gn_ptr"})
-INTEGERS = frozenset({"N", "F", "DV", "NC", "BH", "EVERY", "NMARKS"})
+KERNELS = (_forward_kernel, _backward_queries_kernel, _backward_keys_kernel, _row_max_kernel)
+INPUTS = frozenset({"q_ptr", "k_ptr", "v_ptr", "ls_ptr", "lg_ptr", "gn_ptr", "w_ptr", "x_ptr"})
+INTEGERS = frozenset({"N", "F", "D", "DV", "NC", "BH", "EVERY", "NMARKS"})
+
+# A (w, mq, mk) triple: the projection (F, D) and the row maxima (B, H, N) of the queries' and
+# keys' x̃ w^T, with which the kernels form the positive map's φ = exp(x̃ w^T - m) themselves.
+Projection = tuple[Tensor, Tensor, Tensor]
 
 
 def tile(chunk: int, dtype: torch.dtype) -> int:
@@ -280,15 +371,20 @@ def precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
 
 
-def meta(dtype: torch.dtype, chunk: int, feature_dim: int, value_dim: int) -> dict[str, Any]:
+def meta(dtype: torch.dtype, chunk: int, feature_dim: int, value_dim: int,
+         key_dim: int, fused: bool = False) -> dict[str, Any]:
     """The launch's constexprs and warps for inputs of ``dtype``: the chunk BT (:func:`tile`),
-    the feature block BK (at most 64: a (BK, Dv) state tile in registers), the value width BV
-    (Dv rounded up to a power of two, at least 16), the accumulator type (fp32; fp64 for fp64
-    inputs), the products' precision (:func:`precision`) and 8 warps (with 4, a (64, 64) fp32
-    state and the chunk's tiles spill registers in bf16 on sm_90)."""
+    the feature block BK (at most 64: a (BK, Dv) state tile in registers; 32 in fp64 with the
+    map formed inside, ``fused``, whose backward needs 169 KiB of shared memory at 64, more than
+    an A100 has), the value width BV and the width BD of x̃ (Dv and D rounded up to a power of
+    two, at least 16), the accumulator type (fp32; fp64 for fp64 inputs), the products'
+    precision (:func:`precision`) and 8 warps (with 4, a (64, 64) fp32 state and the chunk's
+    tiles spill registers in bf16 on sm_90)."""
+    widest = 32 if fused and dtype == torch.float64 else 64
     return {"BT": tile(chunk, dtype),
-            "BK": min(64, max(16, triton.next_power_of_2(feature_dim))),
+            "BK": min(widest, max(16, triton.next_power_of_2(feature_dim))),
             "BV": max(16, triton.next_power_of_2(value_dim)),
+            "BD": max(16, triton.next_power_of_2(key_dim)),
             "ACC": tl.float64 if dtype == torch.float64 else tl.float32,
             "PRECISION": precision(dtype), "num_warps": 8}
 
@@ -299,23 +395,53 @@ def _gates(log_gate: Tensor | None, like: Tensor) -> Tensor:
     return like if log_gate is None else log_gate.contiguous()
 
 
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def row_max(x: Tensor, w: Tensor) -> Tensor:
+    """max_f w_f·x̃_t (B, H, N) of x̃ (B, H, N, D) and the projection w (F, D), over all F
+    features (the positive map's row maxima, which the kernels subtract), without x̃ w^T in
+    memory; in fp32 (fp64 for fp64)."""
+    b, h, n, d = x.shape
+    f = w.shape[0]
+    config = meta(x.dtype, 64, f, 16, d)
+    m = x.new_empty(b, h, n, dtype=_accumulator(x.dtype))
+    _row_max_kernel[(triton.cdiv(n, config["BT"]), b * h)](
+        x, w, m, n, f, d, BT=config["BT"], BK=config["BK"], BD=config["BD"], ACC=config["ACC"],
+        PRECISION=config["PRECISION"], num_warps=config["num_warps"])
+    return m
+
+
+def _widths(phi: Tensor, projection: Projection | None) -> tuple[int, int, Tensor, Tensor,
+                                                                  Tensor]:
+    """F, D and the projection's three tensors (any tensor where there is none: the kernels
+    read none, but an argument must point at memory)."""
+    if projection is None:
+        return phi.shape[-1], phi.shape[-1], phi, phi, phi
+    w, mq, mk = projection
+    return w.shape[0], w.shape[1], w.contiguous(), mq.contiguous(), mk.contiguous()
+
+
 def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: Tensor,
             log_scale: Tensor, chunk: int, every: int | None = None,
-            log_gate: Tensor | None = None,
+            log_gate: Tensor | None = None, projection: Projection | None = None,
             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The fused causal scan: φ(Q), φ(K) (B, H, N, F), the keys' log-weights (B, H, N) (-inf at
     padded keys), v (B, H, N, Dv), the entering state kv (B, H, F, Dv + 1) at scale
     ``log_scale`` (B, H), and the log-gates (B, H, N) or None: the state decays by g_t at
-    token t, a key's weight from j to i by exp(Λ_i - Λ_j) (Λ their cumulative sum). Returns
-    num (B, H, N, Dv) and den (B, H, N) at the row scales m
-    (B, H, N), the state after (B, H, F, Dv + 1), the running scales R_0..R_nc
+    token t, a key's weight from j to i by exp(Λ_i - Λ_j) (Λ their cumulative sum). With a
+    ``projection`` (w, mq, mk), phi_q and phi_k are x̃ (B, H, N, D) and the kernels form
+    φ = exp(x̃ w^T - m) themselves. Returns num (B, H, N, Dv) and den (B, H, N) at the row
+    scales m (B, H, N), the state after (B, H, F, Dv + 1), the running scales R_0..R_nc
     (B, H, nc + 1), whose last is the state after's, and the states entering tokens ``every``,
     2 ``every``, ... < N (a multiple of the chunk; None: none) at their running scales,
     (B, H, n_marks, F, Dv + 1) (one unused slot when there are none); accumulated in fp32
     (fp64 for fp64)."""
-    b, h, n, f = phi_q.shape
+    b, h, n = phi_q.shape[:3]
+    f, d, w, mq, mk = _widths(phi_q, projection)
     dv = v.shape[-1]
-    config = meta(phi_q.dtype, chunk, f, dv)
+    config = meta(phi_q.dtype, chunk, f, dv, d, projection is not None)
     bt = config["BT"]
     nk, nc = triton.cdiv(f, config["BK"]), triton.cdiv(n, bt)
     if every is not None and every % bt:
@@ -323,7 +449,7 @@ def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: 
     # In chunks; past the last chunk when there are none (the kernel then writes none).
     every = nc + 1 if every is None else every // bt
     n_marks = (nc - 1) // every
-    acc = torch.float64 if phi_q.dtype == torch.float64 else torch.float32
+    acc = _accumulator(phi_q.dtype)
     num = phi_q.new_empty(nk, b, h, n, dv, dtype=acc)
     den = phi_q.new_empty(nk, b, h, n, dtype=acc)
     m = phi_q.new_empty(b, h, n, dtype=acc)
@@ -333,9 +459,9 @@ def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: 
     marks = phi_q.new_empty(b, h, max(1, n_marks), f, dv + 1, dtype=acc)
     _forward_kernel[(nk, b * h)](
         phi_q, phi_k, key_log_scale, _gates(log_gate, key_log_scale), v,
-        kv.to(acc).contiguous(), log_scale.to(acc).contiguous(), num, den, m, kv_out, running,
-        marks, n, f, dv, nc, b * h, every, max(1, n_marks), LOG_FLOOR, **config,
-        GATED=log_gate is not None,
+        kv.to(acc).contiguous(), log_scale.to(acc).contiguous(), w, mq, mk, num, den, m, kv_out,
+        running, marks, n, f, d, dv, nc, b * h, every, max(1, n_marks), LOG_FLOOR, **config,
+        GATED=log_gate is not None, FUSED=projection is not None,
     )
     if nk > 1:
         return num.sum(0), den.sum(0), m, kv_out, running, marks
@@ -344,35 +470,59 @@ def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: 
 
 def backward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: Tensor,
              m: Tensor, running: Tensor, d_num: Tensor, d_den: Tensor, d_after: Tensor | None,
-             chunk: int, log_gate: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+             chunk: int, log_gate: Tensor | None = None, projection: Projection | None = None,
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
     """The gradients of :func:`forward`'s inputs φ(Q), φ(K), v and kv (the entering state)
     from those of num (B, H, N, Dv), den (B, H, N) and the state after (None: 0), given the
     forward's row scales m and running scales. The keys' log-weights and the log-gates get
     theirs from the caller: the output depends on φ(k_j) and ls_j only through φ(k_j)
     exp(ls_j), so ∂L/∂ls_j = φ(k_j)·∂L/∂φ(k_j), and the log-gates' follow from the same
-    products (:func:`effattn.kernelized.fused._log_gate_grad`)."""
-    b, h, n, f = phi_q.shape
+    products (:func:`effattn.kernelized.fused._log_gate_grad`).
+
+    With a ``projection`` (phi_q, phi_k are then x̃, as in :func:`forward`), no gradient of φ
+    is written: the first two are those of x̃ (B, H, N, D) through φ = exp(x̃ w^T - m) with m
+    held constant (it cancels), Σ_f (dφ ⊙ φ)_f w_f, and the last is the products
+    (φ(q_i)·dφ(q_i), φ(k_j)·dφ(k_j)) (B, H, N) that the caller would otherwise form from φ
+    (None without a projection)."""
+    b, h, n = phi_q.shape[:3]
+    f, d, w, mq, mk = _widths(phi_q, projection)
     dv = v.shape[-1]
-    config = meta(phi_q.dtype, chunk, f, dv)
+    config = meta(phi_q.dtype, chunk, f, dv, d, projection is not None)
     nk, nc = triton.cdiv(f, config["BK"]), triton.cdiv(n, config["BT"])
     acc = running.dtype
     d_num = d_num.to(v.dtype).contiguous()
     d_den = d_den.to(acc).contiguous()
     if d_after is None:
         d_after = kv.new_zeros(b, h, f, dv + 1, dtype=acc)
-    d_q = torch.empty_like(phi_q, dtype=acc)
-    d_k = torch.empty_like(phi_k, dtype=acc)
+    if projection is None:
+        d_q = torch.empty_like(phi_q, dtype=acc)
+        d_k = torch.empty_like(phi_k, dtype=acc)
+        # The kernels write no sums: any tensor (an argument must point at memory).
+        q_sums = k_sums = d_q
+    else:
+        # Per feature block, added below, as num and den are.
+        d_q, d_k = (phi_q.new_empty(nk, b, h, n, d, dtype=acc) for _ in range(2))
+        sums = phi_q.new_empty(2, nk, b, h, n, dtype=acc)
+        q_sums, k_sums = sums[0], sums[1]
     d_v = v.new_empty(nk, b, h, n, dv, dtype=acc)
     d_kv = kv.new_empty(b, h, f, dv + 1, dtype=acc)
     grid = (nk, b * h)
     gates, gated = _gates(log_gate, key_log_scale), log_gate is not None
+    fused = projection is not None
     _backward_queries_kernel[grid](
-        phi_k, key_log_scale, gates, v, kv.to(acc).contiguous(), m, running, d_num, d_den, d_q,
-        n, f, dv, nc, **config, GATED=gated,
+        phi_q, phi_k, key_log_scale, gates, v, kv.to(acc).contiguous(), m, running, d_num, d_den,
+        w, mq, mk, d_q, q_sums, n, f, d, dv, nc, b * h, **config, GATED=gated, FUSED=fused,
     )
     _backward_keys_kernel[grid](
         phi_q, phi_k, key_log_scale, gates, v, m, running, d_num, d_den,
-        d_after.to(acc).contiguous(), d_k, d_v, d_kv, n, f, dv, nc, b * h, **config,
-        GATED=gated,
+        d_after.to(acc).contiguous(), w, mq, mk, d_k, k_sums, d_v, d_kv, n, f, d, dv, nc, b * h,
+        **config, GATED=gated, FUSED=fused,
     )
-    return d_q, d_k, d_v.sum(0) if nk > 1 else d_v[0], d_kv
+    d_v = d_v.sum(0) if nk > 1 else d_v[0]
+    if projection is None:
+        return d_q, d_k, d_v, d_kv, None
+    if nk > 1:
+        d_q, d_k, sums = d_q.sum(0), d_k.sum(0), sums.sum(1)
+    else:
+        d_q, d_k, sums = d_q[0], d_k[0], sums[:, 0]
+    return d_q, d_k, d_v, d_kv, (sums[0], sums[1])

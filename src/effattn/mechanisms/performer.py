@@ -31,6 +31,7 @@ from torch import Tensor
 from effattn.base import check_bool, check_choice, check_positive_int
 from effattn.kernelized import features as fm
 from effattn.kernelized.base import WINDOW_OPTIONS, KernelizedAttention
+from effattn.kernelized.core import FeatureFn
 from effattn.kernelized.flops import kernelized_flops
 from effattn.kernelized.parallel import StateExchange
 from effattn.kernelized.projections import gaussian_projection
@@ -92,6 +93,11 @@ class PerformerAttention(KernelizedAttention):
         return FEATURE_MAPS[self.feature_map](
             x * math.sqrt(self.scale), self.projection.to(x.dtype), is_query=is_query
         )
+
+    def feature_fn(self) -> FeatureFn:
+        if self.feature_map == "positive":
+            return fm.PositiveMap(self.projection, math.sqrt(self.scale))
+        return self.features
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, num_features={self.num_features}, "
