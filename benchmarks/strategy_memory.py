@@ -30,13 +30,14 @@ run:
   NumPy's view of the buffer, which is no ATen operation and no allocation, as a kernel's
   stores are neither: the rows equal the interpreter's (``tests/test_strategy_memory.py``
   checks peaks, operations and launches on several slices and spans of linear, performer and
-  gated RFA), in seconds at any N, and in bfloat16;
+  gated RFA), without running the kernels, so at any N, and in bfloat16;
 - ``interpret``: the kernels run under Triton's interpreter, which this script turns on
   (about a minute per call at N = 4096; bfloat16 is refused: the interpreter does not run
   bf16 ``tl.dot`` correctly). The interpreter leaves each launch's arguments in reference
   cycles, so their storages would be freed at Python's next garbage collection, wherever it
-  falls, rather than when the code drops them: the script collects them after each launch,
-  and collects before each accounted call with none within it.
+  falls, rather than when the code drops them: the script collects them after each launch.
+
+Every peak is taken after a garbage collection, with no automatic one within the call.
 
 What neither measures: a kernel's registers and shared memory on a GPU, which are not tensor
 allocations (``benchmarks/triton_resources.py`` reports them per kernel, compiled for sm_80
@@ -186,9 +187,9 @@ def kernels(mode: str) -> Iterator[None]:
 
 
 def _peak(fn: Callable[[], Any]) -> int:
-    """:func:`live_peak_bytes` with Python's cyclic garbage collected before the call and none
-    collected by the interpreter within it: a collection frees storages whenever it happens to
-    run, those allocated before the call as negative bytes."""
+    """:func:`live_peak_bytes` with Python's cyclic garbage collected before the call and no
+    automatic collection within it: a collection frees the storages its cycles hold whenever it
+    happens to run, those allocated before the call as negative bytes."""
     gc.collect()
     enabled = gc.isenabled()
     gc.disable()
