@@ -32,10 +32,11 @@ run:
   checks peaks, operations and launches on several slices and spans of linear, performer and
   gated RFA), without running the kernels, so at any N, and in bfloat16;
 - ``interpret``: the kernels run under Triton's interpreter, which this script turns on
-  (about a minute per call at N = 4096; bfloat16 is refused: the interpreter does not run
-  bf16 ``tl.dot`` correctly). The interpreter leaves each launch's arguments in reference
-  cycles, so their storages would be freed at Python's next garbage collection, wherever it
-  falls, rather than when the code drops them: the script collects them after each launch.
+  (minutes per call at N = 4096: half an hour for performer's row on 2 cores; bfloat16 is
+  refused: the interpreter does not run bf16 ``tl.dot`` correctly). It leaves each launch's
+  arguments in reference cycles, so their storages would be freed at Python's next garbage
+  collection, wherever it falls, rather than when the code drops them: the script collects
+  them after each launch.
 
 Every peak is taken after a garbage collection, with no automatic one within the call.
 
