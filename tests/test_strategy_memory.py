@@ -1,6 +1,6 @@
 """benchmarks/strategy_memory.py: a small run writes its rows (each strategy, the span sweep and
-SDPA), CSV and plot, restores the span constant it sweeps, and bad arguments exit 2 with one
-line."""
+SDPA), CSV and plot, restores the span constant it sweeps; the triton strategy's dry kernels
+account as the interpreted ones and allow bf16 rows; bad arguments exit 2 with one line."""
 
 import json
 from pathlib import Path
@@ -9,6 +9,7 @@ import pytest
 from conftest import assert_png, load_script
 
 from effattn.kernelized import gpu
+from effattn.kernelized.base import KernelizedAttention
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "strategy_memory.py"
 
@@ -50,11 +51,58 @@ def test_triton_rows_count_their_launches(tmp_path):
     assert 0 < rows["triton"]["fwd_peak_mib"] <= rows["triton"]["train_peak_mib"]
 
 
+ACCOUNTED = ("method", "strategy", "n", "inputs_mib", "fwd_peak_mib", "train_peak_mib",
+             "fwd_ops", "bwd_ops", "launches")
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    """One head of 16 dims, and slices as short as they go: forward slices of one module chunk
+    (32 tokens) and backward spans of one kernel chunk (16), so that N = 64 has two slices of
+    two spans each (10 launches), in seconds under the interpreter."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(bench, "HEADS", 1)
+    monkeypatch.setattr(bench, "HEAD_DIM", 16)
+    monkeypatch.setattr(KernelizedAttention, "slice_elements", 1)
+
+
+def _triton_rows(out: Path, *argv: str) -> list[dict]:
+    assert bench.main(["--methods", "linear,performer,rfa-gated", "--lengths", "64",
+                       "--strategies", "triton", *argv, "--out", str(out)]) == 0
+    return json.loads((out / "results.json").read_text())["rows"]
+
+
+def test_dry_kernels_account_as_the_interpreted_ones(tiny, tmp_path):
+    """Stand-ins that run nothing and write neutral values: the same peaks, operations and
+    launches as the kernels run by the interpreter, and the kernels restored after the run."""
+    from effattn.kernelized import fused_kernels
+
+    dry = _triton_rows(tmp_path / "dry")
+    interpreted = _triton_rows(tmp_path / "interpreted", "--kernels", "interpret")
+    assert all(getattr(fused_kernels, k.__name__) is k for k in fused_kernels.KERNELS)
+    assert [[r[f] for f in ACCOUNTED] for r in dry] == [[r[f] for f in ACCOUNTED]
+                                                       for r in interpreted]
+    assert [(r["method"], r["launches"]) for r in dry] == [
+        ("linear", 10), ("performer", 10), ("rfa-gated", 10), ("sdpa", 0)]
+
+
+def test_dry_kernels_give_bf16_rows(tiny, tmp_path):
+    fp32 = _triton_rows(tmp_path / "fp32")
+    bf16 = _triton_rows(tmp_path / "bf16", "--dtype", "bfloat16")
+    # q, k, v (and the gate) at half the bytes; the triton rows dispatch the same kinds of work.
+    assert [r["inputs_mib"] * 2 for r in bf16] == [r["inputs_mib"] for r in fp32]
+    assert all(0 < r["fwd_peak_mib"] <= r["train_peak_mib"] for r in bf16)
+    assert "bfloat16" in json.loads((tmp_path / "bf16" / "results.json").read_text())["shape"]
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--methods", "nosuch"], "unknown method"),
     (["--strategies", "tpu"], "unknown strategies"),
     (["--lengths", "0"], "positive ints"),
     (["--backward-scales", "x"], "comma-separated ints"),
+    (["--kernels", "wet"], "invalid choice"),
+    (["--dtype", "float16"], "invalid choice"),
+    (["--strategies", "triton", "--kernels", "interpret", "--dtype", "bfloat16"], "bf16 tl.dot"),
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, says, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
