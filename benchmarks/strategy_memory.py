@@ -14,7 +14,9 @@ backward span (``effattn.kernelized.gpu.BACKWARD_SLICE_SCALE``: a span is that m
 CPU strategy's causal budget, capped at the forward's slice): the trade of transient memory
 for launches. ``--strategies`` picks the kernelized strategies (default ``cpu,gpu``); ``triton``
 is the fused kernels (``effattn.kernelized.fused``), whose launches are not ATen operations:
-``launches`` counts them (1 per forward slice, 2 per backward span), 0 on the other rows.
+``launches`` counts them in one training call (1 per forward slice and 2 per backward span,
+and 2 row-max launches for each of those where performer's map is formed in the kernels), 0
+on the other rows.
 
 The fused kernels allocate nothing themselves: every buffer they write is allocated by ATen
 in their Python wrappers (``effattn.kernelized.fused_kernels.forward``, ``backward``) before
@@ -71,7 +73,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import effattn
 from effattn import strategy
-from effattn.kernelized import core, fused, gpu
+from effattn.kernelized import gpu
 from effattn.tools.bench.accounting import count_ops, live_peak_bytes
 from effattn.tools.bench.machine import describe, machine_info
 from effattn.tools.bench.memory import MiB
@@ -91,8 +93,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"rfa-gated": ("rfa", {"gated"
 DRY_WRITES = {
     "_forward_kernel": {"num_ptr": 0.0, "den_ptr": 1.0, "m_ptr": 0.0, "kv_out_ptr": 0.0,
                         "r_ptr": 0.0, "marks_ptr": 0.0},
-    "_backward_queries_kernel": {"dq_ptr": 0.0},
-    "_backward_keys_kernel": {"dk_ptr": 0.0, "dv_ptr": 0.0, "dkv_in_ptr": 0.0},
+    "_backward_queries_kernel": {"dq_ptr": 0.0, "sq_ptr": 0.0},
+    "_backward_keys_kernel": {"dk_ptr": 0.0, "sk_ptr": 0.0, "dv_ptr": 0.0, "dkv_in_ptr": 0.0},
+    "_row_max_kernel": {"m_ptr": 0.0},
 }
 
 
@@ -123,6 +126,13 @@ def _names(text: str) -> list[str]:
     return names
 
 
+class _Launches:
+    """The fused kernels' launches since the count was last set to 0 (the stand-ins and the
+    wrappers below add theirs)."""
+
+    count = 0
+
+
 class _DryKernel:
     """A fused kernel's stand-in, launched as the kernel is (``kernel[grid](*args,
     **constexprs)``): it runs nothing and fills the buffers the kernel writes (``writes``: name
@@ -135,6 +145,7 @@ class _DryKernel:
         return self.launch
 
     def launch(self, *args: Any, **constexprs: Any) -> None:
+        _Launches.count += 1
         given = {**dict(zip(self.arg_names, args, strict=False)), **constexprs}
         for name, value in self.writes.items():
             # Through NumPy's view of the buffer: no ATen operation for count_ops to count and no
@@ -157,6 +168,7 @@ class _Collected:
         def launch(*args: Any, **constexprs: Any) -> None:
             # No collection within the launch, so that its cycles are all in the youngest
             # generation, whose collection is cheap (a full one takes ~0.2 s with torch loaded).
+            _Launches.count += 1
             enabled = gc.isenabled()
             gc.disable()
             try:
@@ -209,7 +221,6 @@ def measure(method: str, n: int, kind: str, scale: int | None,
     q, k, v = (torch.randn(1, HEADS, n, HEAD_DIM, generator=g, dtype=dtype).requires_grad_()
                for _ in range(3))
     inputs = [q, k, v]
-    launches = 0
     if kind == "sdpa":
         def attend() -> torch.Tensor:
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -222,13 +233,6 @@ def measure(method: str, n: int, kind: str, scale: int | None,
             logits = torch.randn(1, HEADS, n, generator=torch.Generator().manual_seed(1))
             extra["gate"] = torch.sigmoid(logits + 3.0).to(dtype).requires_grad_()
             inputs.append(extra["gate"])
-        if kind == "triton":
-            # One launch per forward slice, two per backward span (effattn.kernelized.fused).
-            step = gpu.slice_tokens(HEADS, module.feature_dim, HEAD_DIM, module.chunk_size,
-                                    module.slice_elements)
-            back = fused.backward_span_tokens(HEADS, module.feature_dim, HEAD_DIM,
-                                              module.chunk_size, module.slice_elements, dtype)
-            launches = sum(1 + 2 * -(-(e - a) // back) for a, e in core._spans(n, step))
 
         def attend() -> torch.Tensor:
             with strategy.force(kernelized=kind):
@@ -248,8 +252,10 @@ def measure(method: str, n: int, kind: str, scale: int | None,
     try:
         # Warm-up of both paths, under the profiler: lazily built tensors (features, masks, and
         # ~16 MiB that a first profiled call of the triton strategy holds, at N = 4096) are not
-        # the call's.
+        # the call's; the fused kernels' launches in it are counted.
+        _Launches.count = 0
         train()
+        launches = _Launches.count
         _peak(forward)
         fwd_peak = _peak(forward)
         train_peak = _peak(train)
