@@ -11,6 +11,12 @@ is two more kernels (queries in order, keys in reverse with the states' adjoint)
 sums, the scales (every exponent <= 0, no future key setting a scale), the eps floor of the
 divisor and the lost-row check are the other strategies'; the results agree to rounding.
 
+Performer's positive map, handed to the core as data
+(:class:`~effattn.kernelized.features.PositiveMap`, its projection not trained), is formed inside
+the kernels: they read x̃ = x·√scale (N x D) and the projection in place of φ(Q), φ(K)
+(N x F), with the row maxima from one more small kernel (:func:`_map`), and the backward kernels
+return the gradient of x̃ rather than of φ, so that nothing of size N x F is held.
+
 What it runs and what it hands on:
 
 - causal, eager (gated RFA too: its gates are decays within and between chunks; and the
@@ -185,7 +191,8 @@ def _log_weights(key_log_scale: Tensor | None, pad: Tensor | None, gate: Tensor 
 
 
 def _map(features: FeatureFn, q: Tensor, k: Tensor,
-         ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Any]:
+         ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None,
+                    tuple[Tensor, Tensor, Tensor] | None]:
     """What the kernels read of q and k (B, H, n, D): (φ(Q), φ(K), the queries' and keys'
     log-scales, None); for the positive map given as data
     (:class:`~effattn.kernelized.features.PositiveMap`, its projection not trained) x̃ = q, k

@@ -38,6 +38,12 @@ dX = dA ⊙ exp(a_j + Λ_i - m_i) (j <= i in the chunk):
 The log-weights' and log-gates' gradients follow from dφ (the caller's:
 :func:`effattn.kernelized.fused._log_gate_grad`).
 
+With ``FUSED`` (performer's positive map), φ is not read but formed: the kernels read x̃
+(N x D) and the projection's block of rows w (BK x D), and φ = exp(x̃ w^T - m) with the row
+maxima m over all F features (``_row_max_kernel``, launched first: they span every feature
+block); the backward kernels then write, in place of dφ, this block's part of ∂L/∂x̃ =
+(dφ ⊙ φ) w (m held constant: it cancels) and of Σ_f dφ ⊙ φ (``_store_inputs_grad``).
+
 A program holds one block of BK features and all Dv values, so that the sums over features
 (num, den, dv) come out per feature block and are added by the caller; the rest needs no
 reduction across programs. Grid: (F / BK, B H). The chunk C is a power of two >= 16 (tl.dot's
