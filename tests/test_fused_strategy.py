@@ -247,17 +247,21 @@ def row_maxima(monkeypatch):
 
 
 @pytest.mark.parametrize("pad", [False, True])
-def test_performer_forms_its_map_in_the_kernels(pad, row_maxima, launches):
-    """performer's default (positive) map: no φ in memory, the kernels form it (two row-max
-    launches per slice and per backward span); outputs and gradients against the float64
-    reference over 3 slices and 9 backward spans (N = 130), with padding."""
-    module = make_kernelized("performer", {})
+@pytest.mark.parametrize("feature_map", ["positive", "hyperbolic"])
+def test_performer_forms_its_map_in_the_kernels(feature_map, pad, row_maxima, launches):
+    """performer's default (positive) map and its antithetic pair (hyperbolic: rows w and -w):
+    no φ in memory, the kernels form it (two row-max launches per slice and per backward span);
+    outputs and gradients against the float64 reference over several slices and backward spans
+    (N = 130; positive: 3 and 9), with padding."""
+    module = make_kernelized("performer", {"feature_map": feature_map})
     assert isinstance(module.feature_fn(), effattn.kernelized.features.PositiveMap)
     module.slice_elements = 320
     _matches_reference(module, *(t.requires_grad_(True)
                                  for t in qkv(n=130, d=21, dv=5, scale=0.5)), pad=pad)
-    assert launches == {"forward": 3, "backward": 9, "gpu": 0}
-    assert row_maxima == {"row_max": 2 * (3 + 9)}
+    if feature_map == "positive":
+        assert launches == {"forward": 3, "backward": 9, "gpu": 0}
+    assert 1 < launches["forward"] <= launches["backward"] and launches["gpu"] == 0
+    assert row_maxima == {"row_max": 2 * (launches["forward"] + launches["backward"])}
 
 
 def test_a_trained_projection_takes_the_features_path(row_maxima, launches):

@@ -114,35 +114,44 @@ def positive(x: Tensor, w: Tensor, *, is_query: bool) -> Features:
 
 
 def positive_log_scale(x: Tensor, m: Tensor, num_features: int, *, is_query: bool) -> Tensor:
-    """The log-scale (..., L, 1) of :func:`positive`'s features exp(w x - m) of x (..., L, D)
-    with row maxima m (..., L, 1) of w x: m - |x|²/2, less log F for queries."""
+    """The log-scale (..., L, 1) of :func:`positive`'s (or :func:`hyperbolic`'s) features
+    exp(w_f x - m) of x (..., L, D), with m (..., L, 1) the row maxima of w_f x over their
+    ``num_features`` rows w_f (for a pair, w and -w): m - |x|²/2, less log of that count for
+    queries."""
     log_scale = m - _half_sq_norm(x)
     return log_scale - math.log(num_features) if is_query else log_scale
 
 
 @dataclass(frozen=True)
 class PositiveMap:
-    """:func:`positive` of ``x * x_scale`` with the projection ``w`` (F, D), as data: a
-    :data:`~effattn.kernelized.core.FeatureFn` like any map, and readable by a strategy that
-    forms φ = exp(w x̃ - m) inside its own kernels (:mod:`effattn.kernelized.fused`: no N x F
-    features in memory). Performer's default map."""
+    """:func:`positive` (``pair``: :func:`hyperbolic`, its antithetic pair) of ``x * x_scale``
+    with the projection ``w`` (F, D), as data: a :data:`~effattn.kernelized.core.FeatureFn`
+    like any map, and readable by a strategy that forms φ_f = exp(w_f x̃ - m) inside its own
+    kernels (:mod:`effattn.kernelized.fused`: no N x F features in memory). Performer's default
+    map and its hyperbolic one."""
 
     w: Tensor
     x_scale: float
+    pair: bool = False
 
     def __call__(self, x: Tensor, *, is_query: bool) -> Features:
-        return positive(self.inputs(x), self.w.to(x.dtype), is_query=is_query)
+        fn = hyperbolic if self.pair else positive
+        return fn(self.inputs(x), self.w.to(x.dtype), is_query=is_query)
 
     def inputs(self, x: Tensor) -> Tensor:
         """x̃ = x * x_scale, what the projection multiplies."""
         return x * self.x_scale
 
+    def rows(self) -> Tensor:
+        """The rows w_f of φ_f = exp(w_f x̃ - m), in φ's order: w (F, D), or [w; -w] (2F, D)
+        for a pair."""
+        return torch.cat([self.w, -self.w]) if self.pair else self.w
+
 
 def hyperbolic(x: Tensor, w: Tensor, *, is_query: bool) -> Features:
     """φ(x) = (2F)^(-1/2) exp(-|x|²/2) [exp(w x), exp(-w x)]: antithetic positive features."""
     phi, m = _exp_projection(x, w, pair=True)  # one F-wide GEMM; the antithetic half negates it
-    log_scale = m - _half_sq_norm(x)
-    return phi, log_scale - math.log(2 * w.shape[0]) if is_query else log_scale
+    return phi, positive_log_scale(x, m, 2 * w.shape[0], is_query=is_query)
 
 
 def trig(x: Tensor, w: Tensor, *, is_query: bool) -> Features:

@@ -11,7 +11,7 @@ is two more kernels (queries in order, keys in reverse with the states' adjoint)
 sums, the scales (every exponent <= 0, no future key setting a scale), the eps floor of the
 divisor and the lost-row check are the other strategies'; the results agree to rounding.
 
-Performer's positive map, handed to the core as data
+Performer's positive map (and its hyperbolic pair), handed to the core as data
 (:class:`~effattn.kernelized.features.PositiveMap`, its projection not trained), is formed inside
 the kernels: they read x̃ = x·√scale (N x D) and the projection in place of φ(Q), φ(K)
 (N x F), with the row maxima from one more small kernel (:func:`_map`), and the backward kernels
@@ -201,7 +201,7 @@ def _map(features: FeatureFn, q: Tensor, k: Tensor,
     (both forms) where grad mode is on."""
     if isinstance(features, fm.PositiveMap) and not features.w.requires_grad:
         xq, xk = features.inputs(q), features.inputs(k)
-        w = features.w.to(xq.dtype).contiguous()
+        w = features.rows().to(xq.dtype).contiguous()
         kernels = _kernels()
         mq = kernels.row_max(xq.detach().contiguous(), w)
         mk = kernels.row_max(xk.detach().contiguous(), w)

@@ -95,8 +95,9 @@ class PerformerAttention(KernelizedAttention):
         )
 
     def feature_fn(self) -> FeatureFn:
-        if self.feature_map == "positive":
-            return fm.PositiveMap(self.projection, math.sqrt(self.scale))
+        if self.feature_map in ("positive", "hyperbolic"):
+            return fm.PositiveMap(self.projection, math.sqrt(self.scale),
+                                  pair=self.feature_map == "hyperbolic")
         return self.features
 
     def extra_repr(self) -> str:
