@@ -302,6 +302,54 @@ def test_the_map_formed_in_the_kernels_holds_less():
     assert training < 0.6 * training_phi, measured
 
 
+@pytest.mark.parametrize("name, options", [("performer", {}), ("linear", {}),
+                                           ("rfa", {"gated": True})],
+                         ids=["performer", "linear", "rfa-gated"])
+def test_half_precision_inputs_are_promoted_slice_by_slice(name, options, monkeypatch):
+    """bf16 q, k, v (and gate) reach the strategy as they are (core.promotes_inside) and are
+    promoted to fp32 slice by slice and span by span there: output and gradients (bf16, as the
+    inputs) equal the gpu strategy's, which the module hands fp32 copies, to bf16's rounding,
+    over several slices and spans; and a training call holds less than with the module's fp32
+    copies (the old path, patched back in), which the backward kept."""
+    module = effattn.build(name, head_dim=16, heads=2, seed=0, **options).eval()
+    module.slice_elements = 300
+    assert gpu.slice_tokens(2, module.feature_dim, 16, module.chunk_size, 300) <= 256 // 2
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 256, 16, generator=g).to(torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    extra = {}
+    if options:
+        logits = torch.randn(1, 2, 256, generator=g) + 2.0
+        extra["gate"] = torch.sigmoid(logits).to(torch.bfloat16).requires_grad_()
+    inputs = [q, k, v, *extra.values()]
+
+    def call():
+        return module(q, k, v, causal=True, **extra)
+
+    results = {}
+    for kind in ("triton", "gpu"):
+        with strategy.force(kernelized=kind):
+            out = call()
+            results[kind] = (out, torch.autograd.grad(out.float().square().sum(), inputs))
+    (out, grads), (out_ref, grads_ref) = results["triton"], results["gpu"]
+    assert out.dtype == torch.bfloat16 and all(x.dtype == torch.bfloat16 for x in grads)
+    torch.testing.assert_close(out.float(), out_ref.float(), rtol=2e-2, atol=2e-2)
+    for a, b in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+    def train():
+        call().float().sum().backward()
+
+    peaks = {}
+    with strategy.force(kernelized="triton"):
+        for inside in (True, False):
+            monkeypatch.setattr(effattn.kernelized.base, "promotes_inside", lambda x, i=inside: i)
+            train()
+            peaks[inside] = live_peak_bytes(train)
+    copies = 3 * q.numel() * 4
+    assert peaks[True] < peaks[False] - copies / 4, (peaks, copies)
+
+
 @pytest.fixture
 def fp32_precision():
     """torch's fp32 CUDA matmul precision, restored after the test."""

@@ -14,6 +14,7 @@ from effattn.kernelized.core import (
     DenominatorUnderflowError,
     FeatureFn,
     RecurrentState,
+    promotes_inside,
 )
 from effattn.kernelized.features import Features
 from effattn.kernelized.hybrid import WindowState, hybrid_attention, hybrid_prefill, hybrid_step
@@ -206,10 +207,14 @@ class KernelizedAttention(RandomizedAttention):
                                         gate=None if gate is None else gate.to(dt))
             except DenominatorUnderflowError as err:
                 raise self._underflow(err, q, k) from None
+        config = self.core()
+        if not (causal and config.exponents is None and promotes_inside(q)):
+            q, k, v = q.to(dt), k.to(dt), v.to(dt)
+            gate = None if gate is None else gate.to(dt)
+        # Else the strategy promotes slice by slice: no fp32 copies of q, k, v are held.
         try:
-            return self.core().attention(q.to(dt), k.to(dt), v.to(dt), causal=causal,
-                                         key_padding_mask=key_padding_mask,
-                                         gate=None if gate is None else gate.to(dt))
+            return config.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
+                                    gate=gate)
         except DenominatorUnderflowError as err:
             raise self._underflow(err, q, k) from None
 

@@ -553,6 +553,14 @@ def _strategy_module(x: Tensor) -> ModuleType:
     return cpu
 
 
+def promotes_inside(x: Tensor) -> bool:
+    """Whether the strategy that runs tensors like x takes half-precision q, k, v (and gate) to
+    its causal form and promotes them itself, slice by slice (the ``triton`` strategy's
+    ``PROMOTES_INSIDE``), so that a caller need not hold fp32 copies of them; the others are
+    given them in the compute dtype (:func:`effattn.base.compute_dtype`)."""
+    return bool(_strategy_module(x).PROMOTES_INSIDE)
+
+
 def _slices(step: int, *tensors: tuple[Tensor | None, int]) -> list[list[Tensor | None]]:
     """Each (tensor, dim) cut into pieces of ``step`` along dim; None stays None in every piece.
 

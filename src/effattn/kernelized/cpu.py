@@ -39,6 +39,9 @@ from torch.autograd.function import once_differentiable
 from effattn.kernelized import chunkwise, core
 from effattn.kernelized.core import FeatureFn, Normaliser, RecurrentState
 
+# Its callers promote half-precision inputs (core.promotes_inside).
+PROMOTES_INSIDE = False
+
 
 def key_state(k: Tensor, v: Tensor, features: FeatureFn, *, feature_dim: int,
               key_padding_mask: Tensor | None, slice_elements: int,

@@ -53,12 +53,18 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from effattn.base import compute_dtype
 from effattn.kernelized import core, gpu
 from effattn.kernelized import features as fm
 from effattn.kernelized.core import FeatureFn, Normaliser, RecurrentState
 
 key_state = gpu.key_state
 read_queries = gpu.read_queries
+# Its causal form takes q, k, v (and a gate) in half precision and promotes them slice by slice
+# and span by span (features overflow in half precision: effattn.base.compute_dtype), so that
+# no fp32 copy of them is held: a module may hand them over as they are
+# (:func:`effattn.kernelized.core.promotes_inside`).
+PROMOTES_INSIDE = True
 
 # The backward recomputes spans of BACKWARD_SLICE_SCALE times the CPU strategy's causal budget,
 # from checkpoint states the forward kernel writes at their starts: what a span's backward
@@ -114,6 +120,7 @@ def causal(
     :class:`~effattn.kernelized.core.DenominatorUnderflowError` as the other strategies do.
     """
     if torch.compiler.is_compiling():
+        q, k, v, gate = _promoted(q, k, v, gate)
         return gpu.causal(q, k, v, features, state, feature_dim=feature_dim,
                           key_padding_mask=key_padding_mask, gate=gate, chunk_size=chunk_size,
                           eps=eps, slice_elements=slice_elements,
@@ -135,7 +142,7 @@ def causal(
         if core._needs_grad(q, k, v, gate, None if state is None else state.kv, *tensors):
             kv, scale = (None, None) if state is None else (state.kv, state.log_scale)
             back = backward_span_tokens(b * h, feature_dim, v.shape[-1], chunk_size,
-                                        slice_elements, q.dtype)
+                                        slice_elements, compute_dtype(q.dtype))
             out, kv, scale, log_abs, sign = _FusedCausal.apply(
                 q, k, v, gate, key_padding_mask, kv, scale, features, chunk_size, eps,
                 (step, back), normaliser, *tensors)
@@ -144,6 +151,14 @@ def causal(
     out, after, norm, _ = _sliced(q, k, v, gate, key_padding_mask, state, features, chunk_size,
                                   eps, step, None, normaliser)
     return out, RecurrentState(after.kv, after.log_scale, position + n), norm
+
+
+def _promoted(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None,
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """q, k, v and the gate in the compute dtype (fp32 for half precision; the same tensors
+    otherwise): of a slice or a span, or of a call handed on."""
+    dt = compute_dtype(q.dtype)
+    return q.to(dt), k.to(dt), v.to(dt), None if gate is None else gate.to(dt)
 
 
 def backward_span_tokens(batch_heads: int, feature_dim: int, value_dim: int, chunk_size: int,
@@ -224,6 +239,7 @@ def _forward_slice(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None, pad: Te
     none)."""
     kernels = _kernels()
     b, h = q.shape[:2]
+    q, k, v, gate = _promoted(q, k, v, gate)
     phi_q, phi_k, query_log_scale, key_log_scale, projection = _map(features, q, k)
     ls, log_gate = _log_weights(key_log_scale, pad, gate, phi_k)
     f = phi_k.shape[-1] if projection is None else projection[0].shape[0]
@@ -256,7 +272,7 @@ def _sliced(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None, pad: Tensor | 
         norms.append(norm)
         lost.append(flag)
         slices.append(saved)
-    core._raise_if_lost(lost, q.dtype)
+    core._raise_if_lost(lost, compute_dtype(q.dtype))
     norm = None
     if normaliser:
         norm = Normaliser(torch.cat([x.log_abs for x in norms], 2),
@@ -314,7 +330,7 @@ class _FusedCausal(torch.autograd.Function):
         slices = len({w[0] for w in ctx.where})
         saved, tensors = rest[:5 * slices], rest[5 * slices:]
         kernels = _kernels()
-        chunk = kernels.tile(ctx.chunk, q.dtype)
+        chunk = kernels.tile(ctx.chunk, compute_dtype(q.dtype))
 
         def after(i: int) -> Tensor:
             """The state after span i: the next span's checkpoint, the next slice's entering
@@ -337,10 +353,13 @@ class _FusedCausal(torch.autograd.Function):
             running = running[..., r0 // chunk:-(-r1 // chunk) + 1].contiguous()
             q_s, k_s, v_s, gate_s = leaves
             with torch.enable_grad():
+                # Half-precision leaves promoted here, under autograd: their gradients come
+                # back in their own dtype.
+                q_c, k_c, v_c, gate_c = _promoted(q_s, k_s, v_s, gate_s)
                 phi_q, phi_k, query_log_scale, key_log_scale, projection = _map(
-                    ctx.features, q_s, k_s)
+                    ctx.features, q_c, k_c)
                 ls, log_gate = _log_weights(key_log_scale, None if pad is None else pad[:, a:e],
-                                            gate_s, phi_k)
+                                            gate_c, phi_k)
             div = core._divisor(den, ctx.eps, m)
             back = torch.where(div == den, -1.0 / div, 0.0)
             g = core._ratio_grad(d_out[:, :, a:e], out[:, :, a:e], div, back)
@@ -351,7 +370,7 @@ class _FusedCausal(torch.autograd.Function):
                 g[..., -1:].sub_(d_query_scale * back)
             pq, pk = phi_q.detach().contiguous(), phi_k.detach().contiguous()
             d_q, d_k, d_v, d_kv_in, sums = kernels.backward(
-                pq, pk, ls.detach(), v_s.detach().contiguous(), kv, m[..., 0].contiguous(),
+                pq, pk, ls.detach(), v_c.detach().contiguous(), kv, m[..., 0].contiguous(),
                 running, g[..., :-1], g[..., -1], d_after, ctx.chunk,
                 None if log_gate is None else log_gate.detach(), projection)
             # The output depends on φ(k_j) and its log-weight only through φ(k_j) e^{ls_j}:

@@ -100,6 +100,8 @@ from effattn.kernelized.core import (
 # while the memory of the forward and of each slice's recomputed backward stays bounded at any
 # N.
 SLICE_SCALE = 64
+# Its callers promote half-precision inputs (core.promotes_inside).
+PROMOTES_INSIDE = False
 # The backward recomputes spans of BACKWARD_SLICE_SCALE times the CPU strategy's causal budget,
 # half a forward slice: a training call then holds no more than an inference forward
 # (module docstring, Memory).
