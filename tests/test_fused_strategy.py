@@ -198,6 +198,27 @@ def test_half_precision_kernels_equal_the_dense_sums(gated, device):
                                        atol=2e-3 * want.abs().max().item())
 
 
+def _accounted_performer(num_features):
+    """A performer module (D = 16, H = 2, fp32) and calls on fixed q, k, v at N = 1024 for the
+    accounting tests: the causal call, an inference forward and a training forward +
+    backward."""
+    module = effattn.build("performer", head_dim=16, heads=2, seed=0, num_features=num_features)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 1024, 16, generator=g).requires_grad_() for _ in range(3))
+
+    def attend():
+        return module(q, k, v, causal=True)
+
+    def forward():
+        with torch.no_grad():
+            attend()
+
+    def train():
+        attend().sum().backward()
+
+    return module, attend, forward, train
+
+
 @pytest.mark.parametrize("gated", [False, True], ids=["ungated", "gated"])
 def test_kernels_form_the_positive_map_themselves(gated, device):
     """With a projection the kernels form φ = exp(x̃ w^T - m) from x̃ (B, H, N, D), w (F, D) and
@@ -281,17 +302,7 @@ def test_the_map_formed_in_the_kernels_holds_less():
     the kernels neither the forward nor the backward's spans hold N x F features (nor the map's
     autograd graph); the same module with its projection requiring grad (φ from the map) holds
     them."""
-    module = effattn.build("performer", head_dim=16, heads=2, seed=0, num_features=256)
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 1024, 16, generator=g).requires_grad_() for _ in range(3))
-
-    def forward():
-        with torch.no_grad():
-            module(q, k, v, causal=True)
-
-    def train():
-        module(q, k, v, causal=True).sum().backward()
-
+    module, _, forward, train = _accounted_performer(256)
     measured = {}
     for trained in (False, True):
         module.projection.requires_grad_(trained)
@@ -627,22 +638,12 @@ def test_holds_and_dispatches_less_than_the_gpu_strategy():
     the kernels hold no chunk state and no C x C block, and replace the chunk-parallel
     operations by one launch forward and two backward (Triton launches, not ATen operations:
     added here)."""
-    module = effattn.build("performer", head_dim=16, heads=2, seed=0, num_features=64)
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 1024, 16, generator=g).requires_grad_() for _ in range(3))
-
-    def forward():
-        with torch.no_grad():
-            module(q, k, v, causal=True)
-
-    def train():
-        module(q, k, v, causal=True).sum().backward()
-
+    _, attend, forward, train = _accounted_performer(64)
     measured = {}
     for name in ("gpu", "triton"):
         with strategy.force(kernelized=name):
             train()
-            out = module(q, k, v, causal=True)
+            out = attend()
             measured[name] = {
                 "forward bytes": live_peak_bytes(forward), "training bytes": live_peak_bytes(train),
                 "forward ops": count_ops(forward),
