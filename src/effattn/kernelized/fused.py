@@ -120,7 +120,8 @@ def causal(
     :class:`~effattn.kernelized.core.DenominatorUnderflowError` as the other strategies do.
     """
     if torch.compiler.is_compiling():
-        q, k, v, gate = _promoted(q, k, v, gate)
+        dt = compute_dtype(q.dtype)
+        q, k, v, gate = q.to(dt), k.to(dt), v.to(dt), None if gate is None else gate.to(dt)
         return gpu.causal(q, k, v, features, state, feature_dim=feature_dim,
                           key_padding_mask=key_padding_mask, gate=gate, chunk_size=chunk_size,
                           eps=eps, slice_elements=slice_elements,
@@ -151,14 +152,6 @@ def causal(
     out, after, norm, _ = _sliced(q, k, v, gate, key_padding_mask, state, features, chunk_size,
                                   eps, step, None, normaliser)
     return out, RecurrentState(after.kv, after.log_scale, position + n), norm
-
-
-def _promoted(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None,
-              ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """q, k, v and the gate in the compute dtype (fp32 for half precision; the same tensors
-    otherwise): of a slice or a span, or of a call handed on."""
-    dt = compute_dtype(q.dtype)
-    return q.to(dt), k.to(dt), v.to(dt), None if gate is None else gate.to(dt)
 
 
 def backward_span_tokens(batch_heads: int, feature_dim: int, value_dim: int, chunk_size: int,
@@ -213,9 +206,12 @@ def _map(features: FeatureFn, q: Tensor, k: Tensor,
     (:class:`~effattn.kernelized.features.PositiveMap`, its projection not trained) x̃ = q, k
     times its scale in place of φ, and the projection and row maxima with which the kernels form
     φ = exp(x̃ w^T - m) themselves, so that no N x F features are held. Differentiable in q, k
-    (both forms) where grad mode is on."""
+    (both forms) where grad mode is on. Half-precision q, k are promoted here, one at a time
+    (:func:`effattn.base.compute_dtype`): a promoted copy lives only while its own map is
+    formed."""
+    dt = compute_dtype(q.dtype)
     if isinstance(features, fm.PositiveMap) and not features.w.requires_grad:
-        xq, xk = features.inputs(q), features.inputs(k)
+        xq, xk = features.inputs(q.to(dt)), features.inputs(k.to(dt))
         w = features.rows().to(xq.dtype).contiguous()
         kernels = _kernels()
         mq = kernels.row_max(xq.detach().contiguous(), w)
@@ -223,24 +219,26 @@ def _map(features: FeatureFn, q: Tensor, k: Tensor,
         f = w.shape[0]
         return (xq, xk, fm.positive_log_scale(xq, mq[..., None], f, is_query=True),
                 fm.positive_log_scale(xk, mk[..., None], f, is_query=False), (w, mq, mk))
-    phi_q, query_log_scale = features(q, is_query=True)
-    phi_k, key_log_scale = features(k, is_query=False)
+    phi_q, query_log_scale = features(q.to(dt), is_query=True)
+    phi_k, key_log_scale = features(k.to(dt), is_query=False)
     core._check_shapes(phi_q, phi_k, None, key_log_scale)
     return phi_q, phi_k, query_log_scale, key_log_scale, None
 
 
 def _forward_slice(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None, pad: Tensor | None,
                    state: RecurrentState | None, features: FeatureFn, chunk: int,
-                   eps: float, back: int | None, normaliser: bool,
-                   ) -> tuple[Tensor, RecurrentState, Normaliser | None, Tensor | None, _Slice]:
-    """One slice: the output (B, H, n, Dv), the state after, with ``normaliser`` each query's
+                   eps: float, back: int | None, normaliser: bool, out: Tensor,
+                   ) -> tuple[RecurrentState, Normaliser | None, Tensor | None, _Slice]:
+    """One slice: its output written into ``out`` (B, H, n, Dv, in q's dtype); returns the
+    state after, with ``normaliser`` each query's
     :class:`~effattn.kernelized.core.Normaliser` (else None), the lost-row flag (None: not
     checked) and what its backward needs, with checkpoints every ``back`` tokens (None:
     none)."""
     kernels = _kernels()
     b, h = q.shape[:2]
-    q, k, v, gate = _promoted(q, k, v, gate)
     phi_q, phi_k, query_log_scale, key_log_scale, projection = _map(features, q, k)
+    # v as it is: the kernels convert its tiles (no promoted copy).
+    gate = None if gate is None else gate.to(compute_dtype(q.dtype))
     ls, log_gate = _log_weights(key_log_scale, pad, gate, phi_k)
     f = phi_k.shape[-1] if projection is None else projection[0].shape[0]
     state = core._state_of(state, b, h, f, v.shape[-1], phi_k)
@@ -248,13 +246,13 @@ def _forward_slice(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None, pad: Te
         phi_q.contiguous(), phi_k.contiguous(), ls, v.contiguous(), state.kv,
         state.log_scale.reshape(b, h), chunk, back, log_gate, projection)
     den, m = den[..., None], m[..., None]
-    out = (num / core._divisor(den, eps, m)).to(q.dtype)
+    out.copy_(num.div_(core._divisor(den, eps, m)))
     after = RecurrentState(kv.to(phi_k.dtype),
                            running[..., -1:, None].to(state.log_scale.dtype))
     norm = Normaliser(*core._normaliser(den, eps, m, query_log_scale)) if normaliser else None
     # A gate can decay what a query sees to a legitimate 0: only ungated rows are checked.
     lost = None if gate is not None else core._lost_rows(den, eps, m)
-    return out, after, norm, lost, _Slice(state, marks, m, den, running)
+    return after, norm, lost, _Slice(state, marks, m, den, running)
 
 
 def _sliced(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None, pad: Tensor | None,
@@ -262,13 +260,16 @@ def _sliced(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None, pad: Tensor | 
             features: FeatureFn, chunk: int, eps: float, step: int, back: int | None,
             normaliser: bool) -> tuple[Tensor, RecurrentState, Normaliser | None, list[_Slice]]:
     """:func:`_forward_slice` slice after slice of ``step`` tokens (checkpoints every ``back``);
-    raises on lost rows after the last (one host sync)."""
-    outs, norms, lost, slices = [], [], [], []
+    raises on lost rows after the last (one host sync). The output is in q's dtype: written
+    slice by slice into one tensor, it is the only output-sized tensor held (half-precision
+    inputs give a half-precision output, as softmax attention's kernels do)."""
+    out = q.new_empty(*q.shape[:3], v.shape[-1])
+    norms, lost, slices = [], [], []
     for a, e in core._spans(q.shape[2], step):
-        out, state, norm, flag, saved = _forward_slice(
+        state, norm, flag, saved = _forward_slice(
             q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], None if gate is None else gate[:, :, a:e],
-            None if pad is None else pad[:, a:e], state, features, chunk, eps, back, normaliser)
-        outs.append(out)
+            None if pad is None else pad[:, a:e], state, features, chunk, eps, back, normaliser,
+            out[:, :, a:e])
         norms.append(norm)
         lost.append(flag)
         slices.append(saved)
@@ -277,7 +278,7 @@ def _sliced(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None, pad: Tensor | 
     if normaliser:
         norm = Normaliser(torch.cat([x.log_abs for x in norms], 2),
                           torch.cat([x.sign for x in norms], 2))
-    return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), state, norm, slices
+    return out, state, norm, slices
 
 
 class _FusedCausal(torch.autograd.Function):
@@ -355,14 +356,17 @@ class _FusedCausal(torch.autograd.Function):
             with torch.enable_grad():
                 # Half-precision leaves promoted here, under autograd: their gradients come
                 # back in their own dtype.
-                q_c, k_c, v_c, gate_c = _promoted(q_s, k_s, v_s, gate_s)
                 phi_q, phi_k, query_log_scale, key_log_scale, projection = _map(
-                    ctx.features, q_c, k_c)
+                    ctx.features, q_s, k_s)
+                gate_c = None if gate_s is None else gate_s.to(compute_dtype(q_s.dtype))
                 ls, log_gate = _log_weights(key_log_scale, None if pad is None else pad[:, a:e],
                                             gate_c, phi_k)
             div = core._divisor(den, ctx.eps, m)
             back = torch.where(div == den, -1.0 / div, 0.0)
-            g = core._ratio_grad(d_out[:, :, a:e], out[:, :, a:e], div, back)
+            # The output as saved (in q's dtype, as flash attention keeps it for the same
+            # product) and its gradient, promoted span by span.
+            g = core._ratio_grad(d_out[:, :, a:e].to(div.dtype), out[:, :, a:e].to(div.dtype),
+                                 div, back)
             d_query_scale = None
             if ctx.normaliser and d_log_abs is not None:
                 # log |d| + the scales: d receives d_log_abs / d where it is the denominator.
@@ -370,7 +374,7 @@ class _FusedCausal(torch.autograd.Function):
                 g[..., -1:].sub_(d_query_scale * back)
             pq, pk = phi_q.detach().contiguous(), phi_k.detach().contiguous()
             d_q, d_k, d_v, d_kv_in, sums = kernels.backward(
-                pq, pk, ls.detach(), v_c.detach().contiguous(), kv, m[..., 0].contiguous(),
+                pq, pk, ls.detach(), v_s.detach().contiguous(), kv, m[..., 0].contiguous(),
                 running, g[..., :-1], g[..., -1], d_after, ctx.chunk,
                 None if log_gate is None else log_gate.detach(), projection)
             # The output depends on φ(k_j) and its log-weight only through φ(k_j) e^{ls_j}:

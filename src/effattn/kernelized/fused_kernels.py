@@ -49,6 +49,9 @@ A program holds one block of BK features and all Dv values, so that the sums ove
 reduction across programs. Grid: (F / BK, B H). The chunk C is a power of two >= 16 (tl.dot's
 smallest tile; :func:`tile`), with 8 warps a program (:func:`meta`).
 
+v may be in a narrower dtype than φ (bf16 values beside fp32 features): the kernels read it
+as it is and convert each tile after loading, so that no promoted copy of v is made.
+
 On the CPU these run under Triton's interpreter (``TRITON_INTERPRET=1`` before this module is
 imported), which is how CI tests them.
 
@@ -167,7 +170,7 @@ def _forward_kernel(
             qc = tl.load(q_ptr + bh * N * F + rows, mask=ok, other=0.0)
             kc = tl.load(k_ptr + bh * N * F + rows, mask=ok, other=0.0)
         vc = tl.load(v_ptr + bh * N * DV + t[:, None] * DV + d[None, :],
-                     mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+                     mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(qc.dtype)
         x = tl.dot(qc, tl.trans(kc), input_precision=PRECISION).to(ACC)
         a = tl.where(causal,
                      x * tl.exp(tl.minimum(kt[None, :] + gc[:, None] - m[:, None], 0.0)), 0.0)
@@ -247,7 +250,7 @@ def _backward_queries_kernel(
             kc = tl.load(k_ptr + bh * N * F + rows, mask=ok, other=0.0)
         values = t[:, None] * DV + d[None, :]
         vd_ok = t_ok[:, None] & d_ok[None, :]
-        vc = tl.load(v_ptr + bh * N * DV + values, mask=vd_ok, other=0.0)
+        vc = tl.load(v_ptr + bh * N * DV + values, mask=vd_ok, other=0.0).to(kc.dtype)
         gn = tl.load(gn_ptr + bh * N * DV + values, mask=vd_ok, other=0.0)
         gd = tl.load(gd_ptr + bh * N + t, mask=t_ok, other=0.0).to(ACC)
         weight = tl.where(
@@ -315,7 +318,7 @@ def _backward_keys_kernel(
             kc = tl.load(k_ptr + bh * N * F + rows, mask=ok, other=0.0)
         values = t[:, None] * DV + d[None, :]
         vd_ok = t_ok[:, None] & d_ok[None, :]
-        vc = tl.load(v_ptr + bh * N * DV + values, mask=vd_ok, other=0.0)
+        vc = tl.load(v_ptr + bh * N * DV + values, mask=vd_ok, other=0.0).to(qc.dtype)
         gn = tl.load(gn_ptr + bh * N * DV + values, mask=vd_ok, other=0.0)
         gd = tl.load(gd_ptr + bh * N + t, mask=t_ok, other=0.0).to(ACC)
         weight = tl.where(
@@ -443,7 +446,7 @@ def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: 
     (B, H, nc + 1), whose last is the state after's, and the states entering tokens ``every``,
     2 ``every``, ... < N (a multiple of the chunk; None: none) at their running scales,
     (B, H, n_marks, F, Dv + 1) (one unused slot when there are none); accumulated in fp32
-    (fp64 for fp64)."""
+    (fp64 for fp64). v may be in a narrower dtype than φ (converted tile by tile)."""
     b, h, n = phi_q.shape[:3]
     f, d, w, mq, mk = _widths(phi_q, projection)
     dv = v.shape[-1]
@@ -496,7 +499,7 @@ def backward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv:
     config = meta(phi_q.dtype, chunk, f, dv, d, projection is not None)
     nk, nc = triton.cdiv(f, config["BK"]), triton.cdiv(n, config["BT"])
     acc = running.dtype
-    d_num = d_num.to(v.dtype).contiguous()
+    d_num = d_num.to(phi_q.dtype).contiguous()
     d_den = d_den.to(acc).contiguous()
     if d_after is None:
         d_after = kv.new_zeros(b, h, f, dv + 1, dtype=acc)
