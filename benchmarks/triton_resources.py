@@ -8,7 +8,8 @@ GPU's shared memory (a kernel over the limit does not launch), and whether it sp
 to local memory (slower, not wrong), at the tile sizes ``effattn.kernelized.fused_kernels.meta``
 chooses for each dtype. ``tf32`` is fp32 with torch's fp32 CUDA matmuls set to TF32
 (``torch.set_float32_matmul_precision("high")``), which the kernels' fp32 products follow
-(``fused_kernels.precision``); ``fp32`` is the default, IEEE. Not its speed: that needs the GPU
+(``fused_kernels.precision``); ``fp32`` is the default, IEEE. ``bf16-values`` is what a module
+runs for bf16 inputs: φ and the products in fp32 (IEEE), v read in bf16. Not its speed: that needs the GPU
 (``benchmarks/gpu_peers.py``).
 
     python3 benchmarks/triton_resources.py                     # sm_80 and sm_90, every dtype
@@ -38,7 +39,9 @@ from effattn.tools.bench.machine import describe, machine_info
 from effattn.tools.bench.results import write_csv, write_json
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-          "tf32": torch.float32, "fp64": torch.float64}
+          "tf32": torch.float32, "bf16-values": torch.float32, "fp64": torch.float64}
+# Variants whose values are narrower than φ (the kernels convert their tiles after loading).
+VALUES = {"bf16-values": "*bf16"}
 # Shared memory a program may use, per architecture (bytes; the CUDA programming guide's
 # maximum per block with opt-in).
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
@@ -112,6 +115,8 @@ def compile_kernel(kernel: Any, arch: int, name: str, gated: bool, fused: bool,
             signature[arg] = "i32"
         else:
             signature[arg] = inputs if arg in fused_kernels.INPUTS else acc
+    if name in VALUES and "v_ptr" in signature:
+        signature["v_ptr"] = VALUES[name]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Triton's notice about its FP-fusion default
         compiled = triton.compile(ASTSource(kernel, signature, constexprs),

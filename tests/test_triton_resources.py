@@ -58,8 +58,8 @@ def test_tf32_products_compile_for_sm90_nearly_without_spills(tmp_path):
 
 @pytest.mark.slow  # fp32 products in IEEE compile slowly: a minute or two in all
 def test_every_dtype_fits_both_architectures(tmp_path):
-    rows = _run(tmp_path, "--archs", "80,90", "--dtypes", "fp16,fp32,fp64")
-    assert len(rows) == 2 * 3 * len(resources.variants(fused_kernels.KERNELS))
+    rows = _run(tmp_path, "--archs", "80,90", "--dtypes", "fp16,fp32,bf16-values,fp64")
+    assert len(rows) == 2 * 4 * len(resources.variants(fused_kernels.KERNELS))
     assert all(r["fits"] for r in rows), [r for r in rows if not r["fits"]]
 
 
