@@ -227,13 +227,12 @@ def _map(features: FeatureFn, q: Tensor, k: Tensor,
 
 def _forward_slice(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None, pad: Tensor | None,
                    state: RecurrentState | None, features: FeatureFn, chunk: int,
-                   eps: float, back: int | None, normaliser: bool, out: Tensor,
-                   ) -> tuple[RecurrentState, Normaliser | None, Tensor | None, _Slice]:
-    """One slice: its output written into ``out`` (B, H, n, Dv, in q's dtype); returns the
-    state after, with ``normaliser`` each query's
-    :class:`~effattn.kernelized.core.Normaliser` (else None), the lost-row flag (None: not
-    checked) and what its backward needs, with checkpoints every ``back`` tokens (None:
-    none)."""
+                   eps: float, back: int | None, normaliser: bool,
+                   ) -> tuple[Tensor, RecurrentState, Normaliser | None, Tensor | None, _Slice]:
+    """One slice: the output (B, H, n, Dv, in q's dtype), the state after, with
+    ``normaliser`` each query's :class:`~effattn.kernelized.core.Normaliser` (else None), the
+    lost-row flag (None: not checked) and what its backward needs, with checkpoints every
+    ``back`` tokens (None: none)."""
     kernels = _kernels()
     b, h = q.shape[:2]
     phi_q, phi_k, query_log_scale, key_log_scale, projection = _map(features, q, k)
@@ -246,13 +245,13 @@ def _forward_slice(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None, pad: Te
         phi_q.contiguous(), phi_k.contiguous(), ls, v.contiguous(), state.kv,
         state.log_scale.reshape(b, h), chunk, back, log_gate, projection)
     den, m = den[..., None], m[..., None]
-    out.copy_(num.div_(core._divisor(den, eps, m)))
+    out = num.div_(core._divisor(den, eps, m)).to(q.dtype)
     after = RecurrentState(kv.to(phi_k.dtype),
                            running[..., -1:, None].to(state.log_scale.dtype))
     norm = Normaliser(*core._normaliser(den, eps, m, query_log_scale)) if normaliser else None
     # A gate can decay what a query sees to a legitimate 0: only ungated rows are checked.
     lost = None if gate is not None else core._lost_rows(den, eps, m)
-    return after, norm, lost, _Slice(state, marks, m, den, running)
+    return out, after, norm, lost, _Slice(state, marks, m, den, running)
 
 
 def _sliced(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None, pad: Tensor | None,
@@ -260,16 +259,18 @@ def _sliced(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None, pad: Tensor | 
             features: FeatureFn, chunk: int, eps: float, step: int, back: int | None,
             normaliser: bool) -> tuple[Tensor, RecurrentState, Normaliser | None, list[_Slice]]:
     """:func:`_forward_slice` slice after slice of ``step`` tokens (checkpoints every ``back``);
-    raises on lost rows after the last (one host sync). The output is in q's dtype: written
-    slice by slice into one tensor, it is the only output-sized tensor held (half-precision
-    inputs give a half-precision output, as softmax attention's kernels do)."""
-    out = q.new_empty(*q.shape[:3], v.shape[-1])
-    norms, lost, slices = [], [], []
+    raises on lost rows after the last (one host sync). The output is in q's dtype
+    (half-precision inputs give a half-precision output, as softmax attention's kernels do):
+    each slice's is converted before the next slice's work, and joined at the end. (One
+    tensor allocated at the start and written slice by slice would hold the whole output
+    during the first slice's work too, the larger peak wherever a slice's work outweighs the
+    output.)"""
+    outs, norms, lost, slices = [], [], [], []
     for a, e in core._spans(q.shape[2], step):
-        state, norm, flag, saved = _forward_slice(
+        out, state, norm, flag, saved = _forward_slice(
             q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], None if gate is None else gate[:, :, a:e],
-            None if pad is None else pad[:, a:e], state, features, chunk, eps, back, normaliser,
-            out[:, :, a:e])
+            None if pad is None else pad[:, a:e], state, features, chunk, eps, back, normaliser)
+        outs.append(out)
         norms.append(norm)
         lost.append(flag)
         slices.append(saved)
@@ -278,7 +279,7 @@ def _sliced(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None, pad: Tensor | 
     if normaliser:
         norm = Normaliser(torch.cat([x.log_abs for x in norms], 2),
                           torch.cat([x.sign for x in norms], 2))
-    return out, state, norm, slices
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), state, norm, slices
 
 
 class _FusedCausal(torch.autograd.Function):
