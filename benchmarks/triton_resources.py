@@ -9,8 +9,8 @@ to local memory (slower, not wrong), at the tile sizes ``effattn.kernelized.fuse
 chooses for each dtype. ``tf32`` is fp32 with torch's fp32 CUDA matmuls set to TF32
 (``torch.set_float32_matmul_precision("high")``), which the kernels' fp32 products follow
 (``fused_kernels.precision``); ``fp32`` is the default, IEEE. ``bf16-values`` is what a module
-runs for bf16 inputs: φ and the products in fp32 (IEEE), v read in bf16. Not its speed: that needs the GPU
-(``benchmarks/gpu_peers.py``).
+runs for bf16 inputs: φ and the products in fp32 (IEEE), v read in bf16. Not its speed: that
+needs the GPU (``benchmarks/gpu_peers.py``).
 
     python3 benchmarks/triton_resources.py                     # sm_80 and sm_90, every dtype
     python3 benchmarks/triton_resources.py --archs 90 --dtypes bf16

@@ -60,9 +60,10 @@ from effattn.kernelized.core import FeatureFn, Normaliser, RecurrentState
 
 key_state = gpu.key_state
 read_queries = gpu.read_queries
-# Its causal form takes q, k, v (and a gate) in half precision and promotes them slice by slice
-# and span by span (features overflow in half precision: effattn.base.compute_dtype), so that
-# no fp32 copy of them is held: a module may hand them over as they are
+# Its causal form takes q, k, v (and a gate) in half precision: q and k are promoted slice by
+# slice and span by span, one at a time (features overflow in half precision:
+# effattn.base.compute_dtype), the kernels read v as it is, and the output comes back in their
+# dtype, so that no fp32 copy of them is held: a module may hand them over as they are
 # (:func:`effattn.kernelized.core.promotes_inside`).
 PROMOTES_INSIDE = True
 
