@@ -50,9 +50,10 @@ def _sin_cos(x: Tensor, w: Tensor) -> Tensor:
     2F (as [w; w] with a phase of π/2 would be). Outside autograd both halves are written in
     place, so that the call holds the projection and the result (3F values a token) rather than
     also sin, cos and their concatenation (5F); under autograd (``out=`` is not differentiable)
-    they are concatenated."""
+    and while compiling (dynamo does not trace a strided ``out=``; inductor fuses the
+    concatenation itself) they are concatenated."""
     u = project(x, w)
-    if torch.is_grad_enabled() and u.requires_grad:
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and u.requires_grad):
         return torch.cat([u.sin(), u.cos()], -1)
     f = u.shape[-1]
     phi = u.new_empty(*u.shape[:-1], 2 * f)
