@@ -47,19 +47,9 @@ def project(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
 
 def _sin_cos(x: Tensor, w: Tensor) -> Tensor:
     """[sin(w x), cos(w x)] (..., L, 2F) from one (..., L, F) projection: the GEMM is F wide, not
-    2F (as [w; w] with a phase of π/2 would be). Outside autograd both halves are written in
-    place, so that the call holds the projection and the result (3F values a token) rather than
-    also sin, cos and their concatenation (5F); under autograd (``out=`` is not differentiable)
-    and while compiling (dynamo does not trace a strided ``out=``; inductor fuses the
-    concatenation itself) they are concatenated."""
+    2F (as [w; w] with a phase of π/2 would be), for one extra copy of the result into place."""
     u = project(x, w)
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and u.requires_grad):
-        return torch.cat([u.sin(), u.cos()], -1)
-    f = u.shape[-1]
-    phi = u.new_empty(*u.shape[:-1], 2 * f)
-    torch.sin(u, out=phi[..., :f])
-    torch.cos(u, out=phi[..., f:])
-    return phi
+    return torch.cat([u.sin(), u.cos()], -1)
 
 
 # exp(u) = 2^(u·log2(e)): on the CPU, ATen's exp2 runs several times faster than its exp at the
