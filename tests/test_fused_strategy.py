@@ -198,11 +198,12 @@ def test_half_precision_kernels_equal_the_dense_sums(gated, device):
                                        atol=2e-3 * want.abs().max().item())
 
 
-def _accounted_performer(num_features):
+def _accounted_performer(num_features, feature_map="positive"):
     """A performer module (D = 16, H = 2, fp32) and calls on fixed q, k, v at N = 1024 for the
     accounting tests: the causal call, an inference forward and a training forward +
     backward."""
-    module = effattn.build("performer", head_dim=16, heads=2, seed=0, num_features=num_features)
+    module = effattn.build("performer", head_dim=16, heads=2, seed=0, num_features=num_features,
+                           feature_map=feature_map)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 1024, 16, generator=g).requires_grad_() for _ in range(3))
 
@@ -219,17 +220,21 @@ def _accounted_performer(num_features):
     return module, attend, forward, train
 
 
+@pytest.mark.parametrize("kind", ["exp", "sine"])
 @pytest.mark.parametrize("gated", [False, True], ids=["ungated", "gated"])
-def test_kernels_form_the_positive_map_themselves(gated, device):
-    """With a projection the kernels form φ = exp(x̃ w^T - m) from x̃ (B, H, N, D), w (F, D) and
-    the row maxima (fused_kernels.row_max, against the dense max): the outputs, the state after
-    and the checkpoints equal the kernels' given that φ, and the gradient of x̃ and the sums
-    φ·dφ equal those formed from the gradient of φ, (dφ ⊙ φ) w and Σ_f dφ ⊙ φ. F = 70 (two
-    feature blocks), D = 21, N = 45 (a last chunk not full), padded keys, an entering state."""
+def test_kernels_form_the_map_themselves(gated, kind, device):
+    """With a projection the kernels form φ from x̃ (B, H, N, D) and the rows w (F, D),
+    u = x̃ w^T: exp(u - m) with the row maxima m (fused_kernels.row_max, against the dense
+    max), or sin(u + b) with the phases b. The outputs, the state after and the checkpoints
+    equal the kernels' given that φ, and the gradient of x̃ and the sums φ·dφ equal those
+    formed from the gradient of φ, (dφ ⊙ ∂φ/∂u) w (φ itself for exp, cos(u + b) for sine) and
+    Σ_f dφ ⊙ φ. F = 70 (two feature blocks), D = 21, N = 45 (a last chunk not full), padded
+    keys, an entering state."""
     g = torch.Generator().manual_seed(7)
     b, h, n, f, d, dv = 2, 2, 45, 70, 21, 5
     xq, xk = (torch.randn(b, h, n, d, generator=g, dtype=torch.float64) for _ in range(2))
     w = torch.randn(f, d, generator=g, dtype=torch.float64)
+    phases = torch.rand(f, generator=g, dtype=torch.float64) * 7
     ls = torch.rand(b, h, n, generator=g, dtype=torch.float64) * 6 - 3
     ls[0, 1, :10] = float("-inf")
     v = torch.randn(b, h, n, dv, generator=g, dtype=torch.float64)
@@ -237,13 +242,21 @@ def test_kernels_form_the_positive_map_themselves(gated, device):
     log_scale = torch.tensor([[1.0, -2.0], [core.LOG_FLOOR, 3.0]], dtype=torch.float64)
     lg = (torch.log(torch.rand(b, h, n, generator=g, dtype=torch.float64)).clamp_min(-4.0)
           if gated else None)
-    xq, xk, w, ls, v, kv, log_scale = (t.to(device) for t in (xq, xk, w, ls, v, kv, log_scale))
+    xq, xk, w, phases, ls, v, kv, log_scale = (
+        t.to(device) for t in (xq, xk, w, phases, ls, v, kv, log_scale))
     lg = None if lg is None else lg.to(device)
-    mq, mk = fused_kernels.row_max(xq, w), fused_kernels.row_max(xk, w)
-    torch.testing.assert_close(mq, (xq @ w.T).amax(-1), rtol=1e-14, atol=1e-14)
-    torch.testing.assert_close(mk, (xk @ w.T).amax(-1), rtol=1e-14, atol=1e-14)
-    phi_q, phi_k = torch.exp(xq @ w.T - mq[..., None]), torch.exp(xk @ w.T - mk[..., None])
-    fused = fused_kernels.forward(xq, xk, ls, v, kv, log_scale, 16, 16, lg, (w, mq, mk))
+    if kind == "exp":
+        mq, mk = fused_kernels.row_max(xq, w), fused_kernels.row_max(xk, w)
+        torch.testing.assert_close(mq, (xq @ w.T).amax(-1), rtol=1e-14, atol=1e-14)
+        torch.testing.assert_close(mk, (xk @ w.T).amax(-1), rtol=1e-14, atol=1e-14)
+        projection = fused_kernels.Projection(w, mq, mk)
+        phi_q, phi_k = torch.exp(xq @ w.T - mq[..., None]), torch.exp(xk @ w.T - mk[..., None])
+        slope_q, slope_k = phi_q, phi_k
+    else:
+        projection = fused_kernels.Projection(w, phases=phases)
+        phi_q, phi_k = torch.sin(xq @ w.T + phases), torch.sin(xk @ w.T + phases)
+        slope_q, slope_k = torch.cos(xq @ w.T + phases), torch.cos(xk @ w.T + phases)
+    fused = fused_kernels.forward(xq, xk, ls, v, kv, log_scale, 16, 16, lg, projection)
     given = fused_kernels.forward(phi_q, phi_k, ls, v, kv, log_scale, 16, 16, lg)
     for a, want in zip(fused, given, strict=True):
         torch.testing.assert_close(a, want, rtol=1e-12, atol=1e-12)
@@ -251,10 +264,10 @@ def test_kernels_form_the_positive_map_themselves(gated, device):
     g_num, g_den = torch.randn_like(num), torch.randn_like(den)
     g_after = torch.randn_like(kv)
     d_xq, d_xk, d_v, d_kv, (q_sums, k_sums) = fused_kernels.backward(
-        xq, xk, ls, v, kv, m, running, g_num, g_den, g_after, 16, lg, (w, mq, mk))
+        xq, xk, ls, v, kv, m, running, g_num, g_den, g_after, 16, lg, projection)
     d_pq, d_pk, d_v_given, d_kv_given, _ = fused_kernels.backward(
         phi_q, phi_k, ls, v, kv, m, running, g_num, g_den, g_after, 16, lg)
-    want = ((d_pq * phi_q) @ w, (d_pk * phi_k) @ w, d_v_given, d_kv_given,
+    want = ((d_pq * slope_q) @ w, (d_pk * slope_k) @ w, d_v_given, d_kv_given,
             (d_pq * phi_q).sum(-1), (d_pk * phi_k).sum(-1))
     for a, b_ in zip((d_xq, d_xk, d_v, d_kv, q_sums, k_sums), want, strict=True):
         torch.testing.assert_close(a, b_, rtol=1e-11, atol=1e-11)
@@ -285,6 +298,33 @@ def test_performer_forms_its_map_in_the_kernels(feature_map, pad, row_maxima, la
     assert row_maxima == {"row_max": 2 * (launches["forward"] + launches["backward"])}
 
 
+@pytest.mark.parametrize("variant", [("performer", {"feature_map": "trig"}), ("favor", {}),
+                                     ("rfa", {}), ("rfa", {"gated": True, "learn_sigma": True})],
+                         ids=variant_id)
+def test_trigonometric_maps_are_formed_in_the_kernels(variant, monkeypatch, launches):
+    """performer's trig map, FAVOR's random-phase cosine and RFA's sin/cos (with its learned σ
+    and gates): the kernels form φ = sin(x̃ w^T + b) themselves, so that the map's own
+    functions never run (no N x F features in memory); outputs and gradients (σ's and the
+    gate's too) against the float64 reference over several slices and backward spans, with
+    padding."""
+    name, options = variant
+    module = make_kernelized(name, options)
+    assert isinstance(module.feature_fn(), effattn.kernelized.features.SineMap)
+    module.slice_elements = 320
+    maps = count_calls(monkeypatch, {"sin_cos": (effattn.kernelized.features, "_sin_cos"),
+                                     "phase": (effattn.kernelized.features, "random_phase_cos")})
+    q, k, v = (t.requires_grad_(True) for t in qkv(n=130, d=21, dv=5, scale=0.5))
+    kw, extra = {}, ()
+    if options.get("gated"):
+        g = torch.Generator().manual_seed(1)
+        gate = torch.sigmoid(3 * torch.randn(2, 3, 130, generator=g, dtype=torch.float64))
+        kw, extra = {"gate": gate.requires_grad_()}, (gate,)
+    module(q, k, v, causal=True, **kw).sum().backward()
+    assert maps == {"sin_cos": 0, "phase": 0}
+    assert 1 < launches["forward"] <= launches["backward"] and launches["gpu"] == 0
+    _matches_reference(module, q, k, v, extra, **kw)
+
+
 def test_a_trained_projection_takes_the_features_path(row_maxima, launches):
     """A projection that requires grad: φ from the feature map under autograd (whose backward
     gives the projection its gradient), not formed in the kernels; the projection's gradient
@@ -297,12 +337,14 @@ def test_a_trained_projection_takes_the_features_path(row_maxima, launches):
     assert row_maxima == {"row_max": 0} and launches["forward"] == 1
 
 
-def test_the_map_formed_in_the_kernels_holds_less():
-    """Accounted (bytes, not time), performer F = 256 at N = 1024, fp32: with the map formed in
-    the kernels neither the forward nor the backward's spans hold N x F features (nor the map's
-    autograd graph); the same module with its projection requiring grad (φ from the map) holds
-    them."""
-    module, _, forward, train = _accounted_performer(256)
+@pytest.mark.parametrize("feature_map", ["positive", "trig"])
+def test_the_map_formed_in_the_kernels_holds_less(feature_map):
+    """Accounted (bytes, not time), performer at N = 1024, fp32, 256 features (exp) or 64
+    sin/cos pairs: with the map formed in the kernels neither the forward nor the backward's
+    spans hold N x F features (nor the map's autograd graph); the same module with its
+    projection requiring grad (φ from the map) holds them."""
+    features = 256 if feature_map == "positive" else 64
+    module, _, forward, train = _accounted_performer(features, feature_map)
     measured = {}
     for trained in (False, True):
         module.projection.requires_grad_(trained)

@@ -219,6 +219,40 @@ def test_seed_fixes_features_and_redraw_follows_the_policy():
     assert torch.equal(never.phase, phase)
 
 
+@pytest.mark.parametrize("variant", VARIANTS, ids=_id)
+def test_the_map_as_data_is_the_modules_features(variant):
+    """What the core calls (feature_fn) computes exactly what features does; a map given as data
+    rebuilds the true features from its parts, as the triton strategy's kernels form them:
+    exp(x̃ r^T - m) e^{log-scale} for PositiveMap (m the row maxima), sin(x̃ r^T + c)
+    e^{log-scale} for SineMap (r its rows, c its phases), float64."""
+    from effattn.kernelized import features as fm
+
+    module = make(*variant)
+    fn = module.feature_fn()
+    x = torch.randn(2, 3, 11, 21, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    for is_query in (True, False):
+        phi, log_scale = module.features(x, is_query=is_query)
+        got, got_scale = fn(x, is_query=is_query)
+        assert torch.equal(got, phi)
+        assert (got_scale is None) == (log_scale is None)
+        if log_scale is not None:
+            assert torch.equal(got_scale, log_scale)
+        true = phi * (1.0 if log_scale is None else log_scale.exp())
+        if isinstance(fn, fm.PositiveMap):
+            u = fn.inputs(x) @ fn.rows().T
+            m = u.amax(-1, keepdim=True)
+            scale = fm.positive_log_scale(fn.inputs(x), m, u.shape[-1], is_query=is_query)
+            rebuilt = torch.exp(u - m) * scale.exp()
+        elif isinstance(fn, fm.SineMap):
+            scale = fn.log_scale(fn.inputs(x), is_query=is_query)
+            rebuilt = torch.sin(fn.inputs(x) @ fn.rows().T + fn.phases())
+            rebuilt = rebuilt * (1.0 if scale is None else scale.exp())
+        else:
+            assert fn == module.features
+            continue
+        torch.testing.assert_close(rebuilt, true, rtol=1e-12, atol=1e-12)
+
+
 def test_rfa_learned_sigma_gets_gradients_and_feature_dims():
     m = effattn.build("rfa", head_dim=8, heads=2, learn_sigma=True, num_features=10, seed=0)
     q, k, v = qkv(b=1, h=2, n=12, d=8, dtype=torch.float32)

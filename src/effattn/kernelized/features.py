@@ -156,8 +156,13 @@ def hyperbolic(x: Tensor, w: Tensor, *, is_query: bool) -> Features:
 
 def trig(x: Tensor, w: Tensor, *, is_query: bool) -> Features:
     """φ(x) = F^(-1/2) exp(|x|²/2) [sin(w x), cos(w x)]: the paper's trigonometric features."""
+    return _sin_cos(x, w), trig_log_scale(x, w.shape[0], is_query=is_query)
+
+
+def trig_log_scale(x: Tensor, num_features: int, *, is_query: bool) -> Tensor:
+    """:func:`trig`'s log-scale: |x|²/2, less log F for queries."""
     log_scale = _half_sq_norm(x)
-    return _sin_cos(x, w), log_scale - math.log(w.shape[0]) if is_query else log_scale
+    return log_scale - math.log(num_features) if is_query else log_scale
 
 
 def relu(x: Tensor, w: Tensor, *, is_query: bool) -> Features:
@@ -170,13 +175,63 @@ def random_phase_cos(x: Tensor, w: Tensor, phase: Tensor, *, is_query: bool) -> 
     """Original FAVOR: φ(x) = sqrt(2/F) exp(|x|²/2) cos(w x + b), b ~ U(0, 2π)."""
     # Not in place: the biased projection is a view of addmm's output (see project).
     phi = project(x, w, phase).cos()
+    return phi, random_phase_log_scale(x, w.shape[0], is_query=is_query)
+
+
+def random_phase_log_scale(x: Tensor, num_features: int, *, is_query: bool) -> Tensor:
+    """:func:`random_phase_cos`'s log-scale: |x|²/2, plus log(2/F) for queries."""
     log_scale = _half_sq_norm(x)
-    return phi, log_scale + math.log(2.0 / w.shape[0]) if is_query else log_scale
+    return log_scale + math.log(2.0 / num_features) if is_query else log_scale
 
 
 def sincos(x_unit: Tensor, w: Tensor, *, is_query: bool) -> Features:
     """RFA: φ(x) = F^(-1/2) [sin(w x), cos(w x)] on unit-norm x (Rahimi & Recht 2007)."""
-    return _sin_cos(x_unit, w), _constant(x_unit, -math.log(w.shape[0])) if is_query else None
+    return _sin_cos(x_unit, w), sincos_log_scale(x_unit, w.shape[0], is_query=is_query)
+
+
+def sincos_log_scale(x: Tensor, num_features: int, *, is_query: bool) -> Tensor | None:
+    """:func:`sincos`'s log-scale: -log F for queries, none for keys."""
+    return _constant(x, -math.log(num_features)) if is_query else None
+
+
+@dataclass(frozen=True)
+class SineMap:
+    """A trigonometric map of ``inputs(x)`` = x̃ with the projection ``w`` (F, D), as data (a
+    :data:`~effattn.kernelized.core.FeatureFn` like any map): ``kind`` "trig" (:func:`trig`,
+    performer's), "sincos" (:func:`sincos`, RFA's) or "phase" (:func:`random_phase_cos`,
+    FAVOR's, with its ``phase`` (F,)). Each feature is sin(r_f x̃ + c_f) of a row r_f of
+    :meth:`rows` and a phase c_f of :meth:`phases` (cos u = sin(u + π/2)), times the
+    log-scale's factor (:meth:`log_scale`): so a strategy can form φ inside its own kernels
+    (:mod:`effattn.kernelized.fused`: no N x F features in memory)."""
+
+    w: Tensor
+    inputs: Callable[[Tensor], Tensor]
+    kind: str
+    phase: Tensor | None = None
+
+    def __call__(self, x: Tensor, *, is_query: bool) -> Features:
+        x = self.inputs(x)
+        w = self.w.to(x.dtype)
+        if self.kind == "phase":
+            return random_phase_cos(x, w, self.phase.to(x.dtype), is_query=is_query)
+        return (trig if self.kind == "trig" else sincos)(x, w, is_query=is_query)
+
+    def rows(self) -> Tensor:
+        """The rows r_f, in φ's order: w (F, D), or [w; w] (2F, D) for a sin/cos pair."""
+        return self.w if self.kind == "phase" else torch.cat([self.w, self.w])
+
+    def phases(self) -> Tensor:
+        """The phases c_f, in φ's order: the random phase + π/2, or [0, π/2] per pair."""
+        if self.kind == "phase":
+            return self.phase + math.pi / 2
+        zeros = self.w.new_zeros(self.w.shape[0])
+        return torch.cat([zeros, zeros + math.pi / 2])
+
+    def log_scale(self, x: Tensor, *, is_query: bool) -> Tensor | None:
+        """The log-scale (..., L, 1) of the features of x̃ (..., L, D) (None: 0)."""
+        scale = {"trig": trig_log_scale, "sincos": sincos_log_scale,
+                 "phase": random_phase_log_scale}[self.kind]
+        return scale(x, self.w.shape[0], is_query=is_query)
 
 
 def arccos(x_unit: Tensor, w: Tensor, *, is_query: bool) -> Features:

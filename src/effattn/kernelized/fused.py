@@ -11,11 +11,15 @@ is two more kernels (queries in order, keys in reverse with the states' adjoint)
 sums, the scales (every exponent <= 0, no future key setting a scale), the eps floor of the
 divisor and the lost-row check are the other strategies'; the results agree to rounding.
 
-Performer's positive map (and its hyperbolic pair), handed to the core as data
-(:class:`~effattn.kernelized.features.PositiveMap`, its projection not trained), is formed inside
-the kernels: they read x̃ = x·√scale (N x D) and the projection in place of φ(Q), φ(K)
-(N x F), with the row maxima from one more small kernel (:func:`_map`), and the backward kernels
-return the gradient of x̃ rather than of φ, so that nothing of size N x F is held.
+The maps handed to the core as data, their projection not trained, are formed inside the
+kernels (:func:`_map`): performer's positive map and its hyperbolic pair
+(:class:`~effattn.kernelized.features.PositiveMap`, φ = exp(x̃ w^T - m), with the row maxima m
+from one more small kernel) and the trigonometric maps
+(:class:`~effattn.kernelized.features.SineMap`, φ = sin(x̃ w^T + b): performer's trig, FAVOR's
+random-phase cosine, RFA's sin/cos with its learned σ). The kernels read x̃ (N x D: x·√scale, or
+RFA's unit(x)/σ) and the projection in place of φ(Q), φ(K) (N x F), and the backward kernels
+return the gradient of x̃ rather than of φ (autograd takes it on to q, k and σ), so that nothing
+of size N x F is held.
 
 What it runs and what it hands on:
 
@@ -200,26 +204,31 @@ def _log_weights(key_log_scale: Tensor | None, pad: Tensor | None, gate: Tensor 
 
 
 def _map(features: FeatureFn, q: Tensor, k: Tensor,
-         ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None,
-                    tuple[Tensor, Tensor, Tensor] | None]:
+         ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Any]:
     """What the kernels read of q and k (B, H, n, D): (φ(Q), φ(K), the queries' and keys'
-    log-scales, None); for the positive map given as data
-    (:class:`~effattn.kernelized.features.PositiveMap`, its projection not trained) x̃ = q, k
-    times its scale in place of φ, and the projection and row maxima with which the kernels form
-    φ = exp(x̃ w^T - m) themselves, so that no N x F features are held. Differentiable in q, k
-    (both forms) where grad mode is on. Half-precision q, k are promoted here, one at a time
-    (:func:`effattn.base.compute_dtype`): a promoted copy lives only while its own map is
-    formed."""
+    log-scales, None); for a map given as data whose projection is not trained (the positive
+    maps, :class:`~effattn.kernelized.features.PositiveMap`, and the trigonometric ones,
+    :class:`~effattn.kernelized.features.SineMap`) x̃ = the map's inputs of q, k in place of φ,
+    and the :class:`~effattn.kernelized.fused_kernels.Projection` with which the kernels form φ
+    themselves, so that no N x F features are held. Differentiable in q, k (both forms, and in
+    the tensors the map's inputs read, such as RFA's learned σ) where grad mode is on.
+    Half-precision q, k are promoted here, one at a time (:func:`effattn.base.compute_dtype`):
+    a promoted copy lives only while its own map is formed."""
     dt = compute_dtype(q.dtype)
-    if isinstance(features, fm.PositiveMap) and not features.w.requires_grad:
+    if isinstance(features, (fm.PositiveMap, fm.SineMap)) and not features.w.requires_grad:
         xq, xk = features.inputs(q.to(dt)), features.inputs(k.to(dt))
         w = features.rows().to(xq.dtype).contiguous()
         kernels = _kernels()
+        if isinstance(features, fm.SineMap):
+            return (xq, xk, features.log_scale(xq, is_query=True),
+                    features.log_scale(xk, is_query=False),
+                    kernels.Projection(w, phases=features.phases().to(xq.dtype)))
         mq = kernels.row_max(xq.detach().contiguous(), w)
         mk = kernels.row_max(xk.detach().contiguous(), w)
         f = w.shape[0]
         return (xq, xk, fm.positive_log_scale(xq, mq[..., None], f, is_query=True),
-                fm.positive_log_scale(xk, mk[..., None], f, is_query=False), (w, mq, mk))
+                fm.positive_log_scale(xk, mk[..., None], f, is_query=False),
+                kernels.Projection(w, mq, mk))
     phi_q, query_log_scale = features(q.to(dt), is_query=True)
     phi_k, key_log_scale = features(k.to(dt), is_query=False)
     core._check_shapes(phi_q, phi_k, None, key_log_scale)
@@ -240,7 +249,7 @@ def _forward_slice(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None, pad: Te
     # v as it is: the kernels convert its tiles (no promoted copy).
     gate = None if gate is None else gate.to(compute_dtype(q.dtype))
     ls, log_gate = _log_weights(key_log_scale, pad, gate, phi_k)
-    f = phi_k.shape[-1] if projection is None else projection[0].shape[0]
+    f = phi_k.shape[-1] if projection is None else projection.w.shape[0]
     state = core._state_of(state, b, h, f, v.shape[-1], phi_k)
     num, den, m, kv, running, marks = kernels.forward(
         phi_q.contiguous(), phi_k.contiguous(), ls, v.contiguous(), state.kv,

@@ -38,11 +38,17 @@ dX = dA ⊙ exp(a_j + Λ_i - m_i) (j <= i in the chunk):
 The log-weights' and log-gates' gradients follow from dφ (the caller's:
 :func:`effattn.kernelized.fused._log_gate_grad`).
 
-With ``FUSED`` (performer's positive map), φ is not read but formed: the kernels read x̃
-(N x D) and the projection's block of rows w (BK x D), and φ = exp(x̃ w^T - m) with the row
-maxima m over all F features (``_row_max_kernel``, launched first: they span every feature
-block); the backward kernels then write, in place of dφ, this block's part of ∂L/∂x̃ =
-(dφ ⊙ φ) w (m held constant: it cancels) and of Σ_f dφ ⊙ φ (``_store_inputs_grad``).
+With a map formed inside (``MAP``: ``EXP`` or ``SINE``, not ``READ``), φ is not read but
+formed from x̃ (N x D) and the projection's block of rows w (BK x D), u = x̃ w^T:
+
+- ``EXP`` (performer's positive and hyperbolic maps): φ = exp(u - m) with the row maxima m over
+  all F features (``_row_max_kernel``, launched first: they span every feature block);
+- ``SINE`` (performer's trig, FAVOR's random-phase cosine, RFA's sin/cos): φ = sin(u + b) with
+  per-feature phases b (π/2 for a cosine).
+
+The backward kernels then write, in place of dφ, this block's part of ∂L/∂x̃ =
+(dφ ⊙ ∂φ/∂u) w (∂φ/∂u = φ for ``EXP``, m held constant: it cancels; cos(u + b) for ``SINE``)
+and of Σ_f dφ ⊙ φ (``_store_inputs_grad``).
 
 A program holds one block of BK features and all Dv values, so that the sums over features
 (num, den, dv) come out per feature block and are added by the caller; the rest needs no
@@ -60,6 +66,7 @@ Shapes: B batch, H heads, N tokens, F features, Dv value dim, nc = ceil(N / C) c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -68,6 +75,11 @@ import triton.language as tl
 from torch import Tensor
 
 from effattn.kernelized.core import LOG_FLOOR
+
+# How the kernels get φ (their MAP): read from memory (φ(Q), φ(K) given), or formed from x̃
+# and the projection's rows, as exp(x̃ w^T - m) (the positive maps) or sin(x̃ w^T + b) (the
+# trigonometric ones).
+READ, EXP, SINE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
@@ -91,16 +103,36 @@ def _projection(w_ptr, f, f_ok, D, BD: tl.constexpr):
 
 
 @triton.jit
-def _features(x_ptr, w, rows_ptr, t, t_ok, f_ok, D, BD: tl.constexpr, ACC: tl.constexpr,
-              PRECISION: tl.constexpr):
-    """φ = exp(x̃ w^T - m) of a chunk's tokens t (BT, BK) from x̃ (at x_ptr, N x D), the
-    projection's rows w and the row maxima m (at rows_ptr); 0 past the sequence and past F."""
+def _features(x_ptr, w, rows_ptr, b, t, t_ok, f_ok, D, BD: tl.constexpr, ACC: tl.constexpr,
+              PRECISION: tl.constexpr, MAP: tl.constexpr):
+    """φ of a chunk's tokens t (BT, BK) and its derivative in u = x̃ w^T, from x̃ (at x_ptr,
+    N x D) and the projection's rows w: exp(u - m) with the row maxima m (at rows_ptr) for
+    ``EXP`` (its own derivative), sin(u + b) with the phases b (BK) for ``SINE`` (cos(u + b));
+    0 past the sequence and past F."""
     e = tl.arange(0, BD)
     x = tl.load(x_ptr + t[:, None] * D + e[None, :], mask=t_ok[:, None] & (e < D)[None, :],
                 other=0.0)
-    m = tl.load(rows_ptr + t, mask=t_ok, other=0.0).to(ACC)
     u = tl.dot(x, tl.trans(w), input_precision=PRECISION).to(ACC)
-    return tl.where(t_ok[:, None] & f_ok[None, :], tl.exp(u - m[:, None]), 0.0)
+    ok = t_ok[:, None] & f_ok[None, :]
+    if MAP == EXP:
+        m = tl.load(rows_ptr + t, mask=t_ok, other=0.0).to(ACC)
+        phi = tl.where(ok, tl.exp(u - m[:, None]), 0.0)
+        slope = phi
+    else:
+        u += b[None, :]
+        phi = tl.where(ok, tl.sin(u), 0.0)
+        slope = tl.where(ok, tl.cos(u), 0.0)
+    return phi, slope
+
+
+@triton.jit
+def _phases(b_ptr, f, f_ok, ACC: tl.constexpr, MAP: tl.constexpr):
+    """The phases of the features f (BK) for ``SINE`` (0 past F); any (BK) otherwise."""
+    if MAP == SINE:
+        b = tl.load(b_ptr + f, mask=f_ok, other=0.0).to(ACC)
+    else:
+        b = tl.zeros(f.shape, dtype=ACC)
+    return b
 
 
 @triton.jit
@@ -125,11 +157,11 @@ def _row_max_kernel(x_ptr, w_ptr, m_ptr, N, F, D, BT: tl.constexpr, BK: tl.const
 
 @triton.jit
 def _forward_kernel(
-    q_ptr, k_ptr, ls_ptr, lg_ptr, v_ptr, kv_in_ptr, r_in_ptr, w_ptr, mq_ptr, mk_ptr,
+    q_ptr, k_ptr, ls_ptr, lg_ptr, v_ptr, kv_in_ptr, r_in_ptr, w_ptr, b_ptr, mq_ptr, mk_ptr,
     num_ptr, den_ptr, m_ptr, kv_out_ptr, r_ptr, marks_ptr,
     N, F, D, DV, NC, BH, EVERY, NMARKS, LOG_FLOOR_: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
-    PRECISION: tl.constexpr, GATED: tl.constexpr, FUSED: tl.constexpr,
+    PRECISION: tl.constexpr, GATED: tl.constexpr, MAP: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -143,8 +175,9 @@ def _forward_kernel(
     s = tl.load(state + d[None, :], mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(ACC)
     z = tl.load(kv_in_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(ACC)
     r = tl.load(r_in_ptr + bh).to(ACC)
-    if FUSED:
+    if MAP != READ:
         w = _projection(w_ptr, f, f_ok, D, BD)
+        b = _phases(b_ptr, f, f_ok, ACC, MAP)
     part = (kb * BH + bh) * N
     for c in range(0, NC):
         if (c > 0) & (c % EVERY == 0):
@@ -159,11 +192,12 @@ def _forward_kernel(
         kt = ls - gc
         prefix = tl.max(tl.where(causal, kt[None, :], float("-inf")), 1)
         m = tl.maximum(tl.maximum(prefix + gc, LOG_FLOOR_), r + gc)
-        if FUSED:
-            qc = _features(q_ptr + bh * N * D, w, mq_ptr + bh * N, t, t_ok, f_ok, D, BD, ACC,
-                           PRECISION).to(w.dtype)
-            kc = _features(k_ptr + bh * N * D, w, mk_ptr + bh * N, t, t_ok, f_ok, D, BD, ACC,
-                           PRECISION).to(w.dtype)
+        if MAP != READ:
+            qc, _ = _features(q_ptr + bh * N * D, w, mq_ptr + bh * N, b, t, t_ok, f_ok, D, BD,
+                              ACC, PRECISION, MAP)
+            kc, _ = _features(k_ptr + bh * N * D, w, mk_ptr + bh * N, b, t, t_ok, f_ok, D, BD,
+                              ACC, PRECISION, MAP)
+            qc, kc = qc.to(w.dtype), kc.to(w.dtype)
         else:
             rows = t[:, None] * F + f[None, :]
             ok = t_ok[:, None] & f_ok[None, :]
@@ -199,24 +233,24 @@ def _forward_kernel(
 
 
 @triton.jit
-def _store_inputs_grad(dx_ptr, sums_ptr, g, w, t, t_ok, D, BD: tl.constexpr, ACC: tl.constexpr,
-                       PRECISION: tl.constexpr):
-    """From g = dφ ⊙ φ (BT, BK) of one feature block: this block's part of ∂L/∂x̃ = g w
-    (with the row maxima held constant: they cancel) and of Σ_f g (the log-scale's gradient),
-    stored at the chunk's tokens t."""
+def _store_inputs_grad(dx_ptr, sums_ptr, g, products, w, t, t_ok, D, BD: tl.constexpr,
+                       ACC: tl.constexpr, PRECISION: tl.constexpr):
+    """From g = dφ ⊙ ∂φ/∂u and dφ ⊙ φ (``products``) (BT, BK) of one feature block: this
+    block's part of ∂L/∂x̃ = g w (an exp map's row maxima held constant: they cancel) and of
+    Σ_f dφ ⊙ φ (the log-scale's gradient), stored at the chunk's tokens t."""
     e = tl.arange(0, BD)
     dx = tl.dot(g.to(w.dtype), w, input_precision=PRECISION).to(ACC)
     tl.store(dx_ptr + t[:, None] * D + e[None, :], dx, mask=t_ok[:, None] & (e < D)[None, :])
-    tl.store(sums_ptr + t, tl.sum(g, 1), mask=t_ok)
+    tl.store(sums_ptr + t, tl.sum(products, 1), mask=t_ok)
 
 
 @triton.jit
 def _backward_queries_kernel(
     q_ptr, k_ptr, ls_ptr, lg_ptr, v_ptr, kv_in_ptr, m_ptr, r_ptr, gn_ptr, gd_ptr, w_ptr,
-    mq_ptr, mk_ptr, dq_ptr, sq_ptr,
+    b_ptr, mq_ptr, mk_ptr, dq_ptr, sq_ptr,
     N, F, D, DV, NC, BH,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
-    PRECISION: tl.constexpr, GATED: tl.constexpr, FUSED: tl.constexpr,
+    PRECISION: tl.constexpr, GATED: tl.constexpr, MAP: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -229,8 +263,9 @@ def _backward_queries_kernel(
     state = kv_in_ptr + bh * F * (DV + 1) + f[:, None] * (DV + 1)
     s = tl.load(state + d[None, :], mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(ACC)
     z = tl.load(kv_in_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(ACC)
-    if FUSED:
+    if MAP != READ:
         w = _projection(w_ptr, f, f_ok, D, BD)
+        b = _phases(b_ptr, f, f_ok, ACC, MAP)
     part = (kb * BH + bh) * N
     for c in range(0, NC):
         t = c * BT + t0
@@ -241,9 +276,10 @@ def _backward_queries_kernel(
         gc, total = _decays(lg_ptr + bh * N + t, t_ok, GATED, BT, ACC)
         kt = ls - gc
         m = tl.load(m_ptr + bh * N + t, mask=t_ok, other=float("inf")).to(ACC)
-        if FUSED:
-            kc = _features(k_ptr + bh * N * D, w, mk_ptr + bh * N, t, t_ok, f_ok, D, BD, ACC,
-                           PRECISION).to(w.dtype)
+        if MAP != READ:
+            kc, _ = _features(k_ptr + bh * N * D, w, mk_ptr + bh * N, b, t, t_ok, f_ok, D, BD,
+                              ACC, PRECISION, MAP)
+            kc = kc.to(w.dtype)
         else:
             rows = t[:, None] * F + f[None, :]
             ok = t_ok[:, None] & f_ok[None, :]
@@ -260,11 +296,11 @@ def _backward_queries_kernel(
         read = tl.dot(gn, tl.trans(s.to(gn.dtype)), input_precision=PRECISION).to(ACC)
         dq = omega[:, None] * (read + gd[:, None] * z[None, :])
         dq += tl.dot(d_x.to(kc.dtype), kc, input_precision=PRECISION).to(ACC)
-        if FUSED:
-            g = dq * _features(q_ptr + bh * N * D, w, mq_ptr + bh * N, t, t_ok, f_ok, D, BD,
-                               ACC, PRECISION)
-            _store_inputs_grad(dq_ptr + part * D, sq_ptr + part, g, w, t, t_ok, D, BD, ACC,
-                               PRECISION)
+        if MAP != READ:
+            phi, slope = _features(q_ptr + bh * N * D, w, mq_ptr + bh * N, b, t, t_ok, f_ok, D,
+                                   BD, ACC, PRECISION, MAP)
+            _store_inputs_grad(dq_ptr + part * D, sq_ptr + part, dq * slope, dq * phi, w, t,
+                               t_ok, D, BD, ACC, PRECISION)
         else:
             tl.store(dq_ptr + bh * N * F + rows, dq, mask=ok)
         enter = tl.exp(kt + total - r_next)
@@ -276,11 +312,11 @@ def _backward_queries_kernel(
 
 @triton.jit
 def _backward_keys_kernel(
-    q_ptr, k_ptr, ls_ptr, lg_ptr, v_ptr, m_ptr, r_ptr, gn_ptr, gd_ptr, du_ptr, w_ptr, mq_ptr,
-    mk_ptr, dk_ptr, sk_ptr, dv_ptr, dkv_in_ptr,
+    q_ptr, k_ptr, ls_ptr, lg_ptr, v_ptr, m_ptr, r_ptr, gn_ptr, gd_ptr, du_ptr, w_ptr, b_ptr,
+    mq_ptr, mk_ptr, dk_ptr, sk_ptr, dv_ptr, dkv_in_ptr,
     N, F, D, DV, NC, BH,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
-    PRECISION: tl.constexpr, GATED: tl.constexpr, FUSED: tl.constexpr,
+    PRECISION: tl.constexpr, GATED: tl.constexpr, MAP: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -293,8 +329,9 @@ def _backward_keys_kernel(
     after = du_ptr + bh * F * (DV + 1) + f[:, None] * (DV + 1)
     u = tl.load(after + d[None, :], mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(ACC)
     uz = tl.load(du_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(ACC)
-    if FUSED:
+    if MAP != READ:
         w = _projection(w_ptr, f, f_ok, D, BD)
+        b = _phases(b_ptr, f, f_ok, ACC, MAP)
     part = (kb * BH + bh) * N
     for i in range(0, NC):
         c = NC - 1 - i
@@ -306,11 +343,12 @@ def _backward_keys_kernel(
         gc, total = _decays(lg_ptr + bh * N + t, t_ok, GATED, BT, ACC)
         kt = ls - gc
         m = tl.load(m_ptr + bh * N + t, mask=t_ok, other=float("inf")).to(ACC)
-        if FUSED:
-            qc = _features(q_ptr + bh * N * D, w, mq_ptr + bh * N, t, t_ok, f_ok, D, BD, ACC,
-                           PRECISION).to(w.dtype)
-            kc = _features(k_ptr + bh * N * D, w, mk_ptr + bh * N, t, t_ok, f_ok, D, BD, ACC,
-                           PRECISION).to(w.dtype)
+        if MAP != READ:
+            qc, _ = _features(q_ptr + bh * N * D, w, mq_ptr + bh * N, b, t, t_ok, f_ok, D, BD,
+                              ACC, PRECISION, MAP)
+            kc, k_slope = _features(k_ptr + bh * N * D, w, mk_ptr + bh * N, b, t, t_ok, f_ok,
+                                    D, BD, ACC, PRECISION, MAP)
+            qc, kc = qc.to(w.dtype), kc.to(w.dtype)
         else:
             rows = t[:, None] * F + f[None, :]
             ok = t_ok[:, None] & f_ok[None, :]
@@ -329,9 +367,9 @@ def _backward_keys_kernel(
         later = tl.dot(vc, tl.trans(u.to(vc.dtype)), input_precision=PRECISION).to(ACC)
         dk = enter[:, None] * (later + uz[None, :])
         dk += tl.dot(tl.trans(d_x.to(qc.dtype)), qc, input_precision=PRECISION).to(ACC)
-        if FUSED:
-            _store_inputs_grad(dk_ptr + part * D, sk_ptr + part, dk * kc.to(ACC), w, t, t_ok, D,
-                               BD, ACC, PRECISION)
+        if MAP != READ:
+            _store_inputs_grad(dk_ptr + part * D, sk_ptr + part, dk * k_slope, dk * kc.to(ACC),
+                               w, t, t_ok, D, BD, ACC, PRECISION)
         else:
             tl.store(dk_ptr + bh * N * F + rows, dk, mask=ok)
         dv = enter[:, None] * tl.dot(kc, u.to(kc.dtype), input_precision=PRECISION).to(ACC)
@@ -354,9 +392,24 @@ KERNELS = (_forward_kernel, _backward_queries_kernel, _backward_keys_kernel, _ro
 INPUTS = frozenset({"q_ptr", "k_ptr", "v_ptr", "ls_ptr", "lg_ptr", "gn_ptr", "w_ptr", "x_ptr"})
 INTEGERS = frozenset({"N", "F", "D", "DV", "NC", "BH", "EVERY", "NMARKS"})
 
-# A (w, mq, mk) triple: the projection (F, D) and the row maxima (B, H, N) of the queries' and
-# keys' x̃ w^T, with which the kernels form the positive map's φ = exp(x̃ w^T - m) themselves.
-Projection = tuple[Tensor, Tensor, Tensor]
+
+
+@dataclass(frozen=True)
+class Projection:
+    """A map the kernels form themselves from x̃ (B, H, N, D): the rows w (F, D) of u = x̃ w^T,
+    and either the row maxima of the queries' and keys' u (B, H, N), for φ = exp(u - m) (the
+    positive maps), or the phases b (F,), for φ = sin(u + b) (the trigonometric maps: cos is
+    sin at a phase of π/2)."""
+
+    w: Tensor
+    query_maxima: Tensor | None = None
+    key_maxima: Tensor | None = None
+    phases: Tensor | None = None
+
+    @property
+    def map(self) -> int:
+        """The kernels' MAP: ``SINE`` with phases, else ``EXP``."""
+        return SINE.value if self.phases is not None else EXP.value
 
 
 def tile(chunk: int, dtype: torch.dtype) -> int:
@@ -422,14 +475,17 @@ def row_max(x: Tensor, w: Tensor) -> Tensor:
     return m
 
 
-def _widths(phi: Tensor, projection: Projection | None) -> tuple[int, int, Tensor, Tensor,
-                                                                  Tensor]:
-    """F, D and the projection's three tensors (any tensor where there is none: the kernels
-    read none, but an argument must point at memory)."""
+def _widths(phi: Tensor, projection: Projection | None,
+            ) -> tuple[int, int, tuple[Tensor, Tensor, Tensor, Tensor], int]:
+    """F, D, the projection's rows, phases and row maxima as the kernels read them (any tensor
+    where there is none: the kernels read none, but an argument must point at memory) and the
+    kernels' MAP."""
     if projection is None:
-        return phi.shape[-1], phi.shape[-1], phi, phi, phi
-    w, mq, mk = projection
-    return w.shape[0], w.shape[1], w.contiguous(), mq.contiguous(), mk.contiguous()
+        return phi.shape[-1], phi.shape[-1], (phi, phi, phi, phi), READ.value
+    w = projection.w.contiguous()
+    read = [w if t is None else t.contiguous()
+            for t in (projection.phases, projection.query_maxima, projection.key_maxima)]
+    return w.shape[0], w.shape[1], (w, *read), projection.map
 
 
 def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: Tensor,
@@ -440,15 +496,15 @@ def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: 
     padded keys), v (B, H, N, Dv), the entering state kv (B, H, F, Dv + 1) at scale
     ``log_scale`` (B, H), and the log-gates (B, H, N) or None: the state decays by g_t at
     token t, a key's weight from j to i by exp(Λ_i - Λ_j) (Λ their cumulative sum). With a
-    ``projection`` (w, mq, mk), phi_q and phi_k are x̃ (B, H, N, D) and the kernels form
-    φ = exp(x̃ w^T - m) themselves. Returns num (B, H, N, Dv) and den (B, H, N) at the row
+    ``projection``, phi_q and phi_k are x̃ (B, H, N, D) and the kernels form φ themselves
+    (:class:`Projection`). Returns num (B, H, N, Dv) and den (B, H, N) at the row
     scales m (B, H, N), the state after (B, H, F, Dv + 1), the running scales R_0..R_nc
     (B, H, nc + 1), whose last is the state after's, and the states entering tokens ``every``,
     2 ``every``, ... < N (a multiple of the chunk; None: none) at their running scales,
     (B, H, n_marks, F, Dv + 1) (one unused slot when there are none); accumulated in fp32
     (fp64 for fp64). v may be in a narrower dtype than φ (converted tile by tile)."""
     b, h, n = phi_q.shape[:3]
-    f, d, w, mq, mk = _widths(phi_q, projection)
+    f, d, mapped, kind = _widths(phi_q, projection)
     dv = v.shape[-1]
     config = meta(phi_q.dtype, chunk, f, dv, d, projection is not None)
     bt = config["BT"]
@@ -468,9 +524,9 @@ def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: 
     marks = phi_q.new_empty(b, h, max(1, n_marks), f, dv + 1, dtype=acc)
     _forward_kernel[(nk, b * h)](
         phi_q, phi_k, key_log_scale, _gates(log_gate, key_log_scale), v,
-        kv.to(acc).contiguous(), log_scale.to(acc).contiguous(), w, mq, mk, num, den, m, kv_out,
+        kv.to(acc).contiguous(), log_scale.to(acc).contiguous(), *mapped, num, den, m, kv_out,
         running, marks, n, f, d, dv, nc, b * h, every, max(1, n_marks), LOG_FLOOR, **config,
-        GATED=log_gate is not None, FUSED=projection is not None,
+        GATED=log_gate is not None, MAP=kind,
     )
     if nk > 1:
         return num.sum(0), den.sum(0), m, kv_out, running, marks
@@ -489,12 +545,12 @@ def backward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv:
     products (:func:`effattn.kernelized.fused._log_gate_grad`).
 
     With a ``projection`` (phi_q, phi_k are then x̃, as in :func:`forward`), no gradient of φ
-    is written: the first two are those of x̃ (B, H, N, D) through φ = exp(x̃ w^T - m) with m
-    held constant (it cancels), Σ_f (dφ ⊙ φ)_f w_f, and the last is the products
+    is written: the first two are those of x̃ (B, H, N, D), Σ_f (dφ ⊙ ∂φ/∂u)_f w_f (for
+    φ = exp(u - m), with m held constant: it cancels, dφ ⊙ φ), and the last is the products
     (φ(q_i)·dφ(q_i), φ(k_j)·dφ(k_j)) (B, H, N) that the caller would otherwise form from φ
     (None without a projection)."""
     b, h, n = phi_q.shape[:3]
-    f, d, w, mq, mk = _widths(phi_q, projection)
+    f, d, mapped, kind = _widths(phi_q, projection)
     dv = v.shape[-1]
     config = meta(phi_q.dtype, chunk, f, dv, d, projection is not None)
     nk, nc = triton.cdiv(f, config["BK"]), triton.cdiv(n, config["BT"])
@@ -517,15 +573,14 @@ def backward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv:
     d_kv = kv.new_empty(b, h, f, dv + 1, dtype=acc)
     grid = (nk, b * h)
     gates, gated = _gates(log_gate, key_log_scale), log_gate is not None
-    fused = projection is not None
     _backward_queries_kernel[grid](
         phi_q, phi_k, key_log_scale, gates, v, kv.to(acc).contiguous(), m, running, d_num, d_den,
-        w, mq, mk, d_q, q_sums, n, f, d, dv, nc, b * h, **config, GATED=gated, FUSED=fused,
+        *mapped, d_q, q_sums, n, f, d, dv, nc, b * h, **config, GATED=gated, MAP=kind,
     )
     _backward_keys_kernel[grid](
         phi_q, phi_k, key_log_scale, gates, v, m, running, d_num, d_den,
-        d_after.to(acc).contiguous(), w, mq, mk, d_k, k_sums, d_v, d_kv, n, f, d, dv, nc, b * h,
-        **config, GATED=gated, FUSED=fused,
+        d_after.to(acc).contiguous(), *mapped, d_k, k_sums, d_v, d_kv, n, f, d, dv, nc, b * h,
+        **config, GATED=gated, MAP=kind,
     )
     d_v = d_v.sum(0) if nk > 1 else d_v[0]
     if projection is None:

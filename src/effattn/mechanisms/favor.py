@@ -27,6 +27,7 @@ from torch import Tensor
 from effattn.base import check_bool, check_positive_int
 from effattn.kernelized import features as fm
 from effattn.kernelized.base import WINDOW_OPTIONS, KernelizedAttention
+from effattn.kernelized.core import FeatureFn
 from effattn.kernelized.flops import kernelized_flops
 from effattn.kernelized.parallel import StateExchange
 from effattn.kernelized.projections import gaussian_projection
@@ -80,9 +81,15 @@ class FavorAttention(KernelizedAttention):
 
     def features(self, x: Tensor, *, is_query: bool) -> fm.Features:
         return fm.random_phase_cos(
-            x * math.sqrt(self.scale), self.projection.to(x.dtype), self.phase.to(x.dtype),
+            self._inputs(x), self.projection.to(x.dtype), self.phase.to(x.dtype),
             is_query=is_query,
         )
+
+    def feature_fn(self) -> FeatureFn:
+        return fm.SineMap(self.projection, self._inputs, "phase", self.phase)
+
+    def _inputs(self, x: Tensor) -> Tensor:
+        return x * math.sqrt(self.scale)
 
 
 def _reference(

@@ -91,14 +91,19 @@ class PerformerAttention(KernelizedAttention):
 
     def features(self, x: Tensor, *, is_query: bool) -> fm.Features:
         return FEATURE_MAPS[self.feature_map](
-            x * math.sqrt(self.scale), self.projection.to(x.dtype), is_query=is_query
+            self._inputs(x), self.projection.to(x.dtype), is_query=is_query
         )
 
     def feature_fn(self) -> FeatureFn:
         if self.feature_map in ("positive", "hyperbolic"):
             return fm.PositiveMap(self.projection, math.sqrt(self.scale),
                                   pair=self.feature_map == "hyperbolic")
+        if self.feature_map == "trig":
+            return fm.SineMap(self.projection, self._inputs, "trig")
         return self.features
+
+    def _inputs(self, x: Tensor) -> Tensor:
+        return x * math.sqrt(self.scale)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, num_features={self.num_features}, "

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from effattn.base import check_bool, check_choice, check_positive_int
 from effattn.kernelized import features as fm
 from effattn.kernelized.base import WINDOW_OPTIONS, KernelizedAttention
+from effattn.kernelized.core import FeatureFn
 from effattn.kernelized.flops import kernelized_flops
 from effattn.kernelized.parallel import StateExchange
 from effattn.kernelized.projections import gaussian_projection
@@ -105,8 +106,17 @@ class RandomFeatureAttention(KernelizedAttention):
 
     def features(self, x: Tensor, *, is_query: bool) -> fm.Features:
         """φ of unit(x) with w = projection / σ_h (σ per head, broadcast over (B, H, L, F))."""
-        xs = unit(x) / self.sigma.to(x.dtype)[:, None, None]
-        return FEATURE_MAPS[self.feature_map](xs, self.projection.to(x.dtype), is_query=is_query)
+        return FEATURE_MAPS[self.feature_map](self._inputs(x), self.projection.to(x.dtype),
+                                              is_query=is_query)
+
+    def feature_fn(self) -> FeatureFn:
+        if self.feature_map == "sincos":
+            return fm.SineMap(self.projection, self._inputs, "sincos")
+        return self.features
+
+    def _inputs(self, x: Tensor) -> Tensor:
+        """unit(x) / σ_h, what the projection multiplies."""
+        return unit(x) / self.sigma.to(x.dtype)[:, None, None]
 
     def window_logits(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, float, Tensor | None]:
         """The log of RFA's kernel exp((q̂·k̂ - 1)/σ²): q̂/σ², k̂ at scale 1, shifted by -1/σ²
