@@ -45,7 +45,7 @@ VALUES = {"bf16-values": "*bf16"}
 # Shared memory a program may use, per architecture (bytes; the CUDA programming guide's
 # maximum per block with opt-in).
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
-FIELDS = ["arch", "dtype", "kernel", "gated", "fused", "chunk", "feature_block", "num_warps",
+FIELDS = ["arch", "dtype", "kernel", "gated", "map", "chunk", "feature_block", "num_warps",
           "registers", "spill_bytes", "shared_bytes", "shared_limit", "fits"]
 
 
@@ -82,12 +82,17 @@ def _fp32_products(name: str) -> Iterator[None]:
         torch.backends.cuda.matmul.fp32_precision = before
 
 
-def compile_kernel(kernel: Any, arch: int, name: str, gated: bool, fused: bool,
+# How a kernel gets φ (its MAP): read from memory, or formed inside as exp (the positive maps)
+# or sin (the trigonometric ones).
+MAPS = ("read", "exp", "sine")
+
+
+def compile_kernel(kernel: Any, arch: int, name: str, gated: bool, map_: str = "read",
                    feature_dim: int = 256, value_dim: int = 64, key_dim: int = 64,
                    chunk: int = 32) -> dict[str, Any]:
     """Compile one kernel of ``effattn.kernelized.fused_kernels`` for sm_<arch> with the
     launch's constexprs for inputs ``name`` (a key of ``DTYPES``), with or without gates, with
-    φ read from memory or formed in the kernel (``fused``: the positive map), and return its
+    φ read from memory or formed in the kernel (``map_``, one of ``MAPS``), and return its
     resources."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -101,12 +106,14 @@ def compile_kernel(kernel: Any, arch: int, name: str, gated: bool, fused: bool,
                            "made for Triton's interpreter")
     dtype = DTYPES[name]
     with _fp32_products(name):
-        meta = fused_kernels.meta(dtype, chunk, feature_dim, value_dim, key_dim, fused)
+        meta = fused_kernels.meta(dtype, chunk, feature_dim, value_dim, key_dim,
+                                  map_ != "read")
     warps = meta.pop("num_warps")
     short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
              torch.float64: "fp64"}
     inputs, acc = "*" + short[dtype], "*" + ("fp64" if dtype == torch.float64 else "fp32")
-    constants = {**meta, "LOG_FLOOR_": fused_kernels.LOG_FLOOR, "GATED": gated, "FUSED": fused}
+    constants = {**meta, "LOG_FLOOR_": fused_kernels.LOG_FLOOR, "GATED": gated,
+                 "MAP": getattr(fused_kernels, map_.upper()).value}
     signature, constexprs = {}, {}
     for arg in kernel.arg_names:
         if arg in constants:
@@ -132,22 +139,22 @@ def compile_kernel(kernel: Any, arch: int, name: str, gated: bool, fused: bool,
                   for item in line.split() if ":" in item)
     shared = int(compiled.metadata.shared)
     return {"arch": arch, "dtype": name, "kernel": kernel.__name__.strip("_"),
-            "gated": gated, "fused": fused,
+            "gated": gated, "map": map_,
             "chunk": meta["BT"], "feature_block": meta["BK"], "num_warps": warps,
             "registers": int(fields["REG"]), "spill_bytes": int(fields["STACK"]),
             "shared_bytes": shared, "shared_limit": SHARED_LIMIT[arch],
             "fits": shared <= SHARED_LIMIT[arch]}
 
 
-def variants(kernels: Any) -> list[tuple[Any, bool, bool]]:
-    """(kernel, gated, fused) to compile: the scan's kernels ungated and gated, with φ from
-    memory and formed inside (positive map); the row maxima's kernel once."""
+def variants(kernels: Any) -> list[tuple[Any, bool, str]]:
+    """(kernel, gated, map) to compile: the scan's kernels ungated and gated, with φ from
+    memory and formed inside (exp and sin); the row maxima's kernel once."""
     out = []
     for kernel in kernels:
-        if "FUSED" in kernel.arg_names:
-            out += [(kernel, g, f) for g, f in itertools.product((False, True), (False, True))]
+        if "MAP" in kernel.arg_names:
+            out += [(kernel, g, m) for g, m in itertools.product((False, True), MAPS)]
         else:
-            out.append((kernel, False, False))
+            out.append((kernel, False, "read"))
     return out
 
 
@@ -175,11 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for arch in args.archs:
             for name in args.dtypes:
-                for kernel, gated, fused in variants(fused_kernels.KERNELS):
-                    rows.append(compile_kernel(kernel, arch, name, gated, fused))
+                for kernel, gated, map_ in variants(fused_kernels.KERNELS):
+                    rows.append(compile_kernel(kernel, arch, name, gated, map_))
                     r = rows[-1]
                     print(f"sm_{arch} {name:4s} {r['kernel']:24s} "
-                          f"{'gated' if gated else '     '} {'fused' if fused else '     '} "
+                          f"{'gated' if gated else '     '} {map_:4s} "
                           f"C={r['chunk']:2d} "
                           f"BK={r['feature_block']} warps={r['num_warps']} "
                           f"regs={r['registers']:3d} spill={r['spill_bytes']:5d} B "

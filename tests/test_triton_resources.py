@@ -36,12 +36,14 @@ def _run(tmp_path, *argv):
 
 def test_bf16_kernels_compile_for_sm90_without_spills(tmp_path):
     rows = _run(tmp_path, "--archs", "90", "--dtypes", "bf16")
-    assert [(r["dtype"], r["kernel"], r["gated"], r["fused"]) for r in rows] == [
-        ("bf16", k.__name__.strip("_"), gated, fused)
-        for k, gated, fused in resources.variants(fused_kernels.KERNELS)]
+    assert [(r["dtype"], r["kernel"], r["gated"], r["map"]) for r in rows] == [
+        ("bf16", k.__name__.strip("_"), gated, map_)
+        for k, gated, map_ in resources.variants(fused_kernels.KERNELS)]
     for r in rows:
-        # With the positive map formed inside, the keys' backward spills 24 bytes (measured).
-        assert r["fits"] and r["spill_bytes"] <= (64 if r["fused"] else 0), r
+        # Measured: with the positive map formed inside, the keys' backward spills 16 bytes;
+        # with the sine map up to 80, most sine kernels 32 (sin's and cos's own stack: the
+        # local array of their range reduction of large arguments).
+        assert r["fits"] and r["spill_bytes"] <= {"read": 0, "exp": 64, "sine": 128}[r["map"]], r
         assert (r["num_warps"], r["chunk"], r["feature_block"]) == (8, 32, 64), r
 
 
