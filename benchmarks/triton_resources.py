@@ -9,8 +9,9 @@ to local memory (slower, not wrong), at the tile sizes ``effattn.kernelized.fuse
 chooses for each dtype. ``tf32`` is fp32 with torch's fp32 CUDA matmuls set to TF32
 (``torch.set_float32_matmul_precision("high")``), which the kernels' fp32 products follow
 (``fused_kernels.precision``); ``fp32`` is the default, IEEE. ``bf16-values`` is what a module
-runs for bf16 inputs: φ and the products in fp32 (IEEE), v read in bf16. Not its speed: that
-needs the GPU (``benchmarks/gpu_peers.py``).
+runs for bf16 inputs: φ and the products in fp32 (IEEE), v read in bf16 (and q, k for the elu
+map, which reads them as they are). Not its speed: that needs the GPU
+(``benchmarks/gpu_peers.py``).
 
     python3 benchmarks/triton_resources.py                     # sm_80 and sm_90, every dtype
     python3 benchmarks/triton_resources.py --archs 90 --dtypes bf16
@@ -82,9 +83,9 @@ def _fp32_products(name: str) -> Iterator[None]:
         torch.backends.cuda.matmul.fp32_precision = before
 
 
-# How a kernel gets φ (its MAP): read from memory, or formed inside as exp (the positive maps)
-# or sin (the trigonometric ones).
-MAPS = ("read", "exp", "sine")
+# How a kernel gets φ (its MAP): read from memory, or formed inside as exp (the positive maps),
+# sin (the trigonometric ones) or elu + 1 of x itself (the linear transformer's).
+MAPS = ("read", "exp", "sine", "elu")
 
 
 def compile_kernel(kernel: Any, arch: int, name: str, gated: bool, map_: str = "read",
@@ -122,8 +123,10 @@ def compile_kernel(kernel: Any, arch: int, name: str, gated: bool, map_: str = "
             signature[arg] = "i32"
         else:
             signature[arg] = inputs if arg in fused_kernels.INPUTS else acc
-    if name in VALUES and "v_ptr" in signature:
-        signature["v_ptr"] = VALUES[name]
+    if name in VALUES:
+        # The values, and for the elu map (which reads x itself) the queries and keys.
+        narrow = ("v_ptr", "q_ptr", "k_ptr") if map_ == "elu" else ("v_ptr",)
+        signature.update({arg: VALUES[name] for arg in narrow if arg in signature})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Triton's notice about its FP-fusion default
         compiled = triton.compile(ASTSource(kernel, signature, constexprs),
@@ -148,7 +151,7 @@ def compile_kernel(kernel: Any, arch: int, name: str, gated: bool, map_: str = "
 
 def variants(kernels: Any) -> list[tuple[Any, bool, str]]:
     """(kernel, gated, map) to compile: the scan's kernels ungated and gated, with φ from
-    memory and formed inside (exp and sin); the row maxima's kernel once."""
+    memory and formed inside (each of ``MAPS``); the row maxima's kernel once."""
     out = []
     for kernel in kernels:
         if "MAP" in kernel.arg_names:

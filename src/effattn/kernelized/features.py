@@ -250,6 +250,17 @@ def elu_plus_one(x: Tensor) -> Features:
     return F.elu(x).add_(1.0), None
 
 
+@dataclass(frozen=True)
+class EluMap:
+    """:func:`elu_plus_one` as data (a :data:`~effattn.kernelized.core.FeatureFn` like any
+    map): φ = elu(x) + 1 of x itself (F = D), which a strategy can form inside its own kernels
+    from x as it is (:mod:`effattn.kernelized.fused`: no N x F features and no fp32 copy of
+    half-precision inputs in memory)."""
+
+    def __call__(self, x: Tensor, *, is_query: bool) -> Features:
+        return elu_plus_one(x)
+
+
 def project_heads(x: Tensor, w: Tensor) -> Tensor:
     """x (B, H, L, D) times each head's own w (H, D, P) -> (B, H, L, P), as one batched GEMM over
     the B·H (batch, head) pairs (no loop over heads)."""

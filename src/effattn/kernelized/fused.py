@@ -181,13 +181,17 @@ class _Slice:
 
 
 def _log_weights(key_log_scale: Tensor | None, pad: Tensor | None, gate: Tensor | None,
-                 like: Tensor) -> tuple[Tensor, Tensor | None]:
-    """The keys' log-weights (B, H, n) as the kernels read them: the log-scales (0 for maps
-    without them) plus log(1 - g) with a gate g, -inf at padded keys (a padded key has no
+                 like: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+    """The keys' log-weights (B, H, n) as the kernels read them: the log-scales (0 in
+    ``dtype``, shaped as ``like``'s first three dimensions, for maps without them) plus
+    log(1 - g) with a gate g, -inf at padded keys (a padded key has no
     weight and sets no scale); and the log-gates (B, H, n) (None ungated), floored at
     ``LOG_GATE_FLOOR`` and 0 at padded tokens (which leave the state alone), as the other
     strategies form them (:func:`effattn.kernelized.chunkwise._factors`)."""
-    ls = like.new_zeros(like.shape[:3]) if key_log_scale is None else key_log_scale[..., 0]
+    if key_log_scale is None:
+        ls = like.new_zeros(like.shape[:3], dtype=dtype)
+    else:
+        ls = key_log_scale[..., 0]
     log_gate = None
     if gate is not None:
         # log(1 - g), 1 - g floored at the dtype's smallest normal number first: at a gate of
@@ -210,11 +214,16 @@ def _map(features: FeatureFn, q: Tensor, k: Tensor,
     maps, :class:`~effattn.kernelized.features.PositiveMap`, and the trigonometric ones,
     :class:`~effattn.kernelized.features.SineMap`) x̃ = the map's inputs of q, k in place of φ,
     and the :class:`~effattn.kernelized.fused_kernels.Projection` with which the kernels form φ
-    themselves, so that no N x F features are held. Differentiable in q, k (both forms, and in
-    the tensors the map's inputs read, such as RFA's learned σ) where grad mode is on.
+    themselves, so that no N x F features are held; for elu + 1
+    (:class:`~effattn.kernelized.features.EluMap`) q and k themselves, in their own dtype.
+    Differentiable in q, k (every form, and in the tensors the map's inputs read, such as RFA's
+    learned σ) where grad mode is on.
     Half-precision q, k are promoted here, one at a time (:func:`effattn.base.compute_dtype`):
     a promoted copy lives only while its own map is formed."""
     dt = compute_dtype(q.dtype)
+    if isinstance(features, fm.EluMap):
+        # q and k as they are, half precision too: the kernels convert their tiles.
+        return q, k, None, None, _kernels().Projection(None)
     if isinstance(features, (fm.PositiveMap, fm.SineMap)) and not features.w.requires_grad:
         xq, xk = features.inputs(q.to(dt)), features.inputs(k.to(dt))
         w = features.rows().to(xq.dtype).contiguous()
@@ -248,15 +257,16 @@ def _forward_slice(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None, pad: Te
     phi_q, phi_k, query_log_scale, key_log_scale, projection = _map(features, q, k)
     # v as it is: the kernels convert its tiles (no promoted copy).
     gate = None if gate is None else gate.to(compute_dtype(q.dtype))
-    ls, log_gate = _log_weights(key_log_scale, pad, gate, phi_k)
-    f = phi_k.shape[-1] if projection is None else projection.w.shape[0]
-    state = core._state_of(state, b, h, f, v.shape[-1], phi_k)
+    dt = compute_dtype(q.dtype)
+    ls, log_gate = _log_weights(key_log_scale, pad, gate, phi_k, dt)
+    f = phi_k.shape[-1] if projection is None or projection.w is None else projection.w.shape[0]
+    state = core._state_of(state, b, h, f, v.shape[-1], ls)
     num, den, m, kv, running, marks = kernels.forward(
         phi_q.contiguous(), phi_k.contiguous(), ls, v.contiguous(), state.kv,
         state.log_scale.reshape(b, h), chunk, back, log_gate, projection)
     den, m = den[..., None], m[..., None]
     out = num.div_(core._divisor(den, eps, m)).to(q.dtype)
-    after = RecurrentState(kv.to(phi_k.dtype),
+    after = RecurrentState(kv.to(dt),
                            running[..., -1:, None].to(state.log_scale.dtype))
     norm = Normaliser(*core._normaliser(den, eps, m, query_log_scale)) if normaliser else None
     # A gate can decay what a query sees to a legitimate 0: only ungated rows are checked.
@@ -371,7 +381,7 @@ class _FusedCausal(torch.autograd.Function):
                     ctx.features, q_s, k_s)
                 gate_c = None if gate_s is None else gate_s.to(compute_dtype(q_s.dtype))
                 ls, log_gate = _log_weights(key_log_scale, None if pad is None else pad[:, a:e],
-                                            gate_c, phi_k)
+                                            gate_c, phi_k, compute_dtype(q_s.dtype))
             div = core._divisor(den, ctx.eps, m)
             back = torch.where(div == den, -1.0 / div, 0.0)
             # The output as saved (in q's dtype, as flash attention keeps it for the same

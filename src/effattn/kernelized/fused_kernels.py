@@ -44,11 +44,13 @@ formed from x̃ (N x D) and the projection's block of rows w (BK x D), u = x̃ w
 - ``EXP`` (performer's positive and hyperbolic maps): φ = exp(u - m) with the row maxima m over
   all F features (``_row_max_kernel``, launched first: they span every feature block);
 - ``SINE`` (performer's trig, FAVOR's random-phase cosine, RFA's sin/cos): φ = sin(u + b) with
-  per-feature phases b (π/2 for a cosine).
+  per-feature phases b (π/2 for a cosine);
+- ``ELU`` (the linear transformer's): φ = elu(x̃) + 1 of x̃ itself (F = D, no projection: u is
+  the block's columns of x̃), read in its own dtype (bf16 q, k need no fp32 copy).
 
 The backward kernels then write, in place of dφ, this block's part of ∂L/∂x̃ =
-(dφ ⊙ ∂φ/∂u) w (∂φ/∂u = φ for ``EXP``, m held constant: it cancels; cos(u + b) for ``SINE``)
-and of Σ_f dφ ⊙ φ (``_store_inputs_grad``).
+(dφ ⊙ ∂φ/∂u) w (∂φ/∂u = φ for ``EXP``, m held constant: it cancels; cos(u + b) for ``SINE``;
+for ``ELU`` the block's columns, dφ ⊙ ∂φ/∂u itself) and of Σ_f dφ ⊙ φ (``_store_inputs_grad``).
 
 A program holds one block of BK features and all Dv values, so that the sums over features
 (num, den, dv) come out per feature block and are added by the caller; the rest needs no
@@ -74,12 +76,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from effattn.base import compute_dtype
 from effattn.kernelized.core import LOG_FLOOR
 
 # How the kernels get φ (their MAP): read from memory (φ(Q), φ(K) given), or formed from x̃
 # and the projection's rows, as exp(x̃ w^T - m) (the positive maps) or sin(x̃ w^T + b) (the
-# trigonometric ones).
-READ, EXP, SINE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+# trigonometric ones), or from x itself as elu(x) + 1 (the linear transformer's, F = D).
+READ, EXP, SINE, ELU = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 
 
 @triton.jit
@@ -103,36 +106,47 @@ def _projection(w_ptr, f, f_ok, D, BD: tl.constexpr):
 
 
 @triton.jit
-def _features(x_ptr, w, rows_ptr, b, t, t_ok, f_ok, D, BD: tl.constexpr, ACC: tl.constexpr,
+def _features(x_ptr, w, rows_ptr, b, t, t_ok, f, f_ok, D, BD: tl.constexpr, ACC: tl.constexpr,
               PRECISION: tl.constexpr, MAP: tl.constexpr):
-    """φ of a chunk's tokens t (BT, BK) and its derivative in u = x̃ w^T, from x̃ (at x_ptr,
-    N x D) and the projection's rows w: exp(u - m) with the row maxima m (at rows_ptr) for
-    ``EXP`` (its own derivative), sin(u + b) with the phases b (BK) for ``SINE`` (cos(u + b));
-    0 past the sequence and past F."""
-    e = tl.arange(0, BD)
-    x = tl.load(x_ptr + t[:, None] * D + e[None, :], mask=t_ok[:, None] & (e < D)[None, :],
-                other=0.0)
-    u = tl.dot(x, tl.trans(w), input_precision=PRECISION).to(ACC)
+    """φ of a chunk's tokens t (BT, BK), in ACC, and its derivative in u, from x̃ (at x_ptr,
+    N x D): with u = x̃ w^T (w the projection's rows), exp(u - m) with the row maxima m (at
+    rows_ptr) for ``EXP`` (its own derivative) and sin(u + b) with the phases b (BK) for
+    ``SINE`` (cos(u + b)); with u = x̃'s columns f, elu(u) + 1 for ``ELU`` (1 above 0, e^u
+    below; x̃ read in its own dtype). 0 past the sequence and past F."""
     ok = t_ok[:, None] & f_ok[None, :]
+    if MAP == ELU:
+        u = tl.load(x_ptr + t[:, None] * D + f[None, :], mask=ok, other=0.0).to(ACC)
+    else:
+        e = tl.arange(0, BD)
+        x = tl.load(x_ptr + t[:, None] * D + e[None, :],
+                    mask=t_ok[:, None] & (e < D)[None, :], other=0.0)
+        u = tl.dot(x, tl.trans(w), input_precision=PRECISION).to(ACC)
     if MAP == EXP:
         m = tl.load(rows_ptr + t, mask=t_ok, other=0.0).to(ACC)
         phi = tl.where(ok, tl.exp(u - m[:, None]), 0.0)
         slope = phi
-    else:
+    elif MAP == SINE:
         u += b[None, :]
         phi = tl.where(ok, tl.sin(u), 0.0)
         slope = tl.where(ok, tl.cos(u), 0.0)
+    else:
+        below = tl.exp(tl.minimum(u, 0.0))
+        phi = tl.where(ok, tl.where(u > 0.0, u + 1.0, below), 0.0)
+        slope = tl.where(ok, tl.where(u > 0.0, 1.0, below), 0.0)
     return phi, slope
 
 
 @triton.jit
-def _phases(b_ptr, f, f_ok, ACC: tl.constexpr, MAP: tl.constexpr):
-    """The phases of the features f (BK) for ``SINE`` (0 past F); any (BK) otherwise."""
+def _map_rows(w_ptr, b_ptr, f, f_ok, D, BK: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
+              MAP: tl.constexpr):
+    """The projection's rows f (BK, BD) and the phases (BK) of a map formed inside: the phases
+    0 but for ``SINE``, and both placeholders, never read, for ``ELU`` (no projection)."""
+    w = tl.zeros([BK, BD], dtype=ACC) if MAP == ELU else _projection(w_ptr, f, f_ok, D, BD)
     if MAP == SINE:
         b = tl.load(b_ptr + f, mask=f_ok, other=0.0).to(ACC)
     else:
-        b = tl.zeros(f.shape, dtype=ACC)
-    return b
+        b = tl.zeros([BK], dtype=ACC)
+    return w, b
 
 
 @triton.jit
@@ -176,8 +190,7 @@ def _forward_kernel(
     z = tl.load(kv_in_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(ACC)
     r = tl.load(r_in_ptr + bh).to(ACC)
     if MAP != READ:
-        w = _projection(w_ptr, f, f_ok, D, BD)
-        b = _phases(b_ptr, f, f_ok, ACC, MAP)
+        w, b = _map_rows(w_ptr, b_ptr, f, f_ok, D, BK, BD, ACC, MAP)
     part = (kb * BH + bh) * N
     for c in range(0, NC):
         if (c > 0) & (c % EVERY == 0):
@@ -193,10 +206,10 @@ def _forward_kernel(
         prefix = tl.max(tl.where(causal, kt[None, :], float("-inf")), 1)
         m = tl.maximum(tl.maximum(prefix + gc, LOG_FLOOR_), r + gc)
         if MAP != READ:
-            qc, _ = _features(q_ptr + bh * N * D, w, mq_ptr + bh * N, b, t, t_ok, f_ok, D, BD,
-                              ACC, PRECISION, MAP)
-            kc, _ = _features(k_ptr + bh * N * D, w, mk_ptr + bh * N, b, t, t_ok, f_ok, D, BD,
-                              ACC, PRECISION, MAP)
+            qc, _ = _features(q_ptr + bh * N * D, w, mq_ptr + bh * N, b, t, t_ok, f, f_ok, D,
+                              BD, ACC, PRECISION, MAP)
+            kc, _ = _features(k_ptr + bh * N * D, w, mk_ptr + bh * N, b, t, t_ok, f, f_ok, D,
+                              BD, ACC, PRECISION, MAP)
             qc, kc = qc.to(w.dtype), kc.to(w.dtype)
         else:
             rows = t[:, None] * F + f[None, :]
@@ -233,14 +246,22 @@ def _forward_kernel(
 
 
 @triton.jit
-def _store_inputs_grad(dx_ptr, sums_ptr, g, products, w, t, t_ok, D, BD: tl.constexpr,
-                       ACC: tl.constexpr, PRECISION: tl.constexpr):
-    """From g = dφ ⊙ ∂φ/∂u and dφ ⊙ φ (``products``) (BT, BK) of one feature block: this
-    block's part of ∂L/∂x̃ = g w (an exp map's row maxima held constant: they cancel) and of
-    Σ_f dφ ⊙ φ (the log-scale's gradient), stored at the chunk's tokens t."""
-    e = tl.arange(0, BD)
-    dx = tl.dot(g.to(w.dtype), w, input_precision=PRECISION).to(ACC)
-    tl.store(dx_ptr + t[:, None] * D + e[None, :], dx, mask=t_ok[:, None] & (e < D)[None, :])
+def _store_inputs_grad(dx_ptr, sums_ptr, g, products, w, t, t_ok, f, f_ok, bh, part, N, D,
+                       BD: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+                       MAP: tl.constexpr):
+    """From g = dφ ⊙ ∂φ/∂u and dφ ⊙ φ (``products``) (BT, BK) of one feature block, stored at
+    the chunk's tokens t: this block's part of Σ_f dφ ⊙ φ (the log-scale's gradient), and of
+    ∂L/∂x̃, g w (an exp map's row maxima held constant: they cancel), in the block's own
+    (N, D) slot (``part``); for ``ELU`` its columns f of ∂L/∂x itself, g, in the one (N, D)
+    slot of the (batch, head) ``bh`` that every block writes a part of."""
+    if MAP == ELU:
+        tl.store(dx_ptr + bh * N * D + t[:, None] * D + f[None, :], g,
+                 mask=t_ok[:, None] & f_ok[None, :])
+    else:
+        e = tl.arange(0, BD)
+        dx = tl.dot(g.to(w.dtype), w, input_precision=PRECISION).to(ACC)
+        tl.store(dx_ptr + part * D + t[:, None] * D + e[None, :], dx,
+                 mask=t_ok[:, None] & (e < D)[None, :])
     tl.store(sums_ptr + t, tl.sum(products, 1), mask=t_ok)
 
 
@@ -248,7 +269,7 @@ def _store_inputs_grad(dx_ptr, sums_ptr, g, products, w, t, t_ok, D, BD: tl.cons
 def _backward_queries_kernel(
     q_ptr, k_ptr, ls_ptr, lg_ptr, v_ptr, kv_in_ptr, m_ptr, r_ptr, gn_ptr, gd_ptr, w_ptr,
     b_ptr, mq_ptr, mk_ptr, dq_ptr, sq_ptr,
-    N, F, D, DV, NC, BH,
+    N, F, D, DV, NC, BH, GN_ROW, GD_ROW,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
     PRECISION: tl.constexpr, GATED: tl.constexpr, MAP: tl.constexpr,
 ):
@@ -264,8 +285,7 @@ def _backward_queries_kernel(
     s = tl.load(state + d[None, :], mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(ACC)
     z = tl.load(kv_in_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(ACC)
     if MAP != READ:
-        w = _projection(w_ptr, f, f_ok, D, BD)
-        b = _phases(b_ptr, f, f_ok, ACC, MAP)
+        w, b = _map_rows(w_ptr, b_ptr, f, f_ok, D, BK, BD, ACC, MAP)
     part = (kb * BH + bh) * N
     for c in range(0, NC):
         t = c * BT + t0
@@ -277,8 +297,8 @@ def _backward_queries_kernel(
         kt = ls - gc
         m = tl.load(m_ptr + bh * N + t, mask=t_ok, other=float("inf")).to(ACC)
         if MAP != READ:
-            kc, _ = _features(k_ptr + bh * N * D, w, mk_ptr + bh * N, b, t, t_ok, f_ok, D, BD,
-                              ACC, PRECISION, MAP)
+            kc, _ = _features(k_ptr + bh * N * D, w, mk_ptr + bh * N, b, t, t_ok, f, f_ok, D,
+                              BD, ACC, PRECISION, MAP)
             kc = kc.to(w.dtype)
         else:
             rows = t[:, None] * F + f[None, :]
@@ -287,8 +307,9 @@ def _backward_queries_kernel(
         values = t[:, None] * DV + d[None, :]
         vd_ok = t_ok[:, None] & d_ok[None, :]
         vc = tl.load(v_ptr + bh * N * DV + values, mask=vd_ok, other=0.0).to(kc.dtype)
-        gn = tl.load(gn_ptr + bh * N * DV + values, mask=vd_ok, other=0.0)
-        gd = tl.load(gd_ptr + bh * N + t, mask=t_ok, other=0.0).to(ACC)
+        gn = tl.load(gn_ptr + (bh * N + t[:, None]) * GN_ROW + d[None, :], mask=vd_ok,
+                     other=0.0).to(kc.dtype)
+        gd = tl.load(gd_ptr + (bh * N + t) * GD_ROW, mask=t_ok, other=0.0).to(ACC)
         weight = tl.where(
             causal, tl.exp(tl.minimum(kt[None, :] + gc[:, None] - m[:, None], 0.0)), 0.0)
         d_x = (tl.dot(gn, tl.trans(vc), input_precision=PRECISION).to(ACC) + gd[:, None]) * weight
@@ -297,10 +318,10 @@ def _backward_queries_kernel(
         dq = omega[:, None] * (read + gd[:, None] * z[None, :])
         dq += tl.dot(d_x.to(kc.dtype), kc, input_precision=PRECISION).to(ACC)
         if MAP != READ:
-            phi, slope = _features(q_ptr + bh * N * D, w, mq_ptr + bh * N, b, t, t_ok, f_ok, D,
-                                   BD, ACC, PRECISION, MAP)
-            _store_inputs_grad(dq_ptr + part * D, sq_ptr + part, dq * slope, dq * phi, w, t,
-                               t_ok, D, BD, ACC, PRECISION)
+            phi, slope = _features(q_ptr + bh * N * D, w, mq_ptr + bh * N, b, t, t_ok, f, f_ok,
+                                   D, BD, ACC, PRECISION, MAP)
+            _store_inputs_grad(dq_ptr, sq_ptr + part, dq * slope, dq * phi, w, t, t_ok, f, f_ok,
+                               bh, part, N, D, BD, ACC, PRECISION, MAP)
         else:
             tl.store(dq_ptr + bh * N * F + rows, dq, mask=ok)
         enter = tl.exp(kt + total - r_next)
@@ -314,7 +335,7 @@ def _backward_queries_kernel(
 def _backward_keys_kernel(
     q_ptr, k_ptr, ls_ptr, lg_ptr, v_ptr, m_ptr, r_ptr, gn_ptr, gd_ptr, du_ptr, w_ptr, b_ptr,
     mq_ptr, mk_ptr, dk_ptr, sk_ptr, dv_ptr, dkv_in_ptr,
-    N, F, D, DV, NC, BH,
+    N, F, D, DV, NC, BH, GN_ROW, GD_ROW,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
     PRECISION: tl.constexpr, GATED: tl.constexpr, MAP: tl.constexpr,
 ):
@@ -330,8 +351,7 @@ def _backward_keys_kernel(
     u = tl.load(after + d[None, :], mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(ACC)
     uz = tl.load(du_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(ACC)
     if MAP != READ:
-        w = _projection(w_ptr, f, f_ok, D, BD)
-        b = _phases(b_ptr, f, f_ok, ACC, MAP)
+        w, b = _map_rows(w_ptr, b_ptr, f, f_ok, D, BK, BD, ACC, MAP)
     part = (kb * BH + bh) * N
     for i in range(0, NC):
         c = NC - 1 - i
@@ -344,9 +364,9 @@ def _backward_keys_kernel(
         kt = ls - gc
         m = tl.load(m_ptr + bh * N + t, mask=t_ok, other=float("inf")).to(ACC)
         if MAP != READ:
-            qc, _ = _features(q_ptr + bh * N * D, w, mq_ptr + bh * N, b, t, t_ok, f_ok, D, BD,
-                              ACC, PRECISION, MAP)
-            kc, k_slope = _features(k_ptr + bh * N * D, w, mk_ptr + bh * N, b, t, t_ok, f_ok,
+            qc, _ = _features(q_ptr + bh * N * D, w, mq_ptr + bh * N, b, t, t_ok, f, f_ok, D,
+                              BD, ACC, PRECISION, MAP)
+            kc, k_slope = _features(k_ptr + bh * N * D, w, mk_ptr + bh * N, b, t, t_ok, f, f_ok,
                                     D, BD, ACC, PRECISION, MAP)
             qc, kc = qc.to(w.dtype), kc.to(w.dtype)
         else:
@@ -357,8 +377,9 @@ def _backward_keys_kernel(
         values = t[:, None] * DV + d[None, :]
         vd_ok = t_ok[:, None] & d_ok[None, :]
         vc = tl.load(v_ptr + bh * N * DV + values, mask=vd_ok, other=0.0).to(qc.dtype)
-        gn = tl.load(gn_ptr + bh * N * DV + values, mask=vd_ok, other=0.0)
-        gd = tl.load(gd_ptr + bh * N + t, mask=t_ok, other=0.0).to(ACC)
+        gn = tl.load(gn_ptr + (bh * N + t[:, None]) * GN_ROW + d[None, :], mask=vd_ok,
+                     other=0.0).to(qc.dtype)
+        gd = tl.load(gd_ptr + (bh * N + t) * GD_ROW, mask=t_ok, other=0.0).to(ACC)
         weight = tl.where(
             causal, tl.exp(tl.minimum(kt[None, :] + gc[:, None] - m[:, None], 0.0)), 0.0)
         a = tl.dot(qc, tl.trans(kc), input_precision=PRECISION).to(ACC) * weight
@@ -368,8 +389,8 @@ def _backward_keys_kernel(
         dk = enter[:, None] * (later + uz[None, :])
         dk += tl.dot(tl.trans(d_x.to(qc.dtype)), qc, input_precision=PRECISION).to(ACC)
         if MAP != READ:
-            _store_inputs_grad(dk_ptr + part * D, sk_ptr + part, dk * k_slope, dk * kc.to(ACC),
-                               w, t, t_ok, D, BD, ACC, PRECISION)
+            _store_inputs_grad(dk_ptr, sk_ptr + part, dk * k_slope, dk * kc.to(ACC), w, t, t_ok,
+                               f, f_ok, bh, part, N, D, BD, ACC, PRECISION, MAP)
         else:
             tl.store(dk_ptr + bh * N * F + rows, dk, mask=ok)
         dv = enter[:, None] * tl.dot(kc, u.to(kc.dtype), input_precision=PRECISION).to(ACC)
@@ -390,7 +411,7 @@ def _backward_keys_kernel(
 # pointers to accumulator-typed buffers.
 KERNELS = (_forward_kernel, _backward_queries_kernel, _backward_keys_kernel, _row_max_kernel)
 INPUTS = frozenset({"q_ptr", "k_ptr", "v_ptr", "ls_ptr", "lg_ptr", "gn_ptr", "w_ptr", "x_ptr"})
-INTEGERS = frozenset({"N", "F", "D", "DV", "NC", "BH", "EVERY", "NMARKS"})
+INTEGERS = frozenset({"N", "F", "D", "DV", "NC", "BH", "EVERY", "NMARKS", "GN_ROW", "GD_ROW"})
 
 
 
@@ -399,16 +420,19 @@ class Projection:
     """A map the kernels form themselves from x̃ (B, H, N, D): the rows w (F, D) of u = x̃ w^T,
     and either the row maxima of the queries' and keys' u (B, H, N), for φ = exp(u - m) (the
     positive maps), or the phases b (F,), for φ = sin(u + b) (the trigonometric maps: cos is
-    sin at a phase of π/2)."""
+    sin at a phase of π/2); or no projection (w None), for φ = elu(x̃) + 1 of x̃ itself (F = D),
+    which the kernels read in its own dtype."""
 
-    w: Tensor
+    w: Tensor | None
     query_maxima: Tensor | None = None
     key_maxima: Tensor | None = None
     phases: Tensor | None = None
 
     @property
     def map(self) -> int:
-        """The kernels' MAP: ``SINE`` with phases, else ``EXP``."""
+        """The kernels' MAP: ``ELU`` without a projection, ``SINE`` with phases, else ``EXP``."""
+        if self.w is None:
+            return ELU.value
         return SINE.value if self.phases is not None else EXP.value
 
 
@@ -482,10 +506,29 @@ def _widths(phi: Tensor, projection: Projection | None,
     kernels' MAP."""
     if projection is None:
         return phi.shape[-1], phi.shape[-1], (phi, phi, phi, phi), READ.value
+    if projection.w is None:
+        return phi.shape[-1], phi.shape[-1], (phi, phi, phi, phi), ELU.value
     w = projection.w.contiguous()
     read = [w if t is None else t.contiguous()
             for t in (projection.phases, projection.query_maxima, projection.key_maxima)]
     return w.shape[0], w.shape[1], (w, *read), projection.map
+
+
+def _rows(x: Tensor) -> tuple[Tensor, int]:
+    """x (B, H, N, L) as the backward kernels read it, rows of L contiguous values at a uniform
+    stride, and that stride: x itself where it is so laid out (the output's gradient and its
+    divisor's, views into one (B, H, N, Dv + 1) tensor), else a contiguous copy."""
+    b, h, n, width = x.shape
+    row = x.stride(2)
+    if (width == 1 or x.stride(3) == 1) and x.stride(1) == n * row and x.stride(0) == h * n * row:
+        return x, row
+    return x.contiguous(), width
+
+
+def _phi_dtype(phi: Tensor, kind: int) -> torch.dtype:
+    """The dtype of the φ tiles, which sets the launch (:func:`meta`): φ's own, or x̃'s, but
+    fp32 for half-precision x read by the ``ELU`` map (which forms φ in fp32)."""
+    return compute_dtype(phi.dtype) if kind == ELU.value else phi.dtype
 
 
 def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: Tensor,
@@ -506,7 +549,7 @@ def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: 
     b, h, n = phi_q.shape[:3]
     f, d, mapped, kind = _widths(phi_q, projection)
     dv = v.shape[-1]
-    config = meta(phi_q.dtype, chunk, f, dv, d, projection is not None)
+    config = meta(_phi_dtype(phi_q, kind), chunk, f, dv, d, projection is not None)
     bt = config["BT"]
     nk, nc = triton.cdiv(f, config["BK"]), triton.cdiv(n, bt)
     if every is not None and every % bt:
@@ -546,17 +589,18 @@ def backward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv:
 
     With a ``projection`` (phi_q, phi_k are then x̃, as in :func:`forward`), no gradient of φ
     is written: the first two are those of x̃ (B, H, N, D), Σ_f (dφ ⊙ ∂φ/∂u)_f w_f (for
-    φ = exp(u - m), with m held constant: it cancels, dφ ⊙ φ), and the last is the products
+    φ = exp(u - m), with m held constant: it cancels, dφ ⊙ φ; for ``ELU``, dφ ⊙ ∂φ/∂x̃
+    itself), and the last is the products
     (φ(q_i)·dφ(q_i), φ(k_j)·dφ(k_j)) (B, H, N) that the caller would otherwise form from φ
     (None without a projection)."""
     b, h, n = phi_q.shape[:3]
     f, d, mapped, kind = _widths(phi_q, projection)
     dv = v.shape[-1]
-    config = meta(phi_q.dtype, chunk, f, dv, d, projection is not None)
+    config = meta(_phi_dtype(phi_q, kind), chunk, f, dv, d, projection is not None)
     nk, nc = triton.cdiv(f, config["BK"]), triton.cdiv(n, config["BT"])
     acc = running.dtype
-    d_num = d_num.to(phi_q.dtype).contiguous()
-    d_den = d_den.to(acc).contiguous()
+    d_num, gn_row = _rows(d_num.to(_phi_dtype(phi_q, kind)))
+    d_den, gd_row = _rows(d_den.to(acc)[..., None])
     if d_after is None:
         d_after = kv.new_zeros(b, h, f, dv + 1, dtype=acc)
     if projection is None:
@@ -565,8 +609,10 @@ def backward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv:
         # The kernels write no sums: any tensor (an argument must point at memory).
         q_sums = k_sums = d_q
     else:
-        # Per feature block, added below, as num and den are.
-        d_q, d_k = (phi_q.new_empty(nk, b, h, n, d, dtype=acc) for _ in range(2))
+        # Per feature block, added below, as num and den are; for ELU each block writes its own
+        # columns of one.
+        blocks = () if kind == ELU.value else (nk,)
+        d_q, d_k = (phi_q.new_empty(*blocks, b, h, n, d, dtype=acc) for _ in range(2))
         sums = phi_q.new_empty(2, nk, b, h, n, dtype=acc)
         q_sums, k_sums = sums[0], sums[1]
     d_v = v.new_empty(nk, b, h, n, dv, dtype=acc)
@@ -575,18 +621,18 @@ def backward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv:
     gates, gated = _gates(log_gate, key_log_scale), log_gate is not None
     _backward_queries_kernel[grid](
         phi_q, phi_k, key_log_scale, gates, v, kv.to(acc).contiguous(), m, running, d_num, d_den,
-        *mapped, d_q, q_sums, n, f, d, dv, nc, b * h, **config, GATED=gated, MAP=kind,
+        *mapped, d_q, q_sums, n, f, d, dv, nc, b * h, gn_row, gd_row, **config, GATED=gated,
+        MAP=kind,
     )
     _backward_keys_kernel[grid](
         phi_q, phi_k, key_log_scale, gates, v, m, running, d_num, d_den,
         d_after.to(acc).contiguous(), *mapped, d_k, k_sums, d_v, d_kv, n, f, d, dv, nc, b * h,
-        **config, GATED=gated, MAP=kind,
+        gn_row, gd_row, **config, GATED=gated, MAP=kind,
     )
     d_v = d_v.sum(0) if nk > 1 else d_v[0]
     if projection is None:
         return d_q, d_k, d_v, d_kv, None
-    if nk > 1:
-        d_q, d_k, sums = d_q.sum(0), d_k.sum(0), sums.sum(1)
-    else:
-        d_q, d_k, sums = d_q[0], d_k[0], sums[:, 0]
+    sums = sums.sum(1) if nk > 1 else sums[:, 0]
+    if kind != ELU.value:
+        d_q, d_k = (d_q.sum(0), d_k.sum(0)) if nk > 1 else (d_q[0], d_k[0])
     return d_q, d_k, d_v, d_kv, (sums[0], sums[1])

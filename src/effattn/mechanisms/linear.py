@@ -14,6 +14,7 @@ from torch import Tensor
 
 from effattn.kernelized import features as fm
 from effattn.kernelized.base import WINDOW_OPTIONS, KernelizedAttention
+from effattn.kernelized.core import FeatureFn
 from effattn.kernelized.flops import kernelized_flops
 from effattn.kernelized.parallel import StateExchange
 from effattn.registry import MethodSpec, Problem, register
@@ -44,6 +45,9 @@ class LinearTransformerAttention(KernelizedAttention):
 
     def features(self, x: Tensor, *, is_query: bool) -> fm.Features:
         return fm.elu_plus_one(x)
+
+    def feature_fn(self) -> FeatureFn:
+        return fm.EluMap()
 
 
 def _reference(
