@@ -128,8 +128,9 @@ class KernelizedAttention(RandomizedAttention):
     def feature_fn(self) -> FeatureFn:
         """The map the core calls: :meth:`features` by default. A map that a strategy can read
         as data is returned as such (performer's positive map,
-        :class:`~effattn.kernelized.features.PositiveMap`, and the trigonometric maps,
-        :class:`~effattn.kernelized.features.SineMap`, which the triton strategy forms inside
+        :class:`~effattn.kernelized.features.PositiveMap`, the trigonometric maps,
+        :class:`~effattn.kernelized.features.SineMap`, and elu + 1,
+        :class:`~effattn.kernelized.features.EluMap`, which the triton strategy forms inside
         its kernels), computing exactly what :meth:`features` does."""
         return self.features
 

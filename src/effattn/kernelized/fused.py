@@ -19,7 +19,9 @@ from one more small kernel) and the trigonometric maps
 random-phase cosine, RFA's sin/cos with its learned σ). The kernels read x̃ (N x D: x·√scale, or
 RFA's unit(x)/σ) and the projection in place of φ(Q), φ(K) (N x F), and the backward kernels
 return the gradient of x̃ rather than of φ (autograd takes it on to q, k and σ), so that nothing
-of size N x F is held.
+of size N x F is held. The linear transformer's elu + 1
+(:class:`~effattn.kernelized.features.EluMap`, F = D, no projection) is formed from q and k
+themselves, read in their own dtype: a bf16 call holds no fp32 copy of them either.
 
 What it runs and what it hands on:
 
@@ -51,7 +53,7 @@ only sets where the exact C x C blocks end, not the result.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -61,6 +63,9 @@ from effattn.base import compute_dtype
 from effattn.kernelized import core, gpu
 from effattn.kernelized import features as fm
 from effattn.kernelized.core import FeatureFn, Normaliser, RecurrentState
+
+if TYPE_CHECKING:  # imported at the first use: it imports triton
+    from effattn.kernelized.fused_kernels import Projection
 
 key_state = gpu.key_state
 read_queries = gpu.read_queries
@@ -208,7 +213,7 @@ def _log_weights(key_log_scale: Tensor | None, pad: Tensor | None, gate: Tensor 
 
 
 def _map(features: FeatureFn, q: Tensor, k: Tensor,
-         ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Any]:
+         ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Projection | None]:
     """What the kernels read of q and k (B, H, n, D): (φ(Q), φ(K), the queries' and keys'
     log-scales, None); for a map given as data whose projection is not trained (the positive
     maps, :class:`~effattn.kernelized.features.PositiveMap`, and the trigonometric ones,
@@ -217,9 +222,9 @@ def _map(features: FeatureFn, q: Tensor, k: Tensor,
     themselves, so that no N x F features are held; for elu + 1
     (:class:`~effattn.kernelized.features.EluMap`) q and k themselves, in their own dtype.
     Differentiable in q, k (every form, and in the tensors the map's inputs read, such as RFA's
-    learned σ) where grad mode is on.
-    Half-precision q, k are promoted here, one at a time (:func:`effattn.base.compute_dtype`):
-    a promoted copy lives only while its own map is formed."""
+    learned σ) where grad mode is on. Other than for elu + 1, half-precision q, k are promoted
+    here, one at a time (:func:`effattn.base.compute_dtype`): a promoted copy lives only while
+    its own map is formed."""
     dt = compute_dtype(q.dtype)
     if isinstance(features, fm.EluMap):
         # q and k as they are, half precision too: the kernels convert their tiles.
