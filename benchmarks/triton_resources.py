@@ -84,8 +84,9 @@ def _fp32_products(name: str) -> Iterator[None]:
 
 
 # How a kernel gets φ (its MAP): read from memory, or formed inside as exp (the positive maps),
-# sin (the trigonometric ones) or elu + 1 of x itself (the linear transformer's).
-MAPS = ("read", "exp", "sine", "elu")
+# sin (the trigonometric ones), relu (the rectified ones) or elu + 1 of x itself (the linear
+# transformer's).
+MAPS = ("read", "exp", "sine", "relu", "elu")
 
 
 def compile_kernel(kernel: Any, arch: int, name: str, gated: bool, map_: str = "read",

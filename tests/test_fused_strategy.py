@@ -221,15 +221,16 @@ def _accounted_performer(num_features, feature_map="positive"):
     return module, attend, forward, train
 
 
-@pytest.mark.parametrize("kind", ["exp", "sine", "elu"])
+@pytest.mark.parametrize("kind", ["exp", "sine", "relu", "elu"])
 @pytest.mark.parametrize("gated", [False, True], ids=["ungated", "gated"])
 def test_kernels_form_the_map_themselves(gated, kind, device):
     """With a projection the kernels form φ from x̃ (B, H, N, D) and the rows w (F, D),
     u = x̃ w^T: exp(u - m) with the row maxima m (fused_kernels.row_max, against the dense
-    max), or sin(u + b) with the phases b; without one, elu(x̃) + 1 (F = D). The outputs, the
-    state after and the checkpoints equal the kernels' given that φ, and the gradient of x̃
-    and the sums φ·dφ equal those formed from the gradient of φ, (dφ ⊙ ∂φ/∂u) w (φ itself for
-    exp, cos(u + b) for sine; for elu dφ ⊙ ∂φ/∂x̃, 1 above 0 and e^x̃ below) and Σ_f dφ ⊙ φ.
+    max), sin(u + b) with the phases b, or relu(u) + b with the floors b; without one,
+    elu(x̃) + 1 (F = D). The outputs, the state after and the checkpoints equal the kernels'
+    given that φ, and the gradient of x̃ and the sums φ·dφ equal those formed from the gradient
+    of φ, (dφ ⊙ ∂φ/∂u) w (φ itself for exp, cos(u + b) for sine, 1 above 0 and 0 below for
+    relu; for elu dφ ⊙ ∂φ/∂x̃, 1 above 0 and e^x̃ below) and Σ_f dφ ⊙ φ.
     F = 70 (two feature blocks), D = 21 (70 for elu), N = 45 (a last chunk not full), padded
     keys, an entering state."""
     g = torch.Generator().manual_seed(7)
@@ -259,6 +260,11 @@ def test_kernels_form_the_map_themselves(gated, kind, device):
         projection = fused_kernels.Projection(w, phases=phases)
         phi_q, phi_k = torch.sin(xq @ w.T + phases), torch.sin(xk @ w.T + phases)
         slope_q, slope_k = torch.cos(xq @ w.T + phases), torch.cos(xk @ w.T + phases)
+    elif kind == "relu":
+        floors = phases / 70  # per feature, in [0, 0.1)
+        projection = fused_kernels.Projection(w, floors=floors)
+        phi_q, phi_k = ((x @ w.T).clamp_min(0) + floors for x in (xq, xk))
+        slope_q, slope_k = ((x @ w.T > 0).to(x.dtype) for x in (xq, xk))
     else:
         projection = fused_kernels.Projection(None)
         phi_q, phi_k = torch.nn.functional.elu(xq) + 1, torch.nn.functional.elu(xk) + 1
@@ -308,23 +314,32 @@ def test_performer_forms_its_map_in_the_kernels(feature_map, pad, row_maxima, la
 
 @pytest.mark.parametrize("variant", [("performer", {"feature_map": "trig"}), ("favor", {}),
                                      ("rfa", {}), ("rfa", {"gated": True, "learn_sigma": True}),
+                                     ("performer", {"feature_map": "relu"}),
+                                     ("rfa", {"feature_map": "arccos"}),
+                                     ("rfa", {"feature_map": "arccos", "gated": True,
+                                              "learn_sigma": True}),
                                      ("linear", {})],
                          ids=variant_id)
-def test_trigonometric_and_elu_maps_are_formed_in_the_kernels(variant, monkeypatch, launches):
+def test_trigonometric_rectified_and_elu_maps_are_formed_in_the_kernels(variant, monkeypatch,
+                                                                        launches):
     """performer's trig map, FAVOR's random-phase cosine and RFA's sin/cos (with its learned σ
-    and gates): the kernels form φ = sin(x̃ w^T + b) themselves; the linear transformer's
-    elu(x) + 1 of x itself. The map's own functions never run (no N x F features in memory);
-    outputs and gradients (σ's and the gate's too) against the float64 reference over several
-    slices and backward spans, with padding."""
+    and gates): the kernels form φ = sin(x̃ w^T + b) themselves; performer's relu map and RFA's
+    arc-cosine (gated, with σ, too): relu(x̃ w^T) + b; the linear transformer's elu(x) + 1 of x
+    itself. The map's own functions never run (no N x F features in memory); outputs and
+    gradients (σ's and the gate's too) against the float64 reference over several slices and
+    backward spans, with padding."""
     name, options = variant
     module = make_kernelized(name, options)
-    data = (effattn.kernelized.features.EluMap if name == "linear"
-            else effattn.kernelized.features.SineMap)
+    features = effattn.kernelized.features
+    data = (features.EluMap if name == "linear"
+            else features.ReluMap if options.get("feature_map") in ("relu", "arccos")
+            else features.SineMap)
     assert isinstance(module.feature_fn(), data)
     module.slice_elements = 320 if name != "linear" else 80
-    features = effattn.kernelized.features
     maps = count_calls(monkeypatch, {"sin_cos": (features, "_sin_cos"),
                                      "phase": (features, "random_phase_cos"),
+                                     "relu": (features, "relu"),
+                                     "arccos": (features, "arccos"),
                                      "elu": (features, "elu_plus_one")})
     q, k, v = (t.requires_grad_(True) for t in qkv(n=130, d=21, dv=5, scale=0.5))
     kw, extra = {}, ()
@@ -333,7 +348,7 @@ def test_trigonometric_and_elu_maps_are_formed_in_the_kernels(variant, monkeypat
         gate = torch.sigmoid(3 * torch.randn(2, 3, 130, generator=g, dtype=torch.float64))
         kw, extra = {"gate": gate.requires_grad_()}, (gate,)
     module(q, k, v, causal=True, **kw).sum().backward()
-    assert maps == {"sin_cos": 0, "phase": 0, "elu": 0}
+    assert maps == {"sin_cos": 0, "phase": 0, "relu": 0, "arccos": 0, "elu": 0}
     assert 1 < launches["forward"] <= launches["backward"] and launches["gpu"] == 0
     _matches_reference(module, q, k, v, extra, **kw)
 
@@ -390,13 +405,13 @@ def test_a_trained_projection_takes_the_features_path(row_maxima, launches):
     assert row_maxima == {"row_max": 0} and launches["forward"] == 1
 
 
-@pytest.mark.parametrize("feature_map", ["positive", "trig"])
+@pytest.mark.parametrize("feature_map", ["positive", "trig", "relu"])
 def test_the_map_formed_in_the_kernels_holds_less(feature_map):
-    """Accounted (bytes, not time), performer at N = 1024, fp32, 256 features (exp) or 64
+    """Accounted (bytes, not time), performer at N = 1024, fp32, 256 features (exp, relu) or 64
     sin/cos pairs: with the map formed in the kernels neither the forward nor the backward's
     spans hold N x F features (nor the map's autograd graph); the same module with its
     projection requiring grad (φ from the map) holds them."""
-    features = 256 if feature_map == "positive" else 64
+    features = 64 if feature_map == "trig" else 256
     module, _, forward, train = _accounted_performer(features, feature_map)
     measured = {}
     for trained in (False, True):

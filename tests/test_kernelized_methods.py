@@ -224,8 +224,8 @@ def test_the_map_as_data_is_the_modules_features(variant):
     """What the core calls (feature_fn) computes exactly what features does; a map given as data
     rebuilds the true features from its parts, as the triton strategy's kernels form them:
     exp(x̃ r^T - m) e^{log-scale} for PositiveMap (m the row maxima), sin(x̃ r^T + c)
-    e^{log-scale} for SineMap (r its rows, c its phases), x + 1 above 0 and e^x below for
-    EluMap, float64."""
+    e^{log-scale} for SineMap (r its rows, c its phases), (relu(x̃ w^T) + b) e^{log-scale} for
+    ReluMap (b its floor), x + 1 above 0 and e^x below for EluMap, float64."""
     from effattn.kernelized import features as fm
 
     module = make(*variant)
@@ -247,6 +247,10 @@ def test_the_map_as_data_is_the_modules_features(variant):
         elif isinstance(fn, fm.SineMap):
             scale = fn.log_scale(fn.inputs(x), is_query=is_query)
             rebuilt = torch.sin(fn.inputs(x) @ fn.rows().T + fn.phases())
+            rebuilt = rebuilt * (1.0 if scale is None else scale.exp())
+        elif isinstance(fn, fm.ReluMap):
+            scale = fn.log_scale(fn.inputs(x), is_query=is_query)
+            rebuilt = (fn.inputs(x) @ fn.w.T).clamp_min(0) + fn.floor()
             rebuilt = rebuilt * (1.0 if scale is None else scale.exp())
         elif isinstance(fn, fm.EluMap):
             rebuilt = torch.where(x > 0, x + 1, x.exp())

@@ -165,10 +165,14 @@ def trig_log_scale(x: Tensor, num_features: int, *, is_query: bool) -> Tensor:
     return log_scale - math.log(num_features) if is_query else log_scale
 
 
+# What performer's relu features add to relu(w x), so that no key's features are all 0.
+RELU_FLOOR = 1e-3
+
+
 def relu(x: Tensor, w: Tensor, *, is_query: bool) -> Features:
     """Performer's generalised attention: φ(x) = relu(w x) + 1e-3 (not a softmax estimator)."""
     # clamp_min saves its input for backward (relu saves its output, which add_ would clobber).
-    return project(x, w).clamp_min(0.0).add_(1e-3), None
+    return project(x, w).clamp_min(0.0).add_(RELU_FLOOR), None
 
 
 def random_phase_cos(x: Tensor, w: Tensor, phase: Tensor, *, is_query: bool) -> Features:
@@ -237,7 +241,43 @@ class SineMap:
 def arccos(x_unit: Tensor, w: Tensor, *, is_query: bool) -> Features:
     """RFA's arc-cosine variant: φ(x) = sqrt(2/F) relu(w x) (arc-cosine kernel of order 1)."""
     phi = project(x_unit, w).relu_()
-    return phi, _constant(x_unit, math.log(2.0 / w.shape[0])) if is_query else None
+    return phi, arccos_log_scale(x_unit, w.shape[0], is_query=is_query)
+
+
+def arccos_log_scale(x: Tensor, num_features: int, *, is_query: bool) -> Tensor | None:
+    """:func:`arccos`'s log-scale: log(2/F) for queries (both sides' sqrt(2/F)), none for
+    keys."""
+    return _constant(x, math.log(2.0 / num_features)) if is_query else None
+
+
+@dataclass(frozen=True)
+class ReluMap:
+    """A rectified map of ``inputs(x)`` = x̃ with the projection ``w`` (F, D), as data (a
+    :data:`~effattn.kernelized.core.FeatureFn` like any map): ``kind`` "relu" (:func:`relu`,
+    performer's generalised attention) or "arccos" (:func:`arccos`, RFA's). Each feature is
+    relu(w_f x̃) + :meth:`floor`, times the log-scale's factor (:meth:`log_scale`): so a
+    strategy can form φ inside its own kernels (:mod:`effattn.kernelized.fused`: no N x F
+    features in memory)."""
+
+    w: Tensor
+    inputs: Callable[[Tensor], Tensor]
+    kind: str
+
+    def __call__(self, x: Tensor, *, is_query: bool) -> Features:
+        x = self.inputs(x)
+        return (relu if self.kind == "relu" else arccos)(x, self.w.to(x.dtype),
+                                                          is_query=is_query)
+
+    def floor(self) -> float:
+        """What every feature adds to relu(w_f x̃): :data:`RELU_FLOOR` for relu, 0 for
+        arccos."""
+        return RELU_FLOOR if self.kind == "relu" else 0.0
+
+    def log_scale(self, x: Tensor, *, is_query: bool) -> Tensor | None:
+        """The log-scale (..., L, 1) of the features of x̃ (..., L, D) (None: 0)."""
+        if self.kind == "relu":
+            return None
+        return arccos_log_scale(x, self.w.shape[0], is_query=is_query)
 
 
 def _constant(x: Tensor, value: float) -> Tensor:

@@ -14,14 +14,16 @@ divisor and the lost-row check are the other strategies'; the results agree to r
 The maps handed to the core as data, their projection not trained, are formed inside the
 kernels (:func:`_map`): performer's positive map and its hyperbolic pair
 (:class:`~effattn.kernelized.features.PositiveMap`, φ = exp(x̃ w^T - m), with the row maxima m
-from one more small kernel) and the trigonometric maps
+from one more small kernel), the trigonometric maps
 (:class:`~effattn.kernelized.features.SineMap`, φ = sin(x̃ w^T + b): performer's trig, FAVOR's
-random-phase cosine, RFA's sin/cos with its learned σ). The kernels read x̃ (N x D: x·√scale, or
-RFA's unit(x)/σ) and the projection in place of φ(Q), φ(K) (N x F), and the backward kernels
-return the gradient of x̃ rather than of φ (autograd takes it on to q, k and σ), so that nothing
-of size N x F is held. The linear transformer's elu + 1
-(:class:`~effattn.kernelized.features.EluMap`, F = D, no projection) is formed from q and k
-themselves, read in their own dtype: a bf16 call holds no fp32 copy of them either.
+random-phase cosine, RFA's sin/cos with its learned σ) and the rectified ones
+(:class:`~effattn.kernelized.features.ReluMap`, φ = relu(x̃ w^T) + a floor: performer's relu,
+RFA's arc-cosine). The kernels read x̃ (N x D: x·√scale, or RFA's unit(x)/σ) and the
+projection in place of φ(Q), φ(K) (N x F), and the backward kernels return the gradient of x̃
+rather than of φ (autograd takes it on to q, k and σ), so that nothing of size N x F is held.
+The linear transformer's elu + 1 (:class:`~effattn.kernelized.features.EluMap`, F = D, no
+projection) is formed from q and k themselves, read in their own dtype: a bf16 call holds no
+fp32 copy of them either.
 
 What it runs and what it hands on:
 
@@ -216,8 +218,9 @@ def _map(features: FeatureFn, q: Tensor, k: Tensor,
          ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Projection | None]:
     """What the kernels read of q and k (B, H, n, D): (φ(Q), φ(K), the queries' and keys'
     log-scales, None); for a map given as data whose projection is not trained (the positive
-    maps, :class:`~effattn.kernelized.features.PositiveMap`, and the trigonometric ones,
-    :class:`~effattn.kernelized.features.SineMap`) x̃ = the map's inputs of q, k in place of φ,
+    maps, :class:`~effattn.kernelized.features.PositiveMap`, the trigonometric ones,
+    :class:`~effattn.kernelized.features.SineMap`, and the rectified ones,
+    :class:`~effattn.kernelized.features.ReluMap`) x̃ = the map's inputs of q, k in place of φ,
     and the :class:`~effattn.kernelized.fused_kernels.Projection` with which the kernels form φ
     themselves, so that no N x F features are held; for elu + 1
     (:class:`~effattn.kernelized.features.EluMap`) q and k themselves, in their own dtype.
@@ -229,10 +232,17 @@ def _map(features: FeatureFn, q: Tensor, k: Tensor,
     if isinstance(features, fm.EluMap):
         # q and k as they are, half precision too: the kernels convert their tiles.
         return q, k, None, None, _kernels().Projection(None)
-    if isinstance(features, (fm.PositiveMap, fm.SineMap)) and not features.w.requires_grad:
+    formed = (fm.PositiveMap, fm.SineMap, fm.ReluMap)
+    if isinstance(features, formed) and not features.w.requires_grad:
         xq, xk = features.inputs(q.to(dt)), features.inputs(k.to(dt))
-        w = features.rows().to(xq.dtype).contiguous()
         kernels = _kernels()
+        if isinstance(features, fm.ReluMap):
+            w = features.w.to(xq.dtype).contiguous()
+            floors = w.new_full(w.shape[:1], features.floor())
+            return (xq, xk, features.log_scale(xq, is_query=True),
+                    features.log_scale(xk, is_query=False),
+                    kernels.Projection(w, floors=floors))
+        w = features.rows().to(xq.dtype).contiguous()
         if isinstance(features, fm.SineMap):
             return (xq, xk, features.log_scale(xq, is_query=True),
                     features.log_scale(xk, is_query=False),

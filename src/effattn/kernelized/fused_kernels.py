@@ -38,19 +38,22 @@ dX = dA ⊙ exp(a_j + Λ_i - m_i) (j <= i in the chunk):
 The log-weights' and log-gates' gradients follow from dφ (the caller's:
 :func:`effattn.kernelized.fused._log_gate_grad`).
 
-With a map formed inside (``MAP``: ``EXP`` or ``SINE``, not ``READ``), φ is not read but
+With a map formed inside (``MAP``: any but ``READ``), φ is not read but
 formed from x̃ (N x D) and the projection's block of rows w (BK x D), u = x̃ w^T:
 
 - ``EXP`` (performer's positive and hyperbolic maps): φ = exp(u - m) with the row maxima m over
   all F features (``_row_max_kernel``, launched first: they span every feature block);
 - ``SINE`` (performer's trig, FAVOR's random-phase cosine, RFA's sin/cos): φ = sin(u + b) with
   per-feature phases b (π/2 for a cosine);
+- ``RELU`` (performer's relu, RFA's arc-cosine): φ = relu(u) + b with per-feature floors b
+  (performer's 1e-3, 0 for the arc-cosine);
 - ``ELU`` (the linear transformer's): φ = elu(x̃) + 1 of x̃ itself (F = D, no projection: u is
   the block's columns of x̃), read in its own dtype (bf16 q, k need no fp32 copy).
 
 The backward kernels then write, in place of dφ, this block's part of ∂L/∂x̃ =
 (dφ ⊙ ∂φ/∂u) w (∂φ/∂u = φ for ``EXP``, m held constant: it cancels; cos(u + b) for ``SINE``;
-for ``ELU`` the block's columns, dφ ⊙ ∂φ/∂u itself) and of Σ_f dφ ⊙ φ (``_store_inputs_grad``).
+1 above 0 and 0 below for ``RELU``; for ``ELU`` the block's columns, dφ ⊙ ∂φ/∂u itself) and of
+Σ_f dφ ⊙ φ (``_store_inputs_grad``).
 
 A program holds one block of BK features and all Dv values, so that the sums over features
 (num, den, dv) come out per feature block and are added by the caller; the rest needs no
@@ -80,9 +83,11 @@ from effattn.base import compute_dtype
 from effattn.kernelized.core import LOG_FLOOR
 
 # How the kernels get φ (their MAP): read from memory (φ(Q), φ(K) given), or formed from x̃
-# and the projection's rows, as exp(x̃ w^T - m) (the positive maps) or sin(x̃ w^T + b) (the
-# trigonometric ones), or from x itself as elu(x) + 1 (the linear transformer's, F = D).
-READ, EXP, SINE, ELU = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+# and the projection's rows, as exp(x̃ w^T - m) (the positive maps), sin(x̃ w^T + b) (the
+# trigonometric ones) or relu(x̃ w^T) + b (the rectified ones), or from x itself as
+# elu(x) + 1 (the linear transformer's, F = D).
+READ, EXP, SINE, ELU, RELU = (tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3),
+                              tl.constexpr(4))
 
 
 @triton.jit
@@ -110,9 +115,10 @@ def _features(x_ptr, w, rows_ptr, b, t, t_ok, f, f_ok, D, BD: tl.constexpr, ACC:
               PRECISION: tl.constexpr, MAP: tl.constexpr):
     """φ of a chunk's tokens t (BT, BK), in ACC, and its derivative in u, from x̃ (at x_ptr,
     N x D): with u = x̃ w^T (w the projection's rows), exp(u - m) with the row maxima m (at
-    rows_ptr) for ``EXP`` (its own derivative) and sin(u + b) with the phases b (BK) for
-    ``SINE`` (cos(u + b)); with u = x̃'s columns f, elu(u) + 1 for ``ELU`` (1 above 0, e^u
-    below; x̃ read in its own dtype). 0 past the sequence and past F."""
+    rows_ptr) for ``EXP`` (its own derivative), sin(u + b) with the phases b (BK) for ``SINE``
+    (cos(u + b)) and relu(u) + b with the floors b for ``RELU`` (1 above 0, else 0); with
+    u = x̃'s columns f, elu(u) + 1 for ``ELU`` (1 above 0, e^u below; x̃ read in its own
+    dtype). 0 past the sequence and past F."""
     ok = t_ok[:, None] & f_ok[None, :]
     if MAP == ELU:
         u = tl.load(x_ptr + t[:, None] * D + f[None, :], mask=ok, other=0.0).to(ACC)
@@ -129,6 +135,9 @@ def _features(x_ptr, w, rows_ptr, b, t, t_ok, f, f_ok, D, BD: tl.constexpr, ACC:
         u += b[None, :]
         phi = tl.where(ok, tl.sin(u), 0.0)
         slope = tl.where(ok, tl.cos(u), 0.0)
+    elif MAP == RELU:
+        phi = tl.where(ok, tl.maximum(u, 0.0) + b[None, :], 0.0)
+        slope = tl.where(ok & (u > 0.0), 1.0, 0.0)
     else:
         below = tl.exp(tl.minimum(u, 0.0))
         phi = tl.where(ok, tl.where(u > 0.0, u + 1.0, below), 0.0)
@@ -139,10 +148,11 @@ def _features(x_ptr, w, rows_ptr, b, t, t_ok, f, f_ok, D, BD: tl.constexpr, ACC:
 @triton.jit
 def _map_rows(w_ptr, b_ptr, f, f_ok, D, BK: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
               MAP: tl.constexpr):
-    """The projection's rows f (BK, BD) and the phases (BK) of a map formed inside: the phases
-    0 but for ``SINE``, and both placeholders, never read, for ``ELU`` (no projection)."""
+    """The projection's rows f (BK, BD) and the offsets b (BK) of a map formed inside (the
+    phases of ``SINE``, the floors of ``RELU``, else 0), and both placeholders, never read, for
+    ``ELU`` (no projection)."""
     w = tl.zeros([BK, BD], dtype=ACC) if MAP == ELU else _projection(w_ptr, f, f_ok, D, BD)
-    if MAP == SINE:
+    if (MAP == SINE) | (MAP == RELU):
         b = tl.load(b_ptr + f, mask=f_ok, other=0.0).to(ACC)
     else:
         b = tl.zeros([BK], dtype=ACC)
@@ -420,20 +430,29 @@ class Projection:
     """A map the kernels form themselves from x̃ (B, H, N, D): the rows w (F, D) of u = x̃ w^T,
     and either the row maxima of the queries' and keys' u (B, H, N), for φ = exp(u - m) (the
     positive maps), or the phases b (F,), for φ = sin(u + b) (the trigonometric maps: cos is
-    sin at a phase of π/2); or no projection (w None), for φ = elu(x̃) + 1 of x̃ itself (F = D),
-    which the kernels read in its own dtype."""
+    sin at a phase of π/2), or the floors b (F,), for φ = relu(u) + b (the rectified maps); or
+    no projection (w None), for φ = elu(x̃) + 1 of x̃ itself (F = D), which the kernels read
+    in its own dtype."""
 
     w: Tensor | None
     query_maxima: Tensor | None = None
     key_maxima: Tensor | None = None
     phases: Tensor | None = None
+    floors: Tensor | None = None
 
     @property
     def map(self) -> int:
-        """The kernels' MAP: ``ELU`` without a projection, ``SINE`` with phases, else ``EXP``."""
+        """The kernels' MAP: ``ELU`` without a projection, ``SINE`` with phases, ``RELU`` with
+        floors, else ``EXP``."""
         if self.w is None:
             return ELU.value
-        return SINE.value if self.phases is not None else EXP.value
+        if self.phases is not None:
+            return SINE.value
+        return RELU.value if self.floors is not None else EXP.value
+
+    def offsets(self) -> Tensor | None:
+        """The per-feature b the kernels add (phases or floors; None for the other maps)."""
+        return self.phases if self.phases is not None else self.floors
 
 
 def tile(chunk: int, dtype: torch.dtype) -> int:
@@ -510,7 +529,7 @@ def _widths(phi: Tensor, projection: Projection | None,
         return phi.shape[-1], phi.shape[-1], (phi, phi, phi, phi), ELU.value
     w = projection.w.contiguous()
     read = [w if t is None else t.contiguous()
-            for t in (projection.phases, projection.query_maxima, projection.key_maxima)]
+            for t in (projection.offsets(), projection.query_maxima, projection.key_maxima)]
     return w.shape[0], w.shape[1], (w, *read), projection.map
 
 

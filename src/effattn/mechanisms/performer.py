@@ -100,7 +100,7 @@ class PerformerAttention(KernelizedAttention):
                                   pair=self.feature_map == "hyperbolic")
         if self.feature_map == "trig":
             return fm.SineMap(self.projection, self._inputs, "trig")
-        return self.features
+        return fm.ReluMap(self.projection, self._inputs, "relu")
 
     def _inputs(self, x: Tensor) -> Tensor:
         return x * math.sqrt(self.scale)

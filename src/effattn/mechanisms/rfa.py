@@ -112,7 +112,7 @@ class RandomFeatureAttention(KernelizedAttention):
     def feature_fn(self) -> FeatureFn:
         if self.feature_map == "sincos":
             return fm.SineMap(self.projection, self._inputs, "sincos")
-        return self.features
+        return fm.ReluMap(self.projection, self._inputs, "arccos")
 
     def _inputs(self, x: Tensor) -> Tensor:
         """unit(x) / σ_h, what the projection multiplies."""
