@@ -14,7 +14,7 @@ backward span (``effattn.kernelized.gpu.BACKWARD_SLICE_SCALE``: a span is that m
 CPU strategy's causal budget, capped at the forward's slice): the trade of transient memory
 for launches. ``--strategies`` picks the kernelized strategies (default ``cpu,gpu``); ``triton``
 is the fused kernels (``effattn.kernelized.fused``), whose launches are not ATen operations:
-``launches`` counts them in one training call (1 per forward slice and 2 per backward span,
+``launches`` counts them in one training call (1 per forward slice and 3 per backward span,
 and 2 row-max launches for each of those where performer's map is formed in the kernels), 0
 on the other rows.
 
@@ -96,6 +96,7 @@ DRY_WRITES = {
     "_backward_queries_kernel": {"dq_ptr": 0.0, "sq_ptr": 0.0},
     "_backward_keys_kernel": {"dk_ptr": 0.0, "sk_ptr": 0.0, "dv_ptr": 0.0, "dkv_in_ptr": 0.0},
     "_row_max_kernel": {"m_ptr": 0.0},
+    "_divisor_grad_kernel": {"gd_ptr": 0.0},
 }
 
 

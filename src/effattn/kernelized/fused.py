@@ -397,21 +397,22 @@ class _FusedCausal(torch.autograd.Function):
                 gate_c = None if gate_s is None else gate_s.to(compute_dtype(q_s.dtype))
                 ls, log_gate = _log_weights(key_log_scale, None if pad is None else pad[:, a:e],
                                             gate_c, phi_k, compute_dtype(q_s.dtype))
-            div = core._divisor(den, ctx.eps, m)
-            back = torch.where(div == den, -1.0 / div, 0.0)
-            # The output as saved (in q's dtype, as flash attention keeps it for the same
-            # product) and its gradient, promoted span by span.
-            g = core._ratio_grad(d_out[:, :, a:e].to(div.dtype), out[:, :, a:e].to(div.dtype),
-                                 div, back)
+            div = core._divisor(den, ctx.eps, m)[..., 0]
+            back = torch.where(div == den[..., 0], -1.0 / div, 0.0)
+            # The gradient of [num, den] from the output's (core._ratio_grad's rule): the
+            # kernels read it and the output as saved (in q's dtype, as flash attention keeps
+            # it for the same product) in place, with no promoted copy of either.
+            d_out_s = d_out[:, :, a:e]
+            g_den = kernels.divisor_grad(d_out_s, out[:, :, a:e], back)
             d_query_scale = None
             if ctx.normaliser and d_log_abs is not None:
                 # log |d| + the scales: d receives d_log_abs / d where it is the denominator.
                 d_query_scale = d_log_abs[:, :, a:e, None]
-                g[..., -1:].sub_(d_query_scale * back)
+                g_den.sub_(d_query_scale[..., 0] * back)
             pq, pk = phi_q.detach().contiguous(), phi_k.detach().contiguous()
             d_q, d_k, d_v, d_kv_in, sums = kernels.backward(
                 pq, pk, ls.detach(), v_s.detach().contiguous(), kv, m[..., 0].contiguous(),
-                running, g[..., :-1], g[..., -1], d_after, ctx.chunk,
+                running, d_out_s, div, g_den, d_after, ctx.chunk,
                 None if log_gate is None else log_gate.detach(), projection)
             # The output depends on φ(k_j) and its log-weight only through φ(k_j) e^{ls_j}:
             # ∂L/∂ls_j = φ(k_j)·dφ(k_j) (the kernels' sums, where they form φ themselves).

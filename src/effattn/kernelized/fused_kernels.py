@@ -276,10 +276,41 @@ def _store_inputs_grad(dx_ptr, sums_ptr, g, products, w, t, t_ok, f, f_ok, bh, p
 
 
 @triton.jit
+def _ratio_grads(do_ptr, div_ptr, gd_ptr, bh, t, t_ok, d, vd_ok, N, DO_BH, DO_ROW, DO_COL,
+                 ACC: tl.constexpr):
+    """The gradients of a chunk's num (BT, BV) and den (BT), in ACC: G = dO / d from the
+    output's (read in its own dtype at its strides) and the divisors d, and g as given (from
+    :func:`divisor_grad`)."""
+    do = tl.load(do_ptr + bh * DO_BH + t[:, None] * DO_ROW + d[None, :] * DO_COL, mask=vd_ok,
+                 other=0.0).to(ACC)
+    div = tl.load(div_ptr + bh * N + t, mask=t_ok, other=1.0).to(ACC)
+    gd = tl.load(gd_ptr + bh * N + t, mask=t_ok, other=0.0).to(ACC)
+    return do / div[:, None], gd
+
+
+@triton.jit
+def _divisor_grad_kernel(do_ptr, o_ptr, back_ptr, gd_ptr, N, DV, DO_BH, DO_ROW, DO_COL, O_BH,
+                         O_ROW, O_COL, BT: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr):
+    """g_t = b_t Σ_e dO_te O_te of BT tokens, the products in ACC from dO and O read in their
+    own dtypes at their strides."""
+    bh = tl.program_id(1).to(tl.int64)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    d = tl.arange(0, BV)
+    t_ok = t < N
+    ok = t_ok[:, None] & (d < DV)[None, :]
+    do = tl.load(do_ptr + bh * DO_BH + t[:, None] * DO_ROW + d[None, :] * DO_COL, mask=ok,
+                 other=0.0).to(ACC)
+    o = tl.load(o_ptr + bh * O_BH + t[:, None] * O_ROW + d[None, :] * O_COL, mask=ok,
+                other=0.0).to(ACC)
+    back = tl.load(back_ptr + bh * N + t, mask=t_ok, other=0.0).to(ACC)
+    tl.store(gd_ptr + bh * N + t, tl.sum(do * o, 1) * back, mask=t_ok)
+
+
+@triton.jit
 def _backward_queries_kernel(
-    q_ptr, k_ptr, ls_ptr, lg_ptr, v_ptr, kv_in_ptr, m_ptr, r_ptr, gn_ptr, gd_ptr, w_ptr,
-    b_ptr, mq_ptr, mk_ptr, dq_ptr, sq_ptr,
-    N, F, D, DV, NC, BH, GN_ROW, GD_ROW,
+    q_ptr, k_ptr, ls_ptr, lg_ptr, v_ptr, kv_in_ptr, m_ptr, r_ptr, do_ptr, div_ptr, gd_ptr,
+    w_ptr, b_ptr, mq_ptr, mk_ptr, dq_ptr, sq_ptr,
+    N, F, D, DV, NC, BH, DO_BH, DO_ROW, DO_COL,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
     PRECISION: tl.constexpr, GATED: tl.constexpr, MAP: tl.constexpr,
 ):
@@ -317,9 +348,9 @@ def _backward_queries_kernel(
         values = t[:, None] * DV + d[None, :]
         vd_ok = t_ok[:, None] & d_ok[None, :]
         vc = tl.load(v_ptr + bh * N * DV + values, mask=vd_ok, other=0.0).to(kc.dtype)
-        gn = tl.load(gn_ptr + (bh * N + t[:, None]) * GN_ROW + d[None, :], mask=vd_ok,
-                     other=0.0).to(kc.dtype)
-        gd = tl.load(gd_ptr + (bh * N + t) * GD_ROW, mask=t_ok, other=0.0).to(ACC)
+        gn, gd = _ratio_grads(do_ptr, div_ptr, gd_ptr, bh, t, t_ok, d, vd_ok, N, DO_BH, DO_ROW,
+                              DO_COL, ACC)
+        gn = gn.to(kc.dtype)
         weight = tl.where(
             causal, tl.exp(tl.minimum(kt[None, :] + gc[:, None] - m[:, None], 0.0)), 0.0)
         d_x = (tl.dot(gn, tl.trans(vc), input_precision=PRECISION).to(ACC) + gd[:, None]) * weight
@@ -343,9 +374,9 @@ def _backward_queries_kernel(
 
 @triton.jit
 def _backward_keys_kernel(
-    q_ptr, k_ptr, ls_ptr, lg_ptr, v_ptr, m_ptr, r_ptr, gn_ptr, gd_ptr, du_ptr, w_ptr, b_ptr,
-    mq_ptr, mk_ptr, dk_ptr, sk_ptr, dv_ptr, dkv_in_ptr,
-    N, F, D, DV, NC, BH, GN_ROW, GD_ROW,
+    q_ptr, k_ptr, ls_ptr, lg_ptr, v_ptr, m_ptr, r_ptr, do_ptr, div_ptr, gd_ptr, du_ptr, w_ptr,
+    b_ptr, mq_ptr, mk_ptr, dk_ptr, sk_ptr, dv_ptr, dkv_in_ptr,
+    N, F, D, DV, NC, BH, DO_BH, DO_ROW, DO_COL,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
     PRECISION: tl.constexpr, GATED: tl.constexpr, MAP: tl.constexpr,
 ):
@@ -387,9 +418,9 @@ def _backward_keys_kernel(
         values = t[:, None] * DV + d[None, :]
         vd_ok = t_ok[:, None] & d_ok[None, :]
         vc = tl.load(v_ptr + bh * N * DV + values, mask=vd_ok, other=0.0).to(qc.dtype)
-        gn = tl.load(gn_ptr + (bh * N + t[:, None]) * GN_ROW + d[None, :], mask=vd_ok,
-                     other=0.0).to(qc.dtype)
-        gd = tl.load(gd_ptr + (bh * N + t) * GD_ROW, mask=t_ok, other=0.0).to(ACC)
+        gn, gd = _ratio_grads(do_ptr, div_ptr, gd_ptr, bh, t, t_ok, d, vd_ok, N, DO_BH, DO_ROW,
+                              DO_COL, ACC)
+        gn = gn.to(qc.dtype)
         weight = tl.where(
             causal, tl.exp(tl.minimum(kt[None, :] + gc[:, None] - m[:, None], 0.0)), 0.0)
         a = tl.dot(qc, tl.trans(kc), input_precision=PRECISION).to(ACC) * weight
@@ -419,9 +450,12 @@ def _backward_keys_kernel(
 # The kernels, and how their arguments are typed (benchmarks/triton_resources.py compiles them
 # ahead of time with these): pointers to inputs of the call's dtype, integers, and the rest
 # pointers to accumulator-typed buffers.
-KERNELS = (_forward_kernel, _backward_queries_kernel, _backward_keys_kernel, _row_max_kernel)
-INPUTS = frozenset({"q_ptr", "k_ptr", "v_ptr", "ls_ptr", "lg_ptr", "gn_ptr", "w_ptr", "x_ptr"})
-INTEGERS = frozenset({"N", "F", "D", "DV", "NC", "BH", "EVERY", "NMARKS", "GN_ROW", "GD_ROW"})
+KERNELS = (_forward_kernel, _backward_queries_kernel, _backward_keys_kernel, _row_max_kernel,
+           _divisor_grad_kernel)
+INPUTS = frozenset({"q_ptr", "k_ptr", "v_ptr", "ls_ptr", "lg_ptr", "do_ptr", "o_ptr", "w_ptr",
+                    "x_ptr"})
+INTEGERS = frozenset({"N", "F", "D", "DV", "NC", "BH", "EVERY", "NMARKS", "DO_BH", "DO_ROW",
+                      "DO_COL", "O_BH", "O_ROW", "O_COL"})
 
 
 
@@ -533,15 +567,33 @@ def _widths(phi: Tensor, projection: Projection | None,
     return w.shape[0], w.shape[1], (w, *read), projection.map
 
 
-def _rows(x: Tensor) -> tuple[Tensor, int]:
-    """x (B, H, N, L) as the backward kernels read it, rows of L contiguous values at a uniform
-    stride, and that stride: x itself where it is so laid out (the output's gradient and its
-    divisor's, views into one (B, H, N, Dv + 1) tensor), else a contiguous copy."""
-    b, h, n, width = x.shape
-    row = x.stride(2)
-    if (width == 1 or x.stride(3) == 1) and x.stride(1) == n * row and x.stride(0) == h * n * row:
-        return x, row
-    return x.contiguous(), width
+def _strided(x: Tensor) -> tuple[Tensor, int, int, int]:
+    """x (B, H, N, L) as the kernels read it in place, at the strides of its (batch, head)
+    pairs, rows and columns: x itself where one stride steps over the B H pairs (a span's rows
+    of a contiguous tensor, or the expanded gradient of a sum), else a contiguous copy."""
+    if x.shape[0] > 1 and x.stride(0) != x.shape[1] * x.stride(1):
+        x = x.contiguous()
+    return x, x.stride(1), x.stride(2), x.stride(3)
+
+
+# Tokens per program of the divisor's gradient (an elementwise pass: one (64, Dv) tile each).
+RATIO_TOKENS = 64
+
+
+def divisor_grad(d_out: Tensor, out: Tensor, back: Tensor) -> Tensor:
+    """The gradient of the denominators (B, H, N) from the output's d_out (B, H, N, Dv), of
+    out = num / d: back · (d_out·out) with back = -1/d (0 where the eps floor, not the
+    denominator, set d), the products in fp32 (fp64 for fp64) from d_out and out read in
+    their own dtypes and in place (flash attention's preprocessing of its backward)."""
+    b, h, n, dv = out.shape
+    (d_out, *read_do), (out, *read_o) = _strided(d_out), _strided(out)
+    acc = _accumulator(out.dtype)
+    gd = back.new_empty(b, h, n, dtype=acc)
+    _divisor_grad_kernel[(triton.cdiv(n, RATIO_TOKENS), b * h)](
+        d_out, out, back.to(acc).contiguous(), gd, n, dv, *read_do, *read_o, BT=RATIO_TOKENS,
+        BV=max(16, triton.next_power_of_2(dv)),
+        ACC=tl.float64 if acc == torch.float64 else tl.float32, num_warps=4)
+    return gd
 
 
 def _phi_dtype(phi: Tensor, kind: int) -> torch.dtype:
@@ -596,11 +648,13 @@ def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: 
 
 
 def backward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: Tensor,
-             m: Tensor, running: Tensor, d_num: Tensor, d_den: Tensor, d_after: Tensor | None,
-             chunk: int, log_gate: Tensor | None = None, projection: Projection | None = None,
+             m: Tensor, running: Tensor, d_out: Tensor, div: Tensor, d_den: Tensor,
+             d_after: Tensor | None, chunk: int, log_gate: Tensor | None = None,
+             projection: Projection | None = None,
              ) -> tuple[Tensor, Tensor, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
     """The gradients of :func:`forward`'s inputs φ(Q), φ(K), v and kv (the entering state)
-    from those of num (B, H, N, Dv), den (B, H, N) and the state after (None: 0), given the
+    from those of num, d_out / div (d_out (B, H, N, Dv), read in its own dtype and in place;
+    the divisors div (B, H, N)), of den (B, H, N) and of the state after (None: 0), given the
     forward's row scales m and running scales. The keys' log-weights and the log-gates get
     theirs from the caller: the output depends on φ(k_j) and ls_j only through φ(k_j)
     exp(ls_j), so ∂L/∂ls_j = φ(k_j)·∂L/∂φ(k_j), and the log-gates' follow from the same
@@ -618,8 +672,8 @@ def backward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv:
     config = meta(_phi_dtype(phi_q, kind), chunk, f, dv, d, projection is not None)
     nk, nc = triton.cdiv(f, config["BK"]), triton.cdiv(n, config["BT"])
     acc = running.dtype
-    d_num, gn_row = _rows(d_num.to(_phi_dtype(phi_q, kind)))
-    d_den, gd_row = _rows(d_den.to(acc)[..., None])
+    d_out, *read_do = _strided(d_out)
+    div, d_den = div.to(acc).contiguous(), d_den.to(acc).contiguous()
     if d_after is None:
         d_after = kv.new_zeros(b, h, f, dv + 1, dtype=acc)
     if projection is None:
@@ -639,14 +693,14 @@ def backward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv:
     grid = (nk, b * h)
     gates, gated = _gates(log_gate, key_log_scale), log_gate is not None
     _backward_queries_kernel[grid](
-        phi_q, phi_k, key_log_scale, gates, v, kv.to(acc).contiguous(), m, running, d_num, d_den,
-        *mapped, d_q, q_sums, n, f, d, dv, nc, b * h, gn_row, gd_row, **config, GATED=gated,
+        phi_q, phi_k, key_log_scale, gates, v, kv.to(acc).contiguous(), m, running, d_out, div,
+        d_den, *mapped, d_q, q_sums, n, f, d, dv, nc, b * h, *read_do, **config, GATED=gated,
         MAP=kind,
     )
     _backward_keys_kernel[grid](
-        phi_q, phi_k, key_log_scale, gates, v, m, running, d_num, d_den,
+        phi_q, phi_k, key_log_scale, gates, v, m, running, d_out, div, d_den,
         d_after.to(acc).contiguous(), *mapped, d_k, k_sums, d_v, d_kv, n, f, d, dv, nc, b * h,
-        gn_row, gd_row, **config, GATED=gated, MAP=kind,
+        *read_do, **config, GATED=gated, MAP=kind,
     )
     d_v = d_v.sum(0) if nk > 1 else d_v[0]
     if projection is None:
