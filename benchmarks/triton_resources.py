@@ -111,11 +111,17 @@ def compile_kernel(kernel: Any, arch: int, name: str, gated: bool, map_: str = "
         meta = fused_kernels.meta(dtype, chunk, feature_dim, value_dim, key_dim,
                                   map_ != "read")
     warps = meta.pop("num_warps")
+    if kernel is fused_kernels._divisor_grad_kernel:
+        meta["BT"], warps = fused_kernels.RATIO_TOKENS, fused_kernels.RATIO_WARPS
     short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
              torch.float64: "fp64"}
     inputs, acc = "*" + short[dtype], "*" + ("fp64" if dtype == torch.float64 else "fp32")
+    # Feature blocks add their parts atomically wherever there are several, as at F = 256
+    # (fused_kernels.atomic); the elu map's F is D.
+    blocks = -(-(key_dim if map_ == "elu" else feature_dim) // meta["BK"])
     constants = {**meta, "LOG_FLOOR_": fused_kernels.LOG_FLOOR, "GATED": gated,
-                 "MAP": getattr(fused_kernels, map_.upper()).value}
+                 "MAP": getattr(fused_kernels, map_.upper()).value,
+                 "ATOMIC": fused_kernels.atomic(blocks)}
     signature, constexprs = {}, {}
     for arg in kernel.arg_names:
         if arg in constants:
@@ -125,8 +131,9 @@ def compile_kernel(kernel: Any, arch: int, name: str, gated: bool, map_: str = "
         else:
             signature[arg] = inputs if arg in fused_kernels.INPUTS else acc
     if name in VALUES:
-        # The values, and for the elu map (which reads x itself) the queries and keys.
-        narrow = ("v_ptr", "q_ptr", "k_ptr") if map_ == "elu" else ("v_ptr",)
+        # The values, the output and its gradient, and for the elu map (which reads x itself)
+        # the queries and keys.
+        narrow = ("v_ptr", "o_ptr", "do_ptr") + (("q_ptr", "k_ptr") if map_ == "elu" else ())
         signature.update({arg: VALUES[name] for arg in narrow if arg in signature})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Triton's notice about its FP-fusion default

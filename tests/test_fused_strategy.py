@@ -306,6 +306,63 @@ def test_kernels_form_the_map_themselves(gated, kind, device):
         torch.testing.assert_close(a, b_, rtol=1e-11, atol=1e-11)
 
 
+@pytest.fixture
+def deterministic():
+    """torch.use_deterministic_algorithms(True) for the test (it also fills fresh tensors with
+    NaN, so that a slot no kernel writes shows)."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+@pytest.mark.parametrize("kind", ["read", "exp", "elu"])
+def test_feature_blocks_add_atomically_unless_deterministic(kind, request, device):
+    """Several feature blocks (F = 70 in blocks of 64; elu: D = 70) add their parts of the sums
+    over features into one zeroed buffer (fused_kernels.atomic); with deterministic algorithms
+    on, each writes its own, added after (NaN-filled fresh tensors: every slot is written).
+    Outputs and gradients agree to float64 rounding, and the atomic path holds less."""
+    g = torch.Generator().manual_seed(5)
+    b, h, n, f, dv = 2, 2, 45, 70, 5
+    d = 70 if kind == "elu" else 21
+    width = f if kind == "read" else d
+    xq, xk = (torch.randn(b, h, n, width, generator=g, dtype=torch.float64).to(device)
+              for _ in range(2))
+    if kind == "read":
+        xq, xk = xq.abs(), xk.abs()
+    w = torch.randn(f, d, generator=g, dtype=torch.float64).to(device)
+    ls = (torch.rand(b, h, n, generator=g, dtype=torch.float64) * 6 - 3).to(device)
+    v = torch.randn(b, h, n, dv, generator=g, dtype=torch.float64).to(device)
+    kv = torch.rand(b, h, f, dv + 1, generator=g, dtype=torch.float64).to(device)
+    log_scale = torch.zeros(b, h, dtype=torch.float64, device=device)
+    d_out = torch.randn(b, h, n, dv, generator=g, dtype=torch.float64).to(device)
+    div, g_den = (torch.rand(b, h, n, generator=g, dtype=torch.float64).to(device) + 0.5
+                  for _ in range(2))
+    projection = {"read": None, "elu": fused_kernels.Projection(None)}.get(kind)
+    if kind == "exp":
+        projection = fused_kernels.Projection(w, fused_kernels.row_max(xq, w),
+                                              fused_kernels.row_max(xk, w))
+
+    def run():
+        out = fused_kernels.forward(xq, xk, ls, v, kv, log_scale, 16, 16, None, projection)
+        num, den, m, _, running, _ = out
+        grads = fused_kernels.backward(xq, xk, ls, v, kv, m, running, d_out, div, g_den, None,
+                                       16, None, projection)
+        return [*out[:2], *grads[:4], *(grads[4] or ())]
+
+    assert fused_kernels.atomic(2) and not fused_kernels.atomic(1)
+    added = run()
+    peak = live_peak_bytes(run)
+    request.getfixturevalue("deterministic")
+    assert not fused_kernels.atomic(2)
+    after = run()
+    for a, want in zip(added, after, strict=True):
+        assert not want.isnan().any()
+        torch.testing.assert_close(a, want, rtol=1e-12, atol=1e-12)
+    if device == "cpu":
+        assert peak < live_peak_bytes(run)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16], ids=["fp64", "fp16"])
 def test_divisor_gradient_reads_the_output_in_place(dtype, device):
     """fused_kernels.divisor_grad: back · Σ_e dO_e O_e per token, accumulated in fp32 (fp64 for

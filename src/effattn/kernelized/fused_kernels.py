@@ -56,9 +56,12 @@ The backward kernels then write, in place of dφ, this block's part of ∂L/∂x
 Σ_f dφ ⊙ φ (``_store_inputs_grad``).
 
 A program holds one block of BK features and all Dv values, so that the sums over features
-(num, den, dv) come out per feature block and are added by the caller; the rest needs no
-reduction across programs. Grid: (F / BK, B H). The chunk C is a power of two >= 16 (tl.dot's
-smallest tile; :func:`tile`), with 8 warps a program (:func:`meta`).
+(num, den, dv, the gradient of x̃ and the products φ·dφ) come out per feature block: with
+several blocks, each adds its part atomically into one zeroed buffer (``ATOMIC``), or, with
+``torch.use_deterministic_algorithms`` on, stores it in its own, added by the caller
+(:func:`atomic`); the rest needs no reduction across programs. Grid: (F / BK, B H). The chunk
+C is a power of two >= 16 (tl.dot's smallest tile; :func:`tile`), with 8 warps a program
+(:func:`meta`).
 
 v may be in a narrower dtype than φ (bf16 values beside fp32 features): the kernels read it
 as it is and convert each tile after loading, so that no promoted copy of v is made.
@@ -88,6 +91,26 @@ from effattn.kernelized.core import LOG_FLOOR
 # elu(x) + 1 (the linear transformer's, F = D).
 READ, EXP, SINE, ELU, RELU = (tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3),
                               tl.constexpr(4))
+
+
+@triton.jit
+def _put(ptr, values, mask, ATOMIC: tl.constexpr):
+    """Write a feature block's part of a sum over the blocks: added atomically into the one
+    buffer that every block adds to (``ATOMIC``), or stored in the block's own, which the
+    caller adds."""
+    if ATOMIC:
+        tl.atomic_add(ptr, values, mask=mask)
+    else:
+        tl.store(ptr, values, mask=mask)
+
+
+@triton.jit
+def _part(kb, bh, BH, N, ATOMIC: tl.constexpr):
+    """Where a feature block's parts of the sums over blocks start, in rows of N: the (batch,
+    head) pair's rows of the one buffer (``ATOMIC``), or of the block's own."""
+    if ATOMIC:
+        return bh * N
+    return (kb * BH + bh) * N
 
 
 @triton.jit
@@ -185,7 +208,7 @@ def _forward_kernel(
     num_ptr, den_ptr, m_ptr, kv_out_ptr, r_ptr, marks_ptr,
     N, F, D, DV, NC, BH, EVERY, NMARKS, LOG_FLOOR_: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
-    PRECISION: tl.constexpr, GATED: tl.constexpr, MAP: tl.constexpr,
+    PRECISION: tl.constexpr, GATED: tl.constexpr, MAP: tl.constexpr, ATOMIC: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -201,7 +224,7 @@ def _forward_kernel(
     r = tl.load(r_in_ptr + bh).to(ACC)
     if MAP != READ:
         w, b = _map_rows(w_ptr, b_ptr, f, f_ok, D, BK, BD, ACC, MAP)
-    part = (kb * BH + bh) * N
+    part = _part(kb, bh, BH, N, ATOMIC)
     for c in range(0, NC):
         if (c > 0) & (c % EVERY == 0):
             mark = marks_ptr + (bh * NMARKS + c // EVERY - 1) * F * (DV + 1)
@@ -235,9 +258,9 @@ def _forward_kernel(
         num = omega[:, None] * tl.dot(qc, s.to(qc.dtype), input_precision=PRECISION).to(ACC)
         num += tl.dot(a.to(vc.dtype), vc, input_precision=PRECISION).to(ACC)
         den = omega * tl.sum(qc.to(ACC) * z[None, :], 1) + tl.sum(a, 1)
-        tl.store(num_ptr + part * DV + t[:, None] * DV + d[None, :], num,
-                 mask=t_ok[:, None] & d_ok[None, :])
-        tl.store(den_ptr + part + t, den, mask=t_ok)
+        _put(num_ptr + part * DV + t[:, None] * DV + d[None, :], num,
+             t_ok[:, None] & d_ok[None, :], ATOMIC)
+        _put(den_ptr + part + t, den, t_ok, ATOMIC)
         if kb == 0:
             tl.store(m_ptr + bh * N + t, m, mask=t_ok)
             tl.store(r_ptr + bh * (NC + 1) + c, r)
@@ -258,21 +281,22 @@ def _forward_kernel(
 @triton.jit
 def _store_inputs_grad(dx_ptr, sums_ptr, g, products, w, t, t_ok, f, f_ok, bh, part, N, D,
                        BD: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-                       MAP: tl.constexpr):
+                       MAP: tl.constexpr, ATOMIC: tl.constexpr):
     """From g = dφ ⊙ ∂φ/∂u and dφ ⊙ φ (``products``) (BT, BK) of one feature block, stored at
     the chunk's tokens t: this block's part of Σ_f dφ ⊙ φ (the log-scale's gradient), and of
-    ∂L/∂x̃, g w (an exp map's row maxima held constant: they cancel), in the block's own
-    (N, D) slot (``part``); for ``ELU`` its columns f of ∂L/∂x itself, g, in the one (N, D)
-    slot of the (batch, head) ``bh`` that every block writes a part of."""
+    ∂L/∂x̃, g w (an exp map's row maxima held constant: they cancel), at ``part`` (the block's
+    own (N, D) slot, or the one every block adds to: ``ATOMIC``); for ``ELU`` its columns f
+    of ∂L/∂x itself, g, in the one (N, D) slot of the (batch, head) ``bh`` that every block
+    writes a part of."""
     if MAP == ELU:
         tl.store(dx_ptr + bh * N * D + t[:, None] * D + f[None, :], g,
                  mask=t_ok[:, None] & f_ok[None, :])
     else:
         e = tl.arange(0, BD)
         dx = tl.dot(g.to(w.dtype), w, input_precision=PRECISION).to(ACC)
-        tl.store(dx_ptr + part * D + t[:, None] * D + e[None, :], dx,
-                 mask=t_ok[:, None] & (e < D)[None, :])
-    tl.store(sums_ptr + t, tl.sum(products, 1), mask=t_ok)
+        _put(dx_ptr + part * D + t[:, None] * D + e[None, :], dx,
+             t_ok[:, None] & (e < D)[None, :], ATOMIC)
+    _put(sums_ptr + t, tl.sum(products, 1), t_ok, ATOMIC)
 
 
 @triton.jit
@@ -312,7 +336,7 @@ def _backward_queries_kernel(
     w_ptr, b_ptr, mq_ptr, mk_ptr, dq_ptr, sq_ptr,
     N, F, D, DV, NC, BH, DO_BH, DO_ROW, DO_COL,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
-    PRECISION: tl.constexpr, GATED: tl.constexpr, MAP: tl.constexpr,
+    PRECISION: tl.constexpr, GATED: tl.constexpr, MAP: tl.constexpr, ATOMIC: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -327,7 +351,7 @@ def _backward_queries_kernel(
     z = tl.load(kv_in_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(ACC)
     if MAP != READ:
         w, b = _map_rows(w_ptr, b_ptr, f, f_ok, D, BK, BD, ACC, MAP)
-    part = (kb * BH + bh) * N
+    part = _part(kb, bh, BH, N, ATOMIC)
     for c in range(0, NC):
         t = c * BT + t0
         t_ok = t < N
@@ -362,7 +386,7 @@ def _backward_queries_kernel(
             phi, slope = _features(q_ptr + bh * N * D, w, mq_ptr + bh * N, b, t, t_ok, f, f_ok,
                                    D, BD, ACC, PRECISION, MAP)
             _store_inputs_grad(dq_ptr, sq_ptr + part, dq * slope, dq * phi, w, t, t_ok, f, f_ok,
-                               bh, part, N, D, BD, ACC, PRECISION, MAP)
+                               bh, part, N, D, BD, ACC, PRECISION, MAP, ATOMIC)
         else:
             tl.store(dq_ptr + bh * N * F + rows, dq, mask=ok)
         enter = tl.exp(kt + total - r_next)
@@ -378,7 +402,7 @@ def _backward_keys_kernel(
     b_ptr, mq_ptr, mk_ptr, dk_ptr, sk_ptr, dv_ptr, dkv_in_ptr,
     N, F, D, DV, NC, BH, DO_BH, DO_ROW, DO_COL,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
-    PRECISION: tl.constexpr, GATED: tl.constexpr, MAP: tl.constexpr,
+    PRECISION: tl.constexpr, GATED: tl.constexpr, MAP: tl.constexpr, ATOMIC: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -393,7 +417,7 @@ def _backward_keys_kernel(
     uz = tl.load(du_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(ACC)
     if MAP != READ:
         w, b = _map_rows(w_ptr, b_ptr, f, f_ok, D, BK, BD, ACC, MAP)
-    part = (kb * BH + bh) * N
+    part = _part(kb, bh, BH, N, ATOMIC)
     for i in range(0, NC):
         c = NC - 1 - i
         t = c * BT + t0
@@ -431,12 +455,12 @@ def _backward_keys_kernel(
         dk += tl.dot(tl.trans(d_x.to(qc.dtype)), qc, input_precision=PRECISION).to(ACC)
         if MAP != READ:
             _store_inputs_grad(dk_ptr, sk_ptr + part, dk * k_slope, dk * kc.to(ACC), w, t, t_ok,
-                               f, f_ok, bh, part, N, D, BD, ACC, PRECISION, MAP)
+                               f, f_ok, bh, part, N, D, BD, ACC, PRECISION, MAP, ATOMIC)
         else:
             tl.store(dk_ptr + bh * N * F + rows, dk, mask=ok)
         dv = enter[:, None] * tl.dot(kc, u.to(kc.dtype), input_precision=PRECISION).to(ACC)
         dv += tl.dot(tl.trans(a.to(gn.dtype)), gn, input_precision=PRECISION).to(ACC)
-        tl.store(dv_ptr + part * DV + values, dv, mask=vd_ok)
+        _put(dv_ptr + part * DV + values, dv, vd_ok, ATOMIC)
         omega = tl.exp(r + gc - m)
         read = (qc.to(ACC) * omega[:, None]).to(qc.dtype)
         keep = tl.exp(r + total - r_next)
@@ -538,6 +562,31 @@ def _accumulator(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def atomic(blocks: int) -> bool:
+    """Whether the feature blocks of a launch add their parts of the sums over features (the
+    numerators and denominators, the gradients of v and x̃, the products φ·dφ) atomically into
+    one buffer: where there are several blocks, unless ``torch.use_deterministic_algorithms``
+    is on. On a GPU the order of those fp32 additions, hence their last bits, then varies from
+    run to run (as in flash attention's backward); the deterministic path writes one buffer
+    per block and adds them after, holding ``blocks`` times as much."""
+    return blocks > 1 and not torch.are_deterministic_algorithms_enabled()
+
+
+def _partial(like: Tensor, blocks: int, *shape: int, dtype: torch.dtype) -> Tensor:
+    """The buffer that ``blocks`` feature blocks write their parts of a sum of ``shape`` into:
+    one, zeroed, that they add to (:func:`atomic`), else one per block (leading dimension)."""
+    if atomic(blocks):
+        return like.new_zeros(*shape, dtype=dtype)
+    return like.new_empty(blocks, *shape, dtype=dtype)
+
+
+def _total(x: Tensor, blocks: int) -> Tensor:
+    """The sum over the feature blocks of a :func:`_partial` buffer."""
+    if atomic(blocks):
+        return x
+    return x.sum(0) if blocks > 1 else x[0]
+
+
 def row_max(x: Tensor, w: Tensor) -> Tensor:
     """max_f w_f·x̃_t (B, H, N) of x̃ (B, H, N, D) and the projection w (F, D), over all F
     features (the positive map's row maxima, which the kernels subtract), without x̃ w^T in
@@ -576,8 +625,9 @@ def _strided(x: Tensor) -> tuple[Tensor, int, int, int]:
     return x, x.stride(1), x.stride(2), x.stride(3)
 
 
-# Tokens per program of the divisor's gradient (an elementwise pass: one (64, Dv) tile each).
-RATIO_TOKENS = 64
+# Tokens per program and warps of the divisor's gradient (an elementwise pass: one (64, Dv)
+# tile each).
+RATIO_TOKENS, RATIO_WARPS = 64, 4
 
 
 def divisor_grad(d_out: Tensor, out: Tensor, back: Tensor) -> Tensor:
@@ -592,7 +642,7 @@ def divisor_grad(d_out: Tensor, out: Tensor, back: Tensor) -> Tensor:
     _divisor_grad_kernel[(triton.cdiv(n, RATIO_TOKENS), b * h)](
         d_out, out, back.to(acc).contiguous(), gd, n, dv, *read_do, *read_o, BT=RATIO_TOKENS,
         BV=max(16, triton.next_power_of_2(dv)),
-        ACC=tl.float64 if acc == torch.float64 else tl.float32, num_warps=4)
+        ACC=tl.float64 if acc == torch.float64 else tl.float32, num_warps=RATIO_WARPS)
     return gd
 
 
@@ -629,8 +679,8 @@ def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: 
     every = nc + 1 if every is None else every // bt
     n_marks = (nc - 1) // every
     acc = _accumulator(phi_q.dtype)
-    num = phi_q.new_empty(nk, b, h, n, dv, dtype=acc)
-    den = phi_q.new_empty(nk, b, h, n, dtype=acc)
+    num = _partial(phi_q, nk, b, h, n, dv, dtype=acc)
+    den = _partial(phi_q, nk, b, h, n, dtype=acc)
     m = phi_q.new_empty(b, h, n, dtype=acc)
     kv_out = phi_q.new_empty(b, h, f, dv + 1, dtype=acc)
     running = phi_q.new_empty(b, h, nc + 1, dtype=acc)
@@ -640,11 +690,9 @@ def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: 
         phi_q, phi_k, key_log_scale, _gates(log_gate, key_log_scale), v,
         kv.to(acc).contiguous(), log_scale.to(acc).contiguous(), *mapped, num, den, m, kv_out,
         running, marks, n, f, d, dv, nc, b * h, every, max(1, n_marks), LOG_FLOOR, **config,
-        GATED=log_gate is not None, MAP=kind,
+        GATED=log_gate is not None, MAP=kind, ATOMIC=atomic(nk),
     )
-    if nk > 1:
-        return num.sum(0), den.sum(0), m, kv_out, running, marks
-    return num[0], den[0], m, kv_out, running, marks
+    return _total(num, nk), _total(den, nk), m, kv_out, running, marks
 
 
 def backward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: Tensor,
@@ -682,30 +730,28 @@ def backward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv:
         # The kernels write no sums: any tensor (an argument must point at memory).
         q_sums = k_sums = d_q
     else:
-        # Per feature block, added below, as num and den are; for ELU each block writes its own
-        # columns of one.
-        blocks = () if kind == ELU.value else (nk,)
-        d_q, d_k = (phi_q.new_empty(*blocks, b, h, n, d, dtype=acc) for _ in range(2))
-        sums = phi_q.new_empty(2, nk, b, h, n, dtype=acc)
-        q_sums, k_sums = sums[0], sums[1]
-    d_v = v.new_empty(nk, b, h, n, dv, dtype=acc)
+        # For ELU each feature block writes its own columns of one; else parts of sums over the
+        # blocks, as num and den are.
+        d_q, d_k = (phi_q.new_empty(b, h, n, d, dtype=acc) if kind == ELU.value
+                    else _partial(phi_q, nk, b, h, n, d, dtype=acc) for _ in range(2))
+        q_sums, k_sums = (_partial(phi_q, nk, b, h, n, dtype=acc) for _ in range(2))
+    d_v = _partial(v, nk, b, h, n, dv, dtype=acc)
     d_kv = kv.new_empty(b, h, f, dv + 1, dtype=acc)
     grid = (nk, b * h)
     gates, gated = _gates(log_gate, key_log_scale), log_gate is not None
     _backward_queries_kernel[grid](
         phi_q, phi_k, key_log_scale, gates, v, kv.to(acc).contiguous(), m, running, d_out, div,
         d_den, *mapped, d_q, q_sums, n, f, d, dv, nc, b * h, *read_do, **config, GATED=gated,
-        MAP=kind,
+        MAP=kind, ATOMIC=atomic(nk),
     )
     _backward_keys_kernel[grid](
         phi_q, phi_k, key_log_scale, gates, v, m, running, d_out, div, d_den,
         d_after.to(acc).contiguous(), *mapped, d_k, k_sums, d_v, d_kv, n, f, d, dv, nc, b * h,
-        *read_do, **config, GATED=gated, MAP=kind,
+        *read_do, **config, GATED=gated, MAP=kind, ATOMIC=atomic(nk),
     )
-    d_v = d_v.sum(0) if nk > 1 else d_v[0]
+    d_v = _total(d_v, nk)
     if projection is None:
         return d_q, d_k, d_v, d_kv, None
-    sums = sums.sum(1) if nk > 1 else sums[:, 0]
     if kind != ELU.value:
-        d_q, d_k = (d_q.sum(0), d_k.sum(0)) if nk > 1 else (d_q[0], d_k[0])
-    return d_q, d_k, d_v, d_kv, (sums[0], sums[1])
+        d_q, d_k = _total(d_q, nk), _total(d_k, nk)
+    return d_q, d_k, d_v, d_kv, (_total(q_sums, nk), _total(k_sums, nk))
