@@ -25,7 +25,9 @@ request the states entering every S_b tokens (checkpoints, from which the backwa
 spans shorter than the forward's slice).
 
 Backward (:func:`backward`), from G = ∂L/∂num, g = ∂L/∂den, dA_ij = G_i·v_j + g_i and
-dX = dA ⊙ exp(a_j + Λ_i - m_i) (j <= i in the chunk):
+dX = dA ⊙ exp(a_j + Λ_i - m_i) (j <= i in the chunk). Of out = num / d, G = d_out / d is formed
+by both kernels from the output's gradient, read in place, and the divisors; g = -(d_out·out) / d
+(0 where the eps floor set d) by ``_divisor_grad_kernel`` (:func:`divisor_grad`) first.
 
 - ``_backward_queries_kernel``, chunks in order, the state recomputed as in the forward:
   dφ(q_i) = ω_i (S_c G_i + z_c g_i) + Σ_j dX_ij φ(k_j);
