@@ -273,6 +273,34 @@ def test_rfa_learned_sigma_gets_gradients_and_feature_dims():
     assert effattn.build("linear", head_dim=8, heads=2).feature_dim == 8
 
 
+def test_rfa_map_inputs_and_their_gradients_equal_autograds_of_unit_over_sigma():
+    """RFA's x ↦ unit(x)/σ keeps only x̃ and |x| for backward (rfa._ScaledUnit): its value and
+    gradients (x and σ, learned) equal autograd's through F.normalize, in float64, also on a
+    zero row and one below the norm's floor (where unit(x) = x / ε)."""
+    from effattn.mechanisms.rfa import UNIT_EPS, _ScaledUnit, unit
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 9, 21, generator=g, dtype=torch.float64).requires_grad_()
+    s = (0.5 + torch.rand(3, generator=g, dtype=torch.float64)).requires_grad_()
+    assert torch.autograd.gradcheck(_ScaledUnit.apply, (x, s))
+    x = x.detach().clone()
+    x[0, 1, 2] = 0.0
+    x[1, 0, 3] *= 0.1 * UNIT_EPS / x[1, 0, 3].norm()
+    x.requires_grad_()
+    y = _ScaledUnit.apply(x, s)
+    expected = unit(x) * s[:, None, None]
+    torch.testing.assert_close(y, expected, rtol=1e-14, atol=0)
+    d_y = torch.randn(y.shape, generator=g, dtype=torch.float64)
+    got, want = torch.autograd.grad(y, (x, s), d_y), torch.autograd.grad(expected, (x, s), d_y)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
+    assert got[0][1, 0, 3].abs().min() > 1.0 / UNIT_EPS * 1e-3  # the floor's 1/ε branch
+    module = effattn.build("rfa", head_dim=21, heads=3, learn_sigma=True, seed=0).double()
+    with torch.no_grad():
+        module.log_sigma.copy_(s.detach().reciprocal().log())
+    torch.testing.assert_close(module._inputs(x), expected, rtol=1e-14, atol=0)
+
+
 @pytest.mark.parametrize("name, opts, match", [
     ("performer", {"num_features": 0}, "num_features"),
     ("performer", {"feature_map": "cosine"}, "feature_map"),

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from effattn.base import check_bool, check_choice, check_positive_int
 from effattn.kernelized import features as fm
@@ -43,9 +44,50 @@ from effattn.registry import Budget, CallInput, MethodSpec, Problem, Variant, re
 FEATURE_MAPS = {"sincos": fm.sincos, "arccos": fm.arccos}
 
 
+UNIT_EPS = 1e-6
+
+
 def unit(x: Tensor) -> Tensor:
-    """x / |x| along the head dim (zero vectors stay zero)."""
-    return F.normalize(x, dim=-1, eps=1e-6)
+    """x / max(|x|, ``UNIT_EPS``) along the head dim (zero vectors stay zero)."""
+    return F.normalize(x, dim=-1, eps=UNIT_EPS)
+
+
+class _ScaledUnit(torch.autograd.Function):
+    """x̃ = s_h x / r with r = max(|x|, ``UNIT_EPS``): :func:`unit` (x) times a per-head s = 1/σ
+    (H,), for x (B, H, L, D).
+
+    It keeps x̃ (the map's input, which the caller holds anyway) and r (one value a token),
+    not x, unit(x) and the norm's intermediates as autograd would (for a half-precision x, its
+    fp32 copy too): a strategy that recomputes the map span by span then holds no N x D
+    tensor of it beyond x̃. With g = ∂L/∂x̃, u = x̃ / s and c = g·x̃ (one value a token):
+
+        ∂L/∂x = (s g - [|x| > ε] c u) / r,    ∂L/∂s_h = Σ_{b, l} c / s_h,
+
+    the first being the derivative of x / |x|, (I - u u^T) / |x|, where |x| > ε, and 1 / ε
+    below (where r is the constant ε).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, s: Tensor) -> Tensor:
+        r = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min_(UNIT_EPS)
+        y = x * (s[:, None, None] / r)
+        ctx.save_for_backward(y, r, s)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        y, r, s = ctx.saved_tensors
+        c = (g * y).sum(-1, keepdim=True)
+        d_s = None
+        if ctx.needs_input_grad[1]:
+            d_s = c.sum((0, 2, 3)) / s
+        d_x = None
+        if ctx.needs_input_grad[0]:
+            s = s[:, None, None]
+            d_x = g * (s / r)
+            d_x.addcmul_(y, c.mul_(r > UNIT_EPS).div_(s * r), value=-1.0)
+        return d_x, d_s
 
 
 class RandomFeatureAttention(KernelizedAttention):
@@ -115,8 +157,8 @@ class RandomFeatureAttention(KernelizedAttention):
         return fm.ReluMap(self.projection, self._inputs, "arccos")
 
     def _inputs(self, x: Tensor) -> Tensor:
-        """unit(x) / σ_h, what the projection multiplies."""
-        return unit(x) / self.sigma.to(x.dtype)[:, None, None]
+        """unit(x) / σ_h, what the projection multiplies (:class:`_ScaledUnit`)."""
+        return _ScaledUnit.apply(x, (-self.log_sigma).exp().to(x.dtype))
 
     def window_logits(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, float, Tensor | None]:
         """The log of RFA's kernel exp((q̂·k̂ - 1)/σ²): q̂/σ², k̂ at scale 1, shifted by -1/σ²
