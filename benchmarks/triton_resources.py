@@ -46,8 +46,8 @@ VALUES = {"bf16-values": "*bf16"}
 # Shared memory a program may use, per architecture (bytes; the CUDA programming guide's
 # maximum per block with opt-in).
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
-FIELDS = ["arch", "dtype", "kernel", "gated", "map", "chunk", "feature_block", "num_warps",
-          "registers", "spill_bytes", "shared_bytes", "shared_limit", "fits"]
+FIELDS = ["arch", "dtype", "kernel", "gated", "map", "key_dim", "chunk", "feature_block",
+          "num_warps", "registers", "spill_bytes", "shared_bytes", "shared_limit", "fits"]
 
 
 def _ints(text: str) -> list[int]:
@@ -84,9 +84,11 @@ def _fp32_products(name: str) -> Iterator[None]:
 
 
 # How a kernel gets φ (its MAP): read from memory, or formed inside as exp (the positive maps),
-# sin (the trigonometric ones), relu (the rectified ones) or elu + 1 of x itself (the linear
-# transformer's).
-MAPS = ("read", "exp", "sine", "relu", "elu")
+# sin (the trigonometric ones), relu (the rectified ones), a product of two affine maps
+# (Taylor's) or elu + 1 of x itself (the linear transformer's).
+MAPS = ("read", "exp", "sine", "relu", "product", "elu")
+# x̃'s width D where a map's own differs from the head dim: Taylor's projection, P = 16.
+KEY_DIMS = {"product": 16}
 
 
 def compile_kernel(kernel: Any, arch: int, name: str, gated: bool, map_: str = "read",
@@ -150,7 +152,7 @@ def compile_kernel(kernel: Any, arch: int, name: str, gated: bool, map_: str = "
                   for item in line.split() if ":" in item)
     shared = int(compiled.metadata.shared)
     return {"arch": arch, "dtype": name, "kernel": kernel.__name__.strip("_"),
-            "gated": gated, "map": map_,
+            "gated": gated, "map": map_, "key_dim": key_dim,
             "chunk": meta["BT"], "feature_block": meta["BK"], "num_warps": warps,
             "registers": int(fields["REG"]), "spill_bytes": int(fields["STACK"]),
             "shared_bytes": shared, "shared_limit": SHARED_LIMIT[arch],
@@ -194,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         for arch in args.archs:
             for name in args.dtypes:
                 for kernel, gated, map_ in variants(fused_kernels.KERNELS):
-                    rows.append(compile_kernel(kernel, arch, name, gated, map_))
+                    rows.append(compile_kernel(kernel, arch, name, gated, map_,
+                                               key_dim=KEY_DIMS.get(map_, 64)))
                     r = rows[-1]
                     print(f"sm_{arch} {name:4s} {r['kernel']:24s} "
                           f"{'gated' if gated else '     '} {map_:4s} "

@@ -240,23 +240,25 @@ def _accounted_performer(num_features, feature_map="positive"):
     return module, attend, forward, train
 
 
-@pytest.mark.parametrize("kind", ["exp", "sine", "relu", "elu"])
+@pytest.mark.parametrize("kind", ["exp", "sine", "relu", "product", "elu"])
 @pytest.mark.parametrize("gated", [False, True], ids=["ungated", "gated"])
 def test_kernels_form_the_map_themselves(gated, kind, device):
     """With a projection the kernels form φ from x̃ (B, H, N, D) and the rows w (F, D),
     u = x̃ w^T: exp(u - m) with the row maxima m (fused_kernels.row_max, against the dense
-    max), sin(u + b) with the phases b, or relu(u) + b with the floors b; without one,
-    elu(x̃) + 1 (F = D). The outputs, the state after and the checkpoints equal the kernels'
-    given that φ, and the gradient of x̃ and the sums φ·dφ equal those formed from the gradient
-    of φ, (dφ ⊙ ∂φ/∂u) w (φ itself for exp, cos(u + b) for sine, 1 above 0 and 0 below for
-    relu; for elu dφ ⊙ ∂φ/∂x̃, 1 above 0 and e^x̃ below) and Σ_f dφ ⊙ φ.
+    max), sin(u + b) with the phases b, relu(u) + b with the floors b, or (u + b)(u' + b') with
+    a second factor's rows w' (u' = x̃ w'^T) and offsets; without one, elu(x̃) + 1 (F = D).
+    The outputs, the state after and the checkpoints equal the kernels' given that φ, and the
+    gradient of x̃ and the sums φ·dφ equal those formed from the gradient of φ,
+    (dφ ⊙ ∂φ/∂u) w (φ itself for exp, cos(u + b) for sine, 1 above 0 and 0 below for relu;
+    for the product (dφ ⊙ (u' + b')) w + (dφ ⊙ (u + b)) w'; for elu dφ ⊙ ∂φ/∂x̃, 1 above 0
+    and e^x̃ below) and Σ_f dφ ⊙ φ.
     F = 70 (two feature blocks), D = 21 (70 for elu), N = 45 (a last chunk not full), padded
     keys, an entering state."""
     g = torch.Generator().manual_seed(7)
     b, h, n, f, dv = 2, 2, 45, 70, 5
     d = f if kind == "elu" else 21
     xq, xk = (torch.randn(b, h, n, d, generator=g, dtype=torch.float64) for _ in range(2))
-    w = torch.randn(f, d, generator=g, dtype=torch.float64)
+    w, w2 = (torch.randn(f, d, generator=g, dtype=torch.float64) for _ in range(2))
     phases = torch.rand(f, generator=g, dtype=torch.float64) * 7
     ls = torch.rand(b, h, n, generator=g, dtype=torch.float64) * 6 - 3
     ls[0, 1, :10] = float("-inf")
@@ -265,8 +267,9 @@ def test_kernels_form_the_map_themselves(gated, kind, device):
     log_scale = torch.tensor([[1.0, -2.0], [core.LOG_FLOOR, 3.0]], dtype=torch.float64)
     lg = (torch.log(torch.rand(b, h, n, generator=g, dtype=torch.float64)).clamp_min(-4.0)
           if gated else None)
-    xq, xk, w, phases, ls, v, kv, log_scale = (
-        t.to(device) for t in (xq, xk, w, phases, ls, v, kv, log_scale))
+    xq, xk, w, w2, phases, ls, v, kv, log_scale = (
+        t.to(device) for t in (xq, xk, w, w2, phases, ls, v, kv, log_scale))
+    second = None
     lg = None if lg is None else lg.to(device)
     if kind == "exp":
         mq, mk = fused_kernels.row_max(xq, w), fused_kernels.row_max(xk, w)
@@ -284,6 +287,14 @@ def test_kernels_form_the_map_themselves(gated, kind, device):
         projection = fused_kernels.Projection(w, floors=floors)
         phi_q, phi_k = ((x @ w.T).clamp_min(0) + floors for x in (xq, xk))
         slope_q, slope_k = ((x @ w.T > 0).to(x.dtype) for x in (xq, xk))
+    elif kind == "product":
+        biases = torch.stack([phases - 3, torch.flip(phases, (0,)) - 3])
+        projection = fused_kernels.Projection(w, second=w2, biases=biases)
+        uq, uk, uq2, uk2 = (x @ a.T + c for a, c in zip((w, w2), biases, strict=True)
+                            for x in (xq, xk))
+        phi_q, phi_k = uq * uq2, uk * uk2
+        # dx̃ = (dφ ⊙ u') w + (dφ ⊙ u) w': the first term below, the second added to it.
+        slope_q, slope_k, second = uq2, uk2, ((uq, uk), w2)
     else:
         projection = fused_kernels.Projection(None)
         phi_q, phi_k = torch.nn.functional.elu(xq) + 1, torch.nn.functional.elu(xk) + 1
@@ -300,8 +311,12 @@ def test_kernels_form_the_map_themselves(gated, kind, device):
         xq, xk, ls, v, kv, m, running, d_out, div, g_den, g_after, 16, lg, projection)
     d_pq, d_pk, d_v_given, d_kv_given, _ = fused_kernels.backward(
         phi_q, phi_k, ls, v, kv, m, running, d_out, div, g_den, g_after, 16, lg)
-    want = ((d_pq * slope_q) @ w, (d_pk * slope_k) @ w, d_v_given, d_kv_given,
-            (d_pq * phi_q).sum(-1), (d_pk * phi_k).sum(-1))
+    want_q, want_k = (d_pq * slope_q) @ w, (d_pk * slope_k) @ w
+    if second is not None:
+        (uq, uk), w2 = second
+        want_q, want_k = want_q + (d_pq * uq) @ w2, want_k + (d_pk * uk) @ w2
+    want = (want_q, want_k, d_v_given, d_kv_given, (d_pq * phi_q).sum(-1),
+            (d_pk * phi_k).sum(-1))
     for a, b_ in zip((d_xq, d_xk, d_v, d_kv, q_sums, k_sums), want, strict=True):
         torch.testing.assert_close(a, b_, rtol=1e-11, atol=1e-11)
 
@@ -417,20 +432,23 @@ def test_performer_forms_its_map_in_the_kernels(feature_map, pad, row_maxima, la
                                      ("rfa", {"feature_map": "arccos"}),
                                      ("rfa", {"feature_map": "arccos", "gated": True,
                                               "learn_sigma": True}),
-                                     ("linear", {})],
+                                     ("linear", {}), ("taylor", {"proj_dim": 5}),
+                                     ("taylor", {"learn_projection": False})],
                          ids=variant_id)
-def test_trigonometric_rectified_and_elu_maps_are_formed_in_the_kernels(variant, monkeypatch,
-                                                                        launches):
+def test_maps_given_as_data_are_formed_in_the_kernels(variant, monkeypatch, launches):
     """performer's trig map, FAVOR's random-phase cosine and RFA's sin/cos (with its learned σ
     and gates): the kernels form φ = sin(x̃ w^T + b) themselves; performer's relu map and RFA's
-    arc-cosine (gated, with σ, too): relu(x̃ w^T) + b; the linear transformer's elu(x) + 1 of x
-    itself. The map's own functions never run (no N x F features in memory); outputs and
-    gradients (σ's and the gate's too) against the float64 reference over several slices and
-    backward spans, with padding."""
+    arc-cosine (gated, with σ, too): relu(x̃ w^T) + b; Taylor's 1 + P + P(P + 1)/2 features of
+    its projection x̃ (learned or not; P = 5 and the default 16): products of two affine maps
+    of x̃; the linear transformer's elu(x) + 1 of x itself. The map's own functions never run
+    (no N x F features in memory); outputs and gradients (σ's, the gate's and Taylor's
+    learned projection's too) against the float64 reference over several slices and backward
+    spans, with padding."""
     name, options = variant
     module = make_kernelized(name, options)
     features = effattn.kernelized.features
     data = (features.EluMap if name == "linear"
+            else features.TaylorMap if name == "taylor"
             else features.ReluMap if options.get("feature_map") in ("relu", "arccos")
             else features.SineMap)
     assert isinstance(module.feature_fn(), data)
@@ -439,6 +457,7 @@ def test_trigonometric_rectified_and_elu_maps_are_formed_in_the_kernels(variant,
                                      "phase": (features, "random_phase_cos"),
                                      "relu": (features, "relu"),
                                      "arccos": (features, "arccos"),
+                                     "taylor": (features, "taylor"),
                                      "elu": (features, "elu_plus_one")})
     q, k, v = (t.requires_grad_(True) for t in qkv(n=130, d=21, dv=5, scale=0.5))
     kw, extra = {}, ()
@@ -447,7 +466,7 @@ def test_trigonometric_rectified_and_elu_maps_are_formed_in_the_kernels(variant,
         gate = torch.sigmoid(3 * torch.randn(2, 3, 130, generator=g, dtype=torch.float64))
         kw, extra = {"gate": gate.requires_grad_()}, (gate,)
     module(q, k, v, causal=True, **kw).sum().backward()
-    assert maps == {"sin_cos": 0, "phase": 0, "relu": 0, "arccos": 0, "elu": 0}
+    assert maps == {"sin_cos": 0, "phase": 0, "relu": 0, "arccos": 0, "taylor": 0, "elu": 0}
     assert 1 < launches["forward"] <= launches["backward"] and launches["gpu"] == 0
     _matches_reference(module, q, k, v, extra, **kw)
 
@@ -490,6 +509,38 @@ def test_linear_map_formed_in_the_kernels_holds_less(dtype):
     (fwd, training), (fwd_phi, training_phi) = measured[True], measured[False]
     assert fwd < 0.6 * fwd_phi, measured
     assert training < 0.75 * training_phi, measured
+
+
+def test_taylor_map_formed_in_the_kernels_holds_less():
+    """Accounted (bytes, not time), Taylor at N = 256, D = P = 16, fp32, learned projection:
+    with its 153 features formed in the kernels from the projection x̃ (N x 16), the forward
+    and training peaks are below those of the same module handing the core its features
+    method (φ (N x 153) in memory): measured 0.22x / 0.26x."""
+    module = effattn.build("taylor", head_dim=16, heads=2, seed=0)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 256, 16, generator=g).requires_grad_() for _ in range(3))
+
+    def forward():
+        with torch.no_grad():
+            module(q, k, v, causal=True)
+
+    def train():
+        module(q, k, v, causal=True).sum().backward()
+
+    measured = {}
+    for data in (True, False):
+        if not data:
+            module.feature_fn = lambda: module.features
+        train()
+        gc.collect()
+        gc.disable()  # as in test_linear_map_formed_in_the_kernels_holds_less
+        try:
+            measured[data] = (live_peak_bytes(forward), live_peak_bytes(train))
+        finally:
+            gc.enable()
+    (fwd, training), (fwd_phi, training_phi) = measured[True], measured[False]
+    assert fwd < 0.5 * fwd_phi, measured
+    assert training < 0.5 * training_phi, measured
 
 
 def test_a_trained_projection_takes_the_features_path(row_maxima, launches):

@@ -54,6 +54,26 @@ def test_the_kernel_is_exactly_one_plus_t_plus_half_t_squared(p, device):
     assert fm.denominator_eps(fm.taylor) == 0.0  # the kernel is >= 1/2: no eps floor
 
 
+@pytest.mark.parametrize("p", [1, 2, 5, 16])
+def test_the_map_as_data_is_the_modules_features_and_a_product_of_two_affine_maps(p):
+    """What the core calls (feature_fn, a TaylorMap) computes exactly what features does, and
+    its factors rebuild each feature as (a_f·x̃ + b_f)(c_f·x̃ + e_f) on the module's x̃ (the
+    product the triton strategy's kernels form), exactly in float64."""
+    module = effattn.build("taylor", head_dim=7, heads=3, proj_dim=p, seed=0).double()
+    fn = module.feature_fn()
+    assert isinstance(fn, fm.TaylorMap)
+    x = torch.randn(2, 3, 11, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(p))
+    for is_query in (True, False):
+        phi, log_scale = module.features(x, is_query=is_query)
+        got, got_scale = fn(x, is_query=is_query)
+        assert torch.equal(got, phi) and got_scale is None and log_scale is None
+    inputs = fn.inputs(x)
+    a, c, b, e = fm.TaylorMap.factors(p, inputs)
+    assert a.shape == c.shape == (module.feature_dim, p) and b.shape == e.shape == a.shape[:1]
+    torch.testing.assert_close((inputs @ a.T + b) * (inputs @ c.T + e), phi, rtol=1e-15,
+                               atol=0)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_at_proj_dim_of_at_least_d_t_is_the_softmax_logit(causal, device):
     """P >= D: the projection has orthonormal rows (W Wᵀ = I, to the fp32 rounding of the

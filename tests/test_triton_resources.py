@@ -2,7 +2,7 @@
 benchmarks/triton_resources.py: they compile for sm_80 and sm_90 in every dtype and fit the
 architecture's shared memory; in bf16 on sm_90 they spill a few bytes a thread at most (8 in
 the keys' backward with φ read, more with a map formed inside), and with fp32 on TF32 at most
-72 bytes.
+72 bytes (400 with Taylor's product map).
 
 The script runs in a process of its own without TRITON_INTERPRET (which tests/conftest.py sets
 here for the kernels' CPU tests): under the interpreter's settings Triton's compiler fails."""
@@ -44,8 +44,11 @@ def test_bf16_kernels_compile_for_sm90_nearly_without_spills(tmp_path):
         # Measured (the keys' backward spills most): with φ read 8 bytes; with the positive map
         # formed inside up to 64; with the relu map up to 88; with the sine map up to 72, most
         # sine kernels 32 (sin's and cos's own stack: the local array of their range reduction
-        # of large arguments); with the elu map, which forms φ in fp32 from bf16 x, up to 256.
-        limit = {"read": 16, "exp": 64, "sine": 128, "relu": 128, "elu": 320}[r["map"]]
+        # of large arguments); with the elu map, which forms φ in fp32 from bf16 x, up to 256;
+        # with Taylor's product map (two factors of x̃, P = 16) up to 440, in the queries'
+        # backward.
+        limit = {"read": 16, "exp": 64, "sine": 128, "relu": 128, "product": 512,
+                 "elu": 320}[r["map"]]
         assert r["fits"] and r["spill_bytes"] <= limit, r
         launch = ((fused_kernels.RATIO_WARPS, fused_kernels.RATIO_TOKENS)
                   if r["kernel"] == "divisor_grad_kernel" else (8, 32))
@@ -56,13 +59,14 @@ def test_tf32_products_compile_for_sm90_nearly_without_spills(tmp_path):
     """fp32 with torch's fp32 matmuls set to TF32 (which the kernels' products follow): tensor
     cores, a chunk of 16 (the divisor's gradient, an elementwise pass, takes 64 tokens a
     program), and at most a few bytes spilled a thread (72 when measured, against about 3.5 KiB
-    with IEEE products, which lower to FMA loops)."""
+    with IEEE products, which lower to FMA loops; 400 in the queries' backward with Taylor's
+    product map)."""
     rows = _run(tmp_path, "--archs", "90", "--dtypes", "tf32")
     assert len(rows) == len(resources.variants(fused_kernels.KERNELS))
     for r in rows:
         chunk = fused_kernels.RATIO_TOKENS if r["kernel"] == "divisor_grad_kernel" else 16
         assert r["dtype"] == "tf32" and r["chunk"] == chunk and r["fits"], r
-        assert r["spill_bytes"] <= 256, r
+        assert r["spill_bytes"] <= (512 if r["map"] == "product" else 256), r
 
 
 @pytest.mark.slow  # fp32 products in IEEE compile slowly: a minute or two in all

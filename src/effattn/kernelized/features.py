@@ -410,6 +410,41 @@ def taylor(x: Tensor) -> Features:
     return torch.cat(parts, -1), None
 
 
+@dataclass(frozen=True)
+class TaylorMap:
+    """:func:`taylor` of ``inputs(x)`` = x̃ (B, H, L, P) as data (a
+    :data:`~effattn.kernelized.core.FeatureFn` like any map), so that a strategy can form φ
+    inside its own kernels (:mod:`effattn.kernelized.fused`: no N x F features in memory)
+    from x̃ and :meth:`factors`. The learned projection that forms x̃ stays in ``inputs``:
+    autograd takes the gradient of x̃ to it."""
+
+    inputs: Callable[[Tensor], Tensor]
+
+    def __call__(self, x: Tensor, *, is_query: bool) -> Features:
+        return taylor(self.inputs(x))
+
+    @staticmethod
+    def factors(p: int, like: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """:func:`taylor`'s features of a P-dimensional x̃, in its order, as products of two
+        affine maps: φ_f = (a_f·x̃ + b_f)(c_f·x̃ + e_f). Returns a, c (F, P) and b, e (F,), in
+        ``like``'s dtype and device: the constant 1 is 1 · 1, x̃_i is x̃_i · 1, the diagonal
+        x̃_i²/√2 is (x̃_i/√2) x̃_i and x̃_i x̃_j (i < j) is x̃_i · x̃_j."""
+        f = 1 + p + p * (p + 1) // 2
+        a, c = like.new_zeros(f, p), like.new_zeros(f, p)
+        b, e = like.new_zeros(f), like.new_ones(f)
+        b[0] = 1.0
+        rows = torch.arange(p, device=like.device)
+        a[1 + rows, rows] = 1.0
+        at = 1 + p
+        for i in range(p):
+            a[at:at + p - i, i] = 1.0
+            a[at, i] = _HALF_SQRT
+            c[at + rows[: p - i], rows[i:]] = 1.0
+            e[at:at + p - i] = 0.0
+            at += p - i
+        return a, c, b, e
+
+
 # φ >= 0: the normaliser is a sum of non-negative terms. It can be tiny (exp(q̃·k̃) small for
 # every key, softmax still well defined) but never cancels, so an eps floor could only cut it.
 NONNEGATIVE = frozenset({positive, hyperbolic, relu, arccos, elu_plus_one, learned_exp,

@@ -220,8 +220,10 @@ def _map(features: FeatureFn, q: Tensor, k: Tensor,
     log-scales, None); for a map given as data whose projection is not trained (the positive
     maps, :class:`~effattn.kernelized.features.PositiveMap`, the trigonometric ones,
     :class:`~effattn.kernelized.features.SineMap`, and the rectified ones,
-    :class:`~effattn.kernelized.features.ReluMap`) x̃ = the map's inputs of q, k in place of φ,
-    and the :class:`~effattn.kernelized.fused_kernels.Projection` with which the kernels form φ
+    :class:`~effattn.kernelized.features.ReluMap`) and for Taylor's
+    (:class:`~effattn.kernelized.features.TaylorMap`, whose learned projection is part of its
+    inputs) x̃ = the map's inputs of q, k in place of φ, and the
+    :class:`~effattn.kernelized.fused_kernels.Projection` with which the kernels form φ
     themselves, so that no N x F features are held; for elu + 1
     (:class:`~effattn.kernelized.features.EluMap`) q and k themselves, in their own dtype.
     Differentiable in q, k (every form, and in the tensors the map's inputs read, such as RFA's
@@ -232,6 +234,10 @@ def _map(features: FeatureFn, q: Tensor, k: Tensor,
     if isinstance(features, fm.EluMap):
         # q and k as they are, half precision too: the kernels convert their tiles.
         return q, k, None, None, _kernels().Projection(None)
+    if isinstance(features, fm.TaylorMap):
+        xq, xk = features.inputs(q.to(dt)), features.inputs(k.to(dt))
+        a, c, b, e = fm.TaylorMap.factors(xq.shape[-1], xq)
+        return xq, xk, None, None, _kernels().Projection(a, second=c, biases=torch.stack([b, e]))
     formed = (fm.PositiveMap, fm.SineMap, fm.ReluMap)
     if isinstance(features, formed) and not features.w.requires_grad:
         xq, xk = features.inputs(q.to(dt)), features.inputs(k.to(dt))

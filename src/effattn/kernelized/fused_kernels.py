@@ -89,10 +89,11 @@ from effattn.kernelized.core import LOG_FLOOR
 
 # How the kernels get φ (their MAP): read from memory (φ(Q), φ(K) given), or formed from x̃
 # and the projection's rows, as exp(x̃ w^T - m) (the positive maps), sin(x̃ w^T + b) (the
-# trigonometric ones) or relu(x̃ w^T) + b (the rectified ones), or from x itself as
-# elu(x) + 1 (the linear transformer's, F = D).
-READ, EXP, SINE, ELU, RELU = (tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3),
-                              tl.constexpr(4))
+# trigonometric ones), relu(x̃ w^T) + b (the rectified ones) or the product of two affine maps
+# (x̃ w^T + b)(x̃ w'^T + b') (Taylor's), or from x itself as elu(x) + 1 (the linear
+# transformer's, F = D).
+READ, EXP, SINE, ELU, RELU, PRODUCT = (tl.constexpr(0), tl.constexpr(1), tl.constexpr(2),
+                                       tl.constexpr(3), tl.constexpr(4), tl.constexpr(5))
 
 
 @triton.jit
@@ -136,14 +137,16 @@ def _projection(w_ptr, f, f_ok, D, BD: tl.constexpr):
 
 
 @triton.jit
-def _features(x_ptr, w, rows_ptr, b, t, t_ok, f, f_ok, D, BD: tl.constexpr, ACC: tl.constexpr,
-              PRECISION: tl.constexpr, MAP: tl.constexpr):
-    """φ of a chunk's tokens t (BT, BK), in ACC, and its derivative in u, from x̃ (at x_ptr,
-    N x D): with u = x̃ w^T (w the projection's rows), exp(u - m) with the row maxima m (at
-    rows_ptr) for ``EXP`` (its own derivative), sin(u + b) with the phases b (BK) for ``SINE``
-    (cos(u + b)) and relu(u) + b with the floors b for ``RELU`` (1 above 0, else 0); with
+def _features(x_ptr, w, rows_ptr, b, w2, b2, t, t_ok, f, f_ok, D, BD: tl.constexpr,
+              ACC: tl.constexpr, PRECISION: tl.constexpr, MAP: tl.constexpr):
+    """φ of a chunk's tokens t (BT, BK), in ACC, and its derivatives in u and u', from x̃ (at
+    x_ptr, N x D): with u = x̃ w^T (w the projection's rows), exp(u - m) with the row maxima m
+    (at rows_ptr) for ``EXP`` (its own derivative), sin(u + b) with the phases b (BK) for
+    ``SINE`` (cos(u + b)), relu(u) + b with the floors b for ``RELU`` (1 above 0, else 0) and
+    (u + b)(u' + b') with u' = x̃ w2^T for ``PRODUCT`` (u' + b' in u, u + b in u'); with
     u = x̃'s columns f, elu(u) + 1 for ``ELU`` (1 above 0, e^u below; x̃ read in its own
-    dtype). 0 past the sequence and past F."""
+    dtype). The derivative in u' is the one in u for every map but ``PRODUCT``, which alone
+    has a u'. 0 past the sequence and past F."""
     ok = t_ok[:, None] & f_ok[None, :]
     if MAP == ELU:
         u = tl.load(x_ptr + t[:, None] * D + f[None, :], mask=ok, other=0.0).to(ACC)
@@ -152,6 +155,13 @@ def _features(x_ptr, w, rows_ptr, b, t, t_ok, f, f_ok, D, BD: tl.constexpr, ACC:
         x = tl.load(x_ptr + t[:, None] * D + e[None, :],
                     mask=t_ok[:, None] & (e < D)[None, :], other=0.0)
         u = tl.dot(x, tl.trans(w), input_precision=PRECISION).to(ACC)
+    if MAP == PRODUCT:
+        u += b[None, :]
+        u2 = tl.dot(x, tl.trans(w2), input_precision=PRECISION).to(ACC) + b2[None, :]
+        phi = tl.where(ok, u * u2, 0.0)
+        slope = tl.where(ok, u2, 0.0)
+        slope2 = tl.where(ok, u, 0.0)
+        return phi, slope, slope2
     if MAP == EXP:
         m = tl.load(rows_ptr + t, mask=t_ok, other=0.0).to(ACC)
         phi = tl.where(ok, tl.exp(u - m[:, None]), 0.0)
@@ -167,21 +177,27 @@ def _features(x_ptr, w, rows_ptr, b, t, t_ok, f, f_ok, D, BD: tl.constexpr, ACC:
         below = tl.exp(tl.minimum(u, 0.0))
         phi = tl.where(ok, tl.where(u > 0.0, u + 1.0, below), 0.0)
         slope = tl.where(ok, tl.where(u > 0.0, 1.0, below), 0.0)
-    return phi, slope
+    return phi, slope, slope
 
 
 @triton.jit
-def _map_rows(w_ptr, b_ptr, f, f_ok, D, BK: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
-              MAP: tl.constexpr):
+def _map_rows(w_ptr, b_ptr, f, f_ok, F, D, BK: tl.constexpr, BD: tl.constexpr,
+              ACC: tl.constexpr, MAP: tl.constexpr):
     """The projection's rows f (BK, BD) and the offsets b (BK) of a map formed inside (the
-    phases of ``SINE``, the floors of ``RELU``, else 0), and both placeholders, never read, for
-    ``ELU`` (no projection)."""
+    phases of ``SINE``, the floors of ``RELU``, the first factor's offsets of ``PRODUCT``, else
+    0), both placeholders, never read, for ``ELU`` (no projection); and the second factor's
+    rows and offsets for ``PRODUCT`` (rows F + f of w (2F, D) and of b (2F)), for the other
+    maps the first's again (never read)."""
     w = tl.zeros([BK, BD], dtype=ACC) if MAP == ELU else _projection(w_ptr, f, f_ok, D, BD)
-    if (MAP == SINE) | (MAP == RELU):
+    if (MAP == SINE) | (MAP == RELU) | (MAP == PRODUCT):
         b = tl.load(b_ptr + f, mask=f_ok, other=0.0).to(ACC)
     else:
         b = tl.zeros([BK], dtype=ACC)
-    return w, b
+    w2, b2 = w, b
+    if MAP == PRODUCT:
+        w2 = _projection(w_ptr + F * D, f, f_ok, D, BD)
+        b2 = tl.load(b_ptr + F + f, mask=f_ok, other=0.0).to(ACC)
+    return w, b, w2, b2
 
 
 @triton.jit
@@ -225,7 +241,7 @@ def _forward_kernel(
     z = tl.load(kv_in_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(ACC)
     r = tl.load(r_in_ptr + bh).to(ACC)
     if MAP != READ:
-        w, b = _map_rows(w_ptr, b_ptr, f, f_ok, D, BK, BD, ACC, MAP)
+        w, b, w2, b2 = _map_rows(w_ptr, b_ptr, f, f_ok, F, D, BK, BD, ACC, MAP)
     part = _part(kb, bh, BH, N, ATOMIC)
     for c in range(0, NC):
         if (c > 0) & (c % EVERY == 0):
@@ -241,10 +257,10 @@ def _forward_kernel(
         prefix = tl.max(tl.where(causal, kt[None, :], float("-inf")), 1)
         m = tl.maximum(tl.maximum(prefix + gc, LOG_FLOOR_), r + gc)
         if MAP != READ:
-            qc, _ = _features(q_ptr + bh * N * D, w, mq_ptr + bh * N, b, t, t_ok, f, f_ok, D,
-                              BD, ACC, PRECISION, MAP)
-            kc, _ = _features(k_ptr + bh * N * D, w, mk_ptr + bh * N, b, t, t_ok, f, f_ok, D,
-                              BD, ACC, PRECISION, MAP)
+            qc, _, _ = _features(q_ptr + bh * N * D, w, mq_ptr + bh * N, b, w2, b2, t, t_ok, f,
+                                 f_ok, D, BD, ACC, PRECISION, MAP)
+            kc, _, _ = _features(k_ptr + bh * N * D, w, mk_ptr + bh * N, b, w2, b2, t, t_ok, f,
+                                 f_ok, D, BD, ACC, PRECISION, MAP)
             qc, kc = qc.to(w.dtype), kc.to(w.dtype)
         else:
             rows = t[:, None] * F + f[None, :]
@@ -281,21 +297,25 @@ def _forward_kernel(
 
 
 @triton.jit
-def _store_inputs_grad(dx_ptr, sums_ptr, g, products, w, t, t_ok, f, f_ok, bh, part, N, D,
-                       BD: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-                       MAP: tl.constexpr, ATOMIC: tl.constexpr):
-    """From g = dφ ⊙ ∂φ/∂u and dφ ⊙ φ (``products``) (BT, BK) of one feature block, stored at
-    the chunk's tokens t: this block's part of Σ_f dφ ⊙ φ (the log-scale's gradient), and of
-    ∂L/∂x̃, g w (an exp map's row maxima held constant: they cancel), at ``part`` (the block's
-    own (N, D) slot, or the one every block adds to: ``ATOMIC``); for ``ELU`` its columns f
-    of ∂L/∂x itself, g, in the one (N, D) slot of the (batch, head) ``bh`` that every block
-    writes a part of."""
+def _store_inputs_grad(dx_ptr, sums_ptr, d_phi, slope, slope2, products, w, w2, t, t_ok, f,
+                       f_ok, bh, part, N, D, BD: tl.constexpr, ACC: tl.constexpr,
+                       PRECISION: tl.constexpr, MAP: tl.constexpr, ATOMIC: tl.constexpr):
+    """From dφ, φ's derivatives in u and u' (:func:`_features`) and dφ ⊙ φ (``products``)
+    (BT, BK) of one feature block, stored at the chunk's tokens t: this block's part of
+    Σ_f dφ ⊙ φ (the log-scale's gradient), and of ∂L/∂x̃, g w with g = dφ ⊙ ∂φ/∂u (an exp
+    map's row maxima held constant: they cancel), plus (dφ ⊙ ∂φ/∂u') w2 for ``PRODUCT``, at
+    ``part`` (the block's own (N, D) slot, or the one every block adds to: ``ATOMIC``); for
+    ``ELU`` its columns f of ∂L/∂x itself, g, in the one (N, D) slot of the (batch, head)
+    ``bh`` that every block writes a part of."""
+    g = d_phi * slope
     if MAP == ELU:
         tl.store(dx_ptr + bh * N * D + t[:, None] * D + f[None, :], g,
                  mask=t_ok[:, None] & f_ok[None, :])
     else:
         e = tl.arange(0, BD)
         dx = tl.dot(g.to(w.dtype), w, input_precision=PRECISION).to(ACC)
+        if MAP == PRODUCT:
+            dx += tl.dot((d_phi * slope2).to(w2.dtype), w2, input_precision=PRECISION).to(ACC)
         _put(dx_ptr + part * D + t[:, None] * D + e[None, :], dx,
              t_ok[:, None] & (e < D)[None, :], ATOMIC)
     _put(sums_ptr + t, tl.sum(products, 1), t_ok, ATOMIC)
@@ -352,7 +372,7 @@ def _backward_queries_kernel(
     s = tl.load(state + d[None, :], mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(ACC)
     z = tl.load(kv_in_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(ACC)
     if MAP != READ:
-        w, b = _map_rows(w_ptr, b_ptr, f, f_ok, D, BK, BD, ACC, MAP)
+        w, b, w2, b2 = _map_rows(w_ptr, b_ptr, f, f_ok, F, D, BK, BD, ACC, MAP)
     part = _part(kb, bh, BH, N, ATOMIC)
     for c in range(0, NC):
         t = c * BT + t0
@@ -364,8 +384,8 @@ def _backward_queries_kernel(
         kt = ls - gc
         m = tl.load(m_ptr + bh * N + t, mask=t_ok, other=float("inf")).to(ACC)
         if MAP != READ:
-            kc, _ = _features(k_ptr + bh * N * D, w, mk_ptr + bh * N, b, t, t_ok, f, f_ok, D,
-                              BD, ACC, PRECISION, MAP)
+            kc, _, _ = _features(k_ptr + bh * N * D, w, mk_ptr + bh * N, b, w2, b2, t, t_ok, f,
+                                 f_ok, D, BD, ACC, PRECISION, MAP)
             kc = kc.to(w.dtype)
         else:
             rows = t[:, None] * F + f[None, :]
@@ -385,10 +405,10 @@ def _backward_queries_kernel(
         dq = omega[:, None] * (read + gd[:, None] * z[None, :])
         dq += tl.dot(d_x.to(kc.dtype), kc, input_precision=PRECISION).to(ACC)
         if MAP != READ:
-            phi, slope = _features(q_ptr + bh * N * D, w, mq_ptr + bh * N, b, t, t_ok, f, f_ok,
-                                   D, BD, ACC, PRECISION, MAP)
-            _store_inputs_grad(dq_ptr, sq_ptr + part, dq * slope, dq * phi, w, t, t_ok, f, f_ok,
-                               bh, part, N, D, BD, ACC, PRECISION, MAP, ATOMIC)
+            phi, slope, slope2 = _features(q_ptr + bh * N * D, w, mq_ptr + bh * N, b, w2, b2, t,
+                                           t_ok, f, f_ok, D, BD, ACC, PRECISION, MAP)
+            _store_inputs_grad(dq_ptr, sq_ptr + part, dq, slope, slope2, dq * phi, w, w2, t,
+                               t_ok, f, f_ok, bh, part, N, D, BD, ACC, PRECISION, MAP, ATOMIC)
         else:
             tl.store(dq_ptr + bh * N * F + rows, dq, mask=ok)
         enter = tl.exp(kt + total - r_next)
@@ -418,7 +438,7 @@ def _backward_keys_kernel(
     u = tl.load(after + d[None, :], mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(ACC)
     uz = tl.load(du_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(ACC)
     if MAP != READ:
-        w, b = _map_rows(w_ptr, b_ptr, f, f_ok, D, BK, BD, ACC, MAP)
+        w, b, w2, b2 = _map_rows(w_ptr, b_ptr, f, f_ok, F, D, BK, BD, ACC, MAP)
     part = _part(kb, bh, BH, N, ATOMIC)
     for i in range(0, NC):
         c = NC - 1 - i
@@ -431,10 +451,10 @@ def _backward_keys_kernel(
         kt = ls - gc
         m = tl.load(m_ptr + bh * N + t, mask=t_ok, other=float("inf")).to(ACC)
         if MAP != READ:
-            qc, _ = _features(q_ptr + bh * N * D, w, mq_ptr + bh * N, b, t, t_ok, f, f_ok, D,
-                              BD, ACC, PRECISION, MAP)
-            kc, k_slope = _features(k_ptr + bh * N * D, w, mk_ptr + bh * N, b, t, t_ok, f, f_ok,
-                                    D, BD, ACC, PRECISION, MAP)
+            qc, _, _ = _features(q_ptr + bh * N * D, w, mq_ptr + bh * N, b, w2, b2, t, t_ok, f,
+                                 f_ok, D, BD, ACC, PRECISION, MAP)
+            kc, k_slope, k_slope2 = _features(k_ptr + bh * N * D, w, mk_ptr + bh * N, b, w2, b2,
+                                              t, t_ok, f, f_ok, D, BD, ACC, PRECISION, MAP)
             qc, kc = qc.to(w.dtype), kc.to(w.dtype)
         else:
             rows = t[:, None] * F + f[None, :]
@@ -456,8 +476,9 @@ def _backward_keys_kernel(
         dk = enter[:, None] * (later + uz[None, :])
         dk += tl.dot(tl.trans(d_x.to(qc.dtype)), qc, input_precision=PRECISION).to(ACC)
         if MAP != READ:
-            _store_inputs_grad(dk_ptr, sk_ptr + part, dk * k_slope, dk * kc.to(ACC), w, t, t_ok,
-                               f, f_ok, bh, part, N, D, BD, ACC, PRECISION, MAP, ATOMIC)
+            _store_inputs_grad(dk_ptr, sk_ptr + part, dk, k_slope, k_slope2, dk * kc.to(ACC), w,
+                               w2, t, t_ok, f, f_ok, bh, part, N, D, BD, ACC, PRECISION, MAP,
+                               ATOMIC)
         else:
             tl.store(dk_ptr + bh * N * F + rows, dk, mask=ok)
         dv = enter[:, None] * tl.dot(kc, u.to(kc.dtype), input_precision=PRECISION).to(ACC)
@@ -490,8 +511,10 @@ class Projection:
     """A map the kernels form themselves from x̃ (B, H, N, D): the rows w (F, D) of u = x̃ w^T,
     and either the row maxima of the queries' and keys' u (B, H, N), for φ = exp(u - m) (the
     positive maps), or the phases b (F,), for φ = sin(u + b) (the trigonometric maps: cos is
-    sin at a phase of π/2), or the floors b (F,), for φ = relu(u) + b (the rectified maps); or
-    no projection (w None), for φ = elu(x̃) + 1 of x̃ itself (F = D), which the kernels read
+    sin at a phase of π/2), or the floors b (F,), for φ = relu(u) + b (the rectified maps), or
+    the rows w' (F, D) of a second factor and both factors' offsets (b, b') (2, F), for
+    φ = (u + b)(x̃ w'^T + b') (Taylor's map, :meth:`effattn.kernelized.features.TaylorMap.factors`);
+    or no projection (w None), for φ = elu(x̃) + 1 of x̃ itself (F = D), which the kernels read
     in its own dtype."""
 
     w: Tensor | None
@@ -499,19 +522,31 @@ class Projection:
     key_maxima: Tensor | None = None
     phases: Tensor | None = None
     floors: Tensor | None = None
+    second: Tensor | None = None
+    biases: Tensor | None = None
 
     @property
     def map(self) -> int:
         """The kernels' MAP: ``ELU`` without a projection, ``SINE`` with phases, ``RELU`` with
-        floors, else ``EXP``."""
+        floors, ``PRODUCT`` with a second factor, else ``EXP``."""
         if self.w is None:
             return ELU.value
         if self.phases is not None:
             return SINE.value
+        if self.second is not None:
+            return PRODUCT.value
         return RELU.value if self.floors is not None else EXP.value
 
+    def rows(self) -> Tensor:
+        """The projection's rows as the kernels read them: w (F, D), or [w; w'] (2F, D) for a
+        product."""
+        return self.w if self.second is None else torch.cat([self.w, self.second])
+
     def offsets(self) -> Tensor | None:
-        """The per-feature b the kernels add (phases or floors; None for the other maps)."""
+        """The per-feature b the kernels add (phases or floors (F,), both factors' offsets
+        (2F,) for a product; None for the other maps)."""
+        if self.biases is not None:
+            return self.biases.reshape(-1)
         return self.phases if self.phases is not None else self.floors
 
 
@@ -612,10 +647,10 @@ def _widths(phi: Tensor, projection: Projection | None,
         return phi.shape[-1], phi.shape[-1], (phi, phi, phi, phi), READ.value
     if projection.w is None:
         return phi.shape[-1], phi.shape[-1], (phi, phi, phi, phi), ELU.value
-    w = projection.w.contiguous()
+    w = projection.rows().contiguous()
     read = [w if t is None else t.contiguous()
             for t in (projection.offsets(), projection.query_maxima, projection.key_maxima)]
-    return w.shape[0], w.shape[1], (w, *read), projection.map
+    return projection.w.shape[0], w.shape[1], (w, *read), projection.map
 
 
 def _strided(x: Tensor) -> tuple[Tensor, int, int, int]:

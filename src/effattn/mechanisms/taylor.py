@@ -50,6 +50,7 @@ from torch import Tensor, nn
 from effattn.base import check_bool, check_positive_int
 from effattn.kernelized import features as fm
 from effattn.kernelized.base import WINDOW_OPTIONS, KernelizedAttention
+from effattn.kernelized.core import FeatureFn
 from effattn.kernelized.flops import kernelized_flops
 from effattn.kernelized.parallel import StateExchange
 from effattn.random import TensorGenerator, normal
@@ -108,9 +109,15 @@ class TaylorAttention(KernelizedAttention):
         return (self.projection,) if self.learn_projection else ()
 
     def features(self, x: Tensor, *, is_query: bool) -> fm.Features:
-        # sqrt(scale) folded into the (H, D, P) weights rather than applied to x (L x D).
-        w = self.projection.to(x.dtype) * math.sqrt(self.scale)
-        return fm.taylor(fm.project_heads(x, w))
+        return fm.taylor(self._inputs(x))
+
+    def feature_fn(self) -> FeatureFn:
+        return fm.TaylorMap(self._inputs)
+
+    def _inputs(self, x: Tensor) -> Tensor:
+        """x̃ = sqrt(scale) x W_h (B, H, L, P): sqrt(scale) folded into the (H, D, P) weights
+        rather than applied to x (L x D)."""
+        return fm.project_heads(x, self.projection.to(x.dtype) * math.sqrt(self.scale))
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, proj_dim={self.proj_dim}, "
