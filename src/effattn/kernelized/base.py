@@ -130,7 +130,8 @@ class KernelizedAttention(RandomizedAttention):
         as data is returned as such (performer's positive map,
         :class:`~effattn.kernelized.features.PositiveMap`, the trigonometric maps,
         :class:`~effattn.kernelized.features.SineMap`, the rectified ones,
-        :class:`~effattn.kernelized.features.ReluMap`, and elu + 1,
+        :class:`~effattn.kernelized.features.ReluMap`, Taylor's,
+        :class:`~effattn.kernelized.features.TaylorMap`, and elu + 1,
         :class:`~effattn.kernelized.features.EluMap`, which the triton strategy forms inside
         its kernels), computing exactly what :meth:`features` does."""
         return self.features

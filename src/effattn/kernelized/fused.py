@@ -16,11 +16,13 @@ kernels (:func:`_map`): performer's positive map and its hyperbolic pair
 (:class:`~effattn.kernelized.features.PositiveMap`, φ = exp(x̃ w^T - m), with the row maxima m
 from one more small kernel), the trigonometric maps
 (:class:`~effattn.kernelized.features.SineMap`, φ = sin(x̃ w^T + b): performer's trig, FAVOR's
-random-phase cosine, RFA's sin/cos with its learned σ) and the rectified ones
+random-phase cosine, RFA's sin/cos with its learned σ), the rectified ones
 (:class:`~effattn.kernelized.features.ReluMap`, φ = relu(x̃ w^T) + a floor: performer's relu,
-RFA's arc-cosine). The kernels read x̃ (N x D: x·√scale, or RFA's unit(x)/σ) and the
-projection in place of φ(Q), φ(K) (N x F), and the backward kernels return the gradient of x̃
-rather than of φ (autograd takes it on to q, k and σ), so that nothing of size N x F is held.
+RFA's arc-cosine) and Taylor's (:class:`~effattn.kernelized.features.TaylorMap`, each feature
+a product of two affine maps of x̃). The kernels read x̃ (N x D: x·√scale, RFA's unit(x)/σ,
+or Taylor's N x P projection) and the projection in place of φ(Q), φ(K) (N x F), and the
+backward kernels return the gradient of x̃ rather than of φ (autograd takes it on to q, k, σ
+and Taylor's learned projection), so that nothing of size N x F is held.
 The linear transformer's elu + 1 (:class:`~effattn.kernelized.features.EluMap`, F = D, no
 projection) is formed from q and k themselves, read in their own dtype: a bf16 call holds no
 fp32 copy of them either.
