@@ -29,7 +29,7 @@ from effattn import strategy  # noqa: E402
 from effattn.tools.bench.machine import describe, machine_info  # noqa: E402
 from effattn.tools.bench.results import write_csv, write_json  # noqa: E402
 
-METHODS = {"performer": {}, "linear": {}, "rfa-gated": {"gated": True}}
+METHODS = {"performer": {}, "linear": {}, "rfa-gated": {"gated": True}, "taylor": {}}
 FIELDS = ["method", "strategy", "n", "heads", "head_dim", "out", "d_q", "d_k", "d_v", "d_gate"]
 
 
