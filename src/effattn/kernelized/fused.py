@@ -56,6 +56,7 @@ only sets where the exact C x C blocks end, not the result.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -238,8 +239,7 @@ def _map(features: FeatureFn, q: Tensor, k: Tensor,
         return q, k, None, None, _kernels().Projection(None)
     if isinstance(features, fm.TaylorMap):
         xq, xk = features.inputs(q.to(dt)), features.inputs(k.to(dt))
-        a, c, b, e = fm.TaylorMap.factors(xq.shape[-1], xq)
-        return xq, xk, None, None, _kernels().Projection(a, second=c, biases=torch.stack([b, e]))
+        return xq, xk, None, None, _taylor_projection(xq.shape[-1], xq.dtype, xq.device)
     formed = (fm.PositiveMap, fm.SineMap, fm.ReluMap)
     if isinstance(features, formed) and not features.w.requires_grad:
         xq, xk = features.inputs(q.to(dt)), features.inputs(k.to(dt))
@@ -265,6 +265,15 @@ def _map(features: FeatureFn, q: Tensor, k: Tensor,
     phi_k, key_log_scale = features(k.to(dt), is_query=False)
     core._check_shapes(phi_q, phi_k, None, key_log_scale)
     return phi_q, phi_k, query_log_scale, key_log_scale, None
+
+
+@functools.cache
+def _taylor_projection(p: int, dtype: torch.dtype, device: torch.device) -> Projection:
+    """Taylor's factors (:meth:`~effattn.kernelized.features.TaylorMap.factors`) of a
+    P-dimensional x̃ as the kernels read them, built once per (P, dtype, device) rather than
+    in every slice and backward span (constants: dozens of small operations to build)."""
+    a, c, b, e = fm.TaylorMap.factors(p, torch.empty(0, dtype=dtype, device=device))
+    return _kernels().Projection(a, second=c, biases=torch.stack([b, e]))
 
 
 def _forward_slice(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None, pad: Tensor | None,

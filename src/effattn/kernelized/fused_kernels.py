@@ -76,6 +76,7 @@ Shapes: B batch, H heads, N tokens, F features, Dv value dim, nc = ceil(N / C) c
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -539,7 +540,11 @@ class Projection:
 
     def rows(self) -> Tensor:
         """The projection's rows as the kernels read them: w (F, D), or [w; w'] (2F, D) for a
-        product."""
+        product (joined once per Projection)."""
+        return self._rows
+
+    @functools.cached_property
+    def _rows(self) -> Tensor:
         return self.w if self.second is None else torch.cat([self.w, self.second])
 
     def offsets(self) -> Tensor | None:
