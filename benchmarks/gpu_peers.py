@@ -26,7 +26,8 @@ Peers, each on the problem it solves:
   an earlier run).
 - ``triton``: the causal methods whose scan the kernelized engine's ``triton`` strategy fuses
   into Triton kernels (``effattn.kernelized.fused``: performer, favor, rfa and gated rfa,
-  linear, Taylor; methods ``<method>-triton``, impl ``effattn``), forced for the call: one kernel
+  linear, Taylor; ``effattn.kernelized.fused_exponents``: hedgehog's exp map; methods
+  ``<method>-triton``, impl ``effattn``), forced for the call: one kernel
   launch per slice forward and two backward in place of the GPU strategy's chunk-parallel
   operations, and no chunk states. The strategy is chosen only when forced until these rows
   say it is faster. Without triton the rows say ``triton: not installed``.
@@ -270,7 +271,7 @@ def compiled_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
 
 # The methods whose causal form the triton strategy runs in its kernels (the others it hands
 # to the GPU strategy: the rows would repeat the effattn suite's).
-FUSED = ("performer", "favor", "rfa", "linear", "taylor")
+FUSED = ("performer", "favor", "rfa", "linear", "hedgehog", "taylor")
 
 
 def triton_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:

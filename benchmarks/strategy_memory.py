@@ -88,15 +88,28 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # gate an input of the call.
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"rfa-gated": ("rfa", {"gated": True})}
 # What each fused kernel writes (its arguments, by name) and the value written there in dry
-# mode: denominators of 1 (no row is lost, so the lost-row check passes as on real inputs), 0
-# elsewhere (row and running scales, numerators, states, gradients).
+# mode, per kernel module (the row core's, effattn.kernelized.fused_kernels, and the per-feature
+# core's, fused_exponents_kernels): denominators of 1 (no row is lost, so the lost-row check
+# passes as on real inputs), 0 elsewhere (row and running scales, shifts, numerators, states,
+# gradients).
 DRY_WRITES = {
-    "_forward_kernel": {"num_ptr": 0.0, "den_ptr": 1.0, "m_ptr": 0.0, "kv_out_ptr": 0.0,
-                        "r_ptr": 0.0, "marks_ptr": 0.0},
-    "_backward_queries_kernel": {"dq_ptr": 0.0, "sq_ptr": 0.0},
-    "_backward_keys_kernel": {"dk_ptr": 0.0, "sk_ptr": 0.0, "dv_ptr": 0.0, "dkv_in_ptr": 0.0},
-    "_row_max_kernel": {"m_ptr": 0.0},
-    "_divisor_grad_kernel": {"gd_ptr": 0.0},
+    "fused_kernels": {
+        "_forward_kernel": {"num_ptr": 0.0, "den_ptr": 1.0, "m_ptr": 0.0, "kv_out_ptr": 0.0,
+                            "r_ptr": 0.0, "marks_ptr": 0.0},
+        "_backward_queries_kernel": {"dq_ptr": 0.0, "sq_ptr": 0.0},
+        "_backward_keys_kernel": {"dk_ptr": 0.0, "sk_ptr": 0.0, "dv_ptr": 0.0,
+                                  "dkv_in_ptr": 0.0},
+        "_row_max_kernel": {"m_ptr": 0.0},
+        "_divisor_grad_kernel": {"gd_ptr": 0.0},
+    },
+    "fused_exponents_kernels": {
+        "_shift_kernel": {"c_ptr": 0.0},
+        "_forward_kernel": {"num_ptr": 0.0, "den_ptr": 1.0, "kv_out_ptr": 0.0, "r_ptr": 0.0,
+                            "marks_ptr": 0.0},
+        "_backward_queries_kernel": {"dq_ptr": 0.0, "dw_ptr": 0.0, "db_ptr": 0.0},
+        "_backward_keys_kernel": {"dk_ptr": 0.0, "dv_ptr": 0.0, "dkv_in_ptr": 0.0,
+                                  "dw_ptr": 0.0, "db_ptr": 0.0},
+    },
 }
 
 
@@ -184,20 +197,23 @@ class _Collected:
 
 @contextlib.contextmanager
 def kernels(mode: str) -> Iterator[None]:
-    """While inside, the fused kernels replaced by :class:`_DryKernel` stand-ins (``mode``
-    "dry") or wrapped in :class:`_Collected` ("interpret"); module docstring."""
-    from effattn.kernelized import fused_kernels
+    """While inside, the fused kernels (both modules') replaced by :class:`_DryKernel`
+    stand-ins (``mode`` "dry") or wrapped in :class:`_Collected` ("interpret"); module
+    docstring."""
+    from effattn.kernelized import fused_exponents_kernels, fused_kernels
 
-    originals = {kernel.__name__: kernel for kernel in fused_kernels.KERNELS}
+    modules = {"fused_kernels": fused_kernels, "fused_exponents_kernels": fused_exponents_kernels}
+    originals = {(label, kernel.__name__): kernel
+                 for label, module in modules.items() for kernel in module.KERNELS}
     try:
-        for name, kernel in originals.items():
-            stand_in = (_DryKernel(kernel.arg_names, DRY_WRITES[name]) if mode == "dry"
+        for (label, name), kernel in originals.items():
+            stand_in = (_DryKernel(kernel.arg_names, DRY_WRITES[label][name]) if mode == "dry"
                         else _Collected(kernel))
-            setattr(fused_kernels, name, stand_in)
+            setattr(modules[label], name, stand_in)
         yield
     finally:
-        for name, kernel in originals.items():
-            setattr(fused_kernels, name, kernel)
+        for (label, name), kernel in originals.items():
+            setattr(modules[label], name, kernel)
 
 
 def _peak(fn: Callable[[], Any]) -> int:

@@ -85,10 +85,29 @@ def _fp32_products(name: str) -> Iterator[None]:
 
 # How a kernel gets φ (its MAP): read from memory, or formed inside as exp (the positive maps),
 # sin (the trigonometric ones), relu (the rectified ones), a product of two affine maps
-# (Taylor's) or elu + 1 of x itself (the linear transformer's).
+# (Taylor's) or elu + 1 of x itself (the linear transformer's). The per-feature core's kernels
+# (effattn.kernelized.fused_exponents_kernels, Hedgehog's exp map) have one map of their own,
+# ``exponents``: their rows.
 MAPS = ("read", "exp", "sine", "relu", "product", "elu")
 # x̃'s width D where a map's own differs from the head dim: Taylor's projection, P = 16.
 KEY_DIMS = {"product": 16}
+# F where a map's own differs: Hedgehog's 2 x 64 features at D = 64.
+FEATURE_DIMS = {"exponents": 128}
+# The per-feature kernels compute in fp32 (fp64) whatever the inputs: half-precision q, k, v are
+# read as they are (``bf16-values``), never as half-precision tiles.
+HALF = ("bf16", "fp16")
+
+
+def all_kernels() -> tuple[Any, ...]:
+    """The row core's kernels, then the per-feature core's."""
+    from effattn.kernelized import fused_exponents_kernels, fused_kernels
+
+    return fused_kernels.KERNELS + fused_exponents_kernels.KERNELS
+
+
+def applies(map_: str, name: str) -> bool:
+    """Whether kernels of map ``map_`` run inputs ``name`` (a key of ``DTYPES``)."""
+    return not (map_ == "exponents" and name in HALF)
 
 
 def compile_kernel(kernel: Any, arch: int, name: str, gated: bool, map_: str = "read",
@@ -103,7 +122,7 @@ def compile_kernel(kernel: Any, arch: int, name: str, gated: bool, map_: str = "
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    from effattn.kernelized import fused_kernels
+    from effattn.kernelized import fused_exponents_kernels, fused_kernels
 
     if not isinstance(kernel, JITFunction):
         raise RuntimeError("compiling for a GPU needs TRITON_INTERPRET unset: the kernels were "
@@ -122,20 +141,26 @@ def compile_kernel(kernel: Any, arch: int, name: str, gated: bool, map_: str = "
     # (fused_kernels.atomic); the elu map's F is D.
     blocks = -(-(key_dim if map_ == "elu" else feature_dim) // meta["BK"])
     constants = {**meta, "LOG_FLOOR_": fused_kernels.LOG_FLOOR, "GATED": gated,
-                 "MAP": getattr(fused_kernels, map_.upper()).value,
                  "ATOMIC": fused_kernels.atomic(blocks)}
+    if map_ == "exponents":
+        constants["LIMIT"] = fused_exponents_kernels.GROWTH[
+            torch.float64 if dtype == torch.float64 else torch.float32]
+    else:
+        constants["MAP"] = getattr(fused_kernels, map_.upper()).value
+    integers = fused_kernels.INTEGERS | fused_exponents_kernels.INTEGERS
     signature, constexprs = {}, {}
     for arg in kernel.arg_names:
         if arg in constants:
             signature[arg], constexprs[arg] = "constexpr", constants[arg]
-        elif arg in fused_kernels.INTEGERS:
+        elif arg in integers:
             signature[arg] = "i32"
         else:
             signature[arg] = inputs if arg in fused_kernels.INPUTS else acc
     if name in VALUES:
-        # The values, the output and its gradient, and for the elu map (which reads x itself)
-        # the queries and keys.
-        narrow = ("v_ptr", "o_ptr", "do_ptr") + (("q_ptr", "k_ptr") if map_ == "elu" else ())
+        # The values, the output and its gradient, and for the maps that read x itself (elu,
+        # the per-feature exponents) the queries and keys.
+        narrow = ("v_ptr", "o_ptr", "do_ptr") + (("q_ptr", "k_ptr")
+                                                 if map_ in ("elu", "exponents") else ())
         signature.update({arg: VALUES[name] for arg in narrow if arg in signature})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Triton's notice about its FP-fusion default
@@ -161,10 +186,13 @@ def compile_kernel(kernel: Any, arch: int, name: str, gated: bool, map_: str = "
 
 def variants(kernels: Any) -> list[tuple[Any, bool, str]]:
     """(kernel, gated, map) to compile: the scan's kernels ungated and gated, with φ from
-    memory and formed inside (each of ``MAPS``); the row maxima's kernel once."""
+    memory and formed inside (each of ``MAPS``); the row maxima's kernel once; the per-feature
+    core's kernels once each (map ``exponents``)."""
     out = []
     for kernel in kernels:
-        if "MAP" in kernel.arg_names:
+        if kernel.__module__.endswith("fused_exponents_kernels"):
+            out.append((kernel, False, "exponents"))
+        elif "MAP" in kernel.arg_names:
             out += [(kernel, g, m) for g, m in itertools.product((False, True), MAPS)]
         else:
             out.append((kernel, False, "read"))
@@ -183,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, "triton_resources: unset TRITON_INTERPRET (compiling for a GPU, not "
                        "interpreting)\n")
     try:
-        from effattn.kernelized import fused_kernels
+        kernels = all_kernels()
     except ImportError as err:
         parser.exit(2, f"triton_resources: needs triton ({err})\n")
     try:
@@ -195,8 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for arch in args.archs:
             for name in args.dtypes:
-                for kernel, gated, map_ in variants(fused_kernels.KERNELS):
+                for kernel, gated, map_ in variants(kernels):
+                    if not applies(map_, name):
+                        continue
                     rows.append(compile_kernel(kernel, arch, name, gated, map_,
+                                               feature_dim=FEATURE_DIMS.get(map_, 256),
                                                key_dim=KEY_DIMS.get(map_, 64)))
                     r = rows[-1]
                     print(f"sm_{arch} {name:4s} {r['kernel']:24s} "

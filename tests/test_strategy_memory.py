@@ -61,8 +61,8 @@ def tiny(monkeypatch):
     """One head of 16 dims, and slices as short as they go: forward slices of one module chunk
     (32 tokens) and backward spans of one kernel chunk (16), so that N = 64 has two slices of
     two spans each (14 launches: 1 per slice, 3 per span; performer 26, with the row maxima of
-    its map, which the kernels form: 2 per slice and per span), in seconds under the
-    interpreter."""
+    its map, which the kernels form: 2 per slice and per span; hedgehog 16, its shifts and its
+    scan per slice), in seconds under the interpreter."""
     pytest.importorskip("triton")
     monkeypatch.setattr(bench, "HEADS", 1)
     monkeypatch.setattr(bench, "HEAD_DIM", 16)
@@ -70,23 +70,26 @@ def tiny(monkeypatch):
 
 
 def _triton_rows(out: Path, *argv: str) -> list[dict]:
-    assert bench.main(["--methods", "linear,performer,rfa-gated", "--lengths", "64",
+    assert bench.main(["--methods", "linear,performer,rfa-gated,hedgehog", "--lengths", "64",
                        "--strategies", "triton", *argv, "--out", str(out)]) == 0
     return json.loads((out / "results.json").read_text())["rows"]
 
 
 def test_dry_kernels_account_as_the_interpreted_ones(tiny, tmp_path):
     """Stand-ins that run nothing and write neutral values: the same peaks, operations and
-    launches as the kernels run by the interpreter, and the kernels restored after the run."""
-    from effattn.kernelized import fused_kernels
+    launches as the kernels run by the interpreter (the row core's and hedgehog's per-feature
+    kernels: 2 per forward slice, the shifts and the scan, and 3 per span), and the kernels
+    restored after the run."""
+    from effattn.kernelized import fused_exponents_kernels, fused_kernels
 
     dry = _triton_rows(tmp_path / "dry")
     interpreted = _triton_rows(tmp_path / "interpreted", "--kernels", "interpret")
-    assert all(getattr(fused_kernels, k.__name__) is k for k in fused_kernels.KERNELS)
+    for module in (fused_kernels, fused_exponents_kernels):
+        assert all(getattr(module, k.__name__) is k for k in module.KERNELS)
     assert [[r[f] for f in ACCOUNTED] for r in dry] == [[r[f] for f in ACCOUNTED]
                                                        for r in interpreted]
     assert [(r["method"], r["launches"]) for r in dry] == [
-        ("linear", 14), ("performer", 26), ("rfa-gated", 14), ("sdpa", 0)]
+        ("linear", 14), ("performer", 26), ("rfa-gated", 14), ("hedgehog", 16), ("sdpa", 0)]
 
 
 def test_dry_kernels_give_bf16_rows(tiny, tmp_path):

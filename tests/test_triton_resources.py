@@ -2,7 +2,9 @@
 benchmarks/triton_resources.py: they compile for sm_80 and sm_90 in every dtype and fit the
 architecture's shared memory; in bf16 on sm_90 they spill a few bytes a thread at most (8 in
 the keys' backward with φ read, more with a map formed inside), and with fp32 on TF32 at most
-72 bytes (400 with Taylor's product map).
+72 bytes (400 with Taylor's product map, 168 in the per-feature core's keys' backward). The
+per-feature core's kernels (Hedgehog's exp map) compile for every dtype but half precision,
+which they read as it is and compute in fp32.
 
 The script runs in a process of its own without TRITON_INTERPRET (which tests/conftest.py sets
 here for the kernels' CPU tests): under the interpreter's settings Triton's compiler fails."""
@@ -40,6 +42,7 @@ def test_bf16_kernels_compile_for_sm90_nearly_without_spills(tmp_path):
     assert [(r["dtype"], r["kernel"], r["gated"], r["map"]) for r in rows] == [
         ("bf16", k.__name__.strip("_"), gated, map_)
         for k, gated, map_ in resources.variants(fused_kernels.KERNELS)]
+    assert not any(resources.applies("exponents", name) for name in resources.HALF)
     for r in rows:
         # Measured (the keys' backward spills most): with φ read 8 bytes; with the positive map
         # formed inside up to 64; with the relu map up to 88; with the sine map up to 72, most
@@ -62,7 +65,8 @@ def test_tf32_products_compile_for_sm90_nearly_without_spills(tmp_path):
     with IEEE products, which lower to FMA loops; 400 in the queries' backward with Taylor's
     product map)."""
     rows = _run(tmp_path, "--archs", "90", "--dtypes", "tf32")
-    assert len(rows) == len(resources.variants(fused_kernels.KERNELS))
+    assert len(rows) == len(resources.variants(resources.all_kernels()))
+    assert sum(r["map"] == "exponents" for r in rows) == 4
     for r in rows:
         chunk = fused_kernels.RATIO_TOKENS if r["kernel"] == "divisor_grad_kernel" else 16
         assert r["dtype"] == "tf32" and r["chunk"] == chunk and r["fits"], r
@@ -71,8 +75,10 @@ def test_tf32_products_compile_for_sm90_nearly_without_spills(tmp_path):
 
 @pytest.mark.slow  # fp32 products in IEEE compile slowly: a minute or two in all
 def test_every_dtype_fits_both_architectures(tmp_path):
-    rows = _run(tmp_path, "--archs", "80,90", "--dtypes", "fp16,fp32,bf16-values,fp64")
-    assert len(rows) == 2 * 4 * len(resources.variants(fused_kernels.KERNELS))
+    dtypes = ("fp16", "fp32", "bf16-values", "fp64")
+    rows = _run(tmp_path, "--archs", "80,90", "--dtypes", ",".join(dtypes))
+    assert len(rows) == 2 * sum(resources.applies(map_, name) for name in dtypes
+                                for _, _, map_ in resources.variants(resources.all_kernels()))
     assert all(r["fits"] for r in rows), [r for r in rows if not r["fits"]]
 
 

@@ -11,8 +11,9 @@ engine        strategies                                  default
 kernelized    ``cpu``: cache-sized slices, a chunk loop   ``gpu`` on CUDA, ``cpu`` elsewhere
               ``gpu``: chunk-parallel, batched
               ``triton``: the causal scan fused in
-              Triton kernels (only when forced: not
-              yet measured against ``gpu``)
+              Triton kernels, Hedgehog's per-feature
+              core's too (only when forced: not yet
+              measured against ``gpu``)
 banded        ``cpu``: the banded engine                  ``flex`` on CUDA, ``cpu`` elsewhere
               ``flex``: torch's FlexAttention
 ============  ==========================================  =====================================

@@ -16,7 +16,7 @@ from effattn.kernelized.core import (
     RecurrentState,
     promotes_inside,
 )
-from effattn.kernelized.features import Features
+from effattn.kernelized.features import AffineExponents, Features
 from effattn.kernelized.hybrid import WindowState, hybrid_attention, hybrid_prefill, hybrid_step
 from effattn.random import RandomizedAttention, TensorGenerator
 
@@ -212,7 +212,9 @@ class KernelizedAttention(RandomizedAttention):
             except DenominatorUnderflowError as err:
                 raise self._underflow(err, q, k) from None
         config = self.core()
-        if not (causal and config.exponents is None and promotes_inside(q)):
+        # A map the triton strategy forms inside its kernels takes half precision as it is.
+        formed = config.exponents is None or isinstance(config.exponents, AffineExponents)
+        if not (causal and formed and promotes_inside(q)):
             q, k, v = q.to(dt), k.to(dt), v.to(dt)
             gate = None if gate is None else gate.to(dt)
         # Else the strategy promotes slice by slice: no fp32 copies of q, k, v are held.

@@ -37,7 +37,8 @@ live in modules of their own, one layer above this one::
     fused.py       the triton strategy: the causal scan in fused Triton kernels
                    (fused_kernels.py), the GPU strategy for the rest
     exponents.py   the per-feature core of exponent maps (on core; its GPU form
-                   exponents_gpu.py), which :class:`CoreConfig` runs for them
+                   exponents_gpu.py, its triton form fused_exponents.py with the kernels
+                   of fused_exponents_kernels.py), which :class:`CoreConfig` runs for them
 
 cpu.py and gpu.py import this module and chunkwise.py, never each other (fused.py builds on
 gpu.py). :func:`key_state`,

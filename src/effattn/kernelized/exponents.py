@@ -33,7 +33,10 @@ incoming state's):
   any growth up to :data:`GROWTH_LIMIT`, with the exact c_i. A compiled graph always takes
   float64 rather than the host sync. On the GPU strategy the causal form is
   :mod:`effattn.kernelized.exponents_gpu`'s (chunk-parallel, no host sync), and the non-causal
-  slices are device-sized.
+  slices are device-sized; on the triton strategy, for Hedgehog's map handed over as data
+  (:class:`~effattn.kernelized.features.AffineExponents`), eager causal calls run
+  :mod:`effattn.kernelized.fused_exponents`'s fused kernels (the exponents formed inside them,
+  the in-chunk products exact at any growth), everything else the GPU strategy's.
 
 The state is a :class:`~effattn.kernelized.core.RecurrentState` whose ``log_scale`` is per
 feature, (B, H, F, 1); decoding (:func:`step_state`, :func:`read_normalised`) keeps it so, and
@@ -692,7 +695,16 @@ def causal(q: Tensor, k: Tensor, v: Tensor, exponents: ExponentFn, feature_dim: 
 
         return lagged(run, q, k, v, key_padding_mask, None, state, lag, normaliser,
                       lambda: _state(None, b, h, feature_dim, v.shape[-1], v))
-    if strategy.choose("kernelized", q.device) != "cpu":
+    chosen = strategy.choose("kernelized", q.device)
+    if chosen == "triton":
+        from effattn.kernelized import fused_exponents
+
+        if fused_exponents.takes(exponents):
+            return fused_exponents.causal(
+                q, k, v, exponents, feature_dim, state, key_padding_mask=key_padding_mask,
+                chunk_size=chunk_size, slice_elements=slice_elements, normaliser=normaliser,
+                feature_tensors=feature_tensors)
+    if chosen != "cpu":
         from effattn.kernelized import exponents_gpu
 
         return exponents_gpu.causal(q, k, v, exponents, feature_dim, state,

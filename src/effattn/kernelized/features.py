@@ -385,6 +385,36 @@ def learned_softmax(x: Tensor, w: Tensor, b: Tensor) -> Features:
     return _Exp2HeadProjection.apply(x, w, b, True)[0], None
 
 
+@dataclass(frozen=True, eq=False)
+class AffineExponents:
+    """The exponents of Hedgehog's exp map as data: u = [x W_h + b_h, -(x W_h + b_h)] per head h
+    (x (B, H, L, D), W (H, D, F), b (H, F) -> u (B, H, L, 2F), φ = exp(u)), an
+    :data:`~effattn.kernelized.exponents.ExponentFn` like any other, which the triton strategy
+    forms inside its kernels from x and :meth:`rows` (:mod:`effattn.kernelized.fused_exponents`:
+    no N x F exponents in memory)."""
+
+    weight: Tensor
+    bias: Tensor
+
+    def __call__(self, x: Tensor) -> Tensor:
+        w, b = self.weight.to(x.dtype), self.bias.to(x.dtype)
+        # One GEMM with [W, -W] and the bias folded in: no pass to negate or concatenate u.
+        w, b = torch.cat([w, -w], -1), torch.cat([b, -b], -1)
+        batch, heads, length, dim = x.shape
+        f = w.shape[-1]
+        return torch.baddbmm(
+            b[None, :, None, :].expand(batch, -1, -1, -1).reshape(-1, 1, f),
+            x.reshape(-1, length, dim),
+            w.expand(batch, -1, -1, -1).reshape(-1, dim, f),
+        ).view(batch, heads, length, f)
+
+    def rows(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Each head's rows of u = x w_h^T + b_h, (H, 2F, D), and offsets (H, 2F), in
+        ``dtype``, differentiable in W and b: the map as the kernels read it."""
+        w, b = self.weight.to(dtype).transpose(-2, -1), self.bias.to(dtype)
+        return torch.cat([w, -w], 1), torch.cat([b, -b], -1)
+
+
 # 1/√2: the diagonal of the Taylor map's x xᵀ/√2 (the off-diagonal pairs appear once, with √2).
 _HALF_SQRT = math.sqrt(0.5)
 

@@ -41,6 +41,10 @@ What it runs and what it hands on:
 - non-causal and cross-attention (two batched GEMMs already), and decoding: the GPU strategy's
   functions.
 
+Hedgehog's exp map, whose per-feature core scales each feature by its own running max, has
+kernels of its own (:mod:`effattn.kernelized.fused_exponents`), which
+:func:`effattn.kernelized.exponents.causal` calls under this strategy.
+
 It is chosen only when asked for (``EFFATTN_STRATEGY=kernelized=triton`` or
 ``effattn.strategy.force(kernelized="triton")``): whether it is faster than the GPU strategy on
 a given GPU is not yet measured (``benchmarks/gpu_peers.py``, suite ``triton``). It needs the

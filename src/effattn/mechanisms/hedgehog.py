@@ -108,20 +108,15 @@ class HedgehogAttention(KernelizedAttention):
     def exponents(self, x: Tensor) -> Tensor:
         """The exp form's exponents u (B, H, L, 2F), φ(x) = exp(u): [x W_h + b_h, -(x W_h + b_h)],
         for the per-feature stabilised core (:mod:`effattn.kernelized.exponents`)."""
-        w, b = self.weight.to(x.dtype), self.bias.to(x.dtype)
-        # One GEMM with [W, -W] and the bias folded in: no pass to negate or concatenate u.
-        w, b = torch.cat([w, -w], -1), torch.cat([b, -b], -1)
-        batch, heads, length, dim = x.shape
-        f = w.shape[-1]
-        return torch.baddbmm(
-            b[None, :, None, :].expand(batch, -1, -1, -1).reshape(-1, 1, f),
-            x.reshape(-1, length, dim),
-            w.expand(batch, -1, -1, -1).reshape(-1, dim, f),
-        ).view(batch, heads, length, f)
+        return fm.AffineExponents(self.weight, self.bias)(x)
 
     def exponent_map(self) -> Callable[[Tensor], Tensor] | None:
-        """The exp form runs the per-feature stabilised core on :meth:`exponents`."""
-        return self.exponents if self.feature_map == "exp" else None
+        """The exp form runs the per-feature stabilised core on :meth:`exponents`, handed over
+        as data (:class:`~effattn.kernelized.features.AffineExponents`), which the triton
+        strategy forms inside its kernels."""
+        if self.feature_map != "exp":
+            return None
+        return fm.AffineExponents(self.weight, self.bias)
 
     def _underflow(self, err: DenominatorUnderflowError, q: Tensor, k: Tensor | None) -> ValueError:
         """The core's underflow error with the size that causes it here: the largest exponent
