@@ -78,11 +78,11 @@ def test_float64_outputs_and_gradients_equal_the_reference(causal, padded, slice
         torch.testing.assert_close(a, c, rtol=1e-9, atol=1e-10)
 
 
-@pytest.mark.parametrize("lag", [0, 1, 5, 17, 63, 70])
-def test_lag_and_normaliser_equal_the_reference(lag):
-    """The window hybrid's linear part through the module's core configuration: query i sees
-    keys j <= i - lag; N = 63, chunks of 16, padding, slices of one chunk; outputs, normalisers
-    (log |Σ_j φ(q_i)·φ(k_j)|, sign 1 where a key is seen) and gradients."""
+def check_lag_and_normaliser(lag):
+    """The window hybrid's linear part through hedgehog's core configuration, in the strategy
+    forced: query i sees keys j <= i - lag; N = 63, chunks of 16, padding, slices of one chunk;
+    outputs, normalisers (log |Σ_j φ(q_i)·φ(k_j)|, sign 1 where a key is seen) and gradients
+    against the log-space reference. (Also run by tests/test_fused_exponents.py.)"""
     module = effattn.build("hedgehog", head_dim=21, heads=3, num_features=5, seed=0,
                            chunk_size=16).double()
     module.slice_elements = 10
@@ -109,13 +109,20 @@ def test_lag_and_normaliser_equal_the_reference(lag):
         torch.testing.assert_close(a, c, rtol=1e-9, atol=1e-10)
 
 
-def test_an_incoming_state_gives_the_whole_sequence():
-    """A prefix's state (split mid-chunk, so its scale is a partial chunk's) handed to the rest:
-    outputs and the gradients through the state (into q, k, v and W of both parts) equal the
-    reference over the whole sequence; the final state equals the one-pass state."""
+@pytest.mark.parametrize("lag", [0, 1, 5, 17, 63, 70])
+def test_lag_and_normaliser_equal_the_reference(lag):
+    check_lag_and_normaliser(lag)
+
+
+def check_incoming_state(exponents_of):
+    """A prefix's state (split mid-chunk, so its scale is a partial chunk's) handed to the rest,
+    in the strategy forced, for the exponents ``exponents_of(w, b)`` (Hedgehog's map): outputs
+    and the gradients through the state (into q, k, v and W of both parts) equal the reference
+    over the whole sequence; the final state equals the one-pass state. (Also run by
+    tests/test_fused_exponents.py.)"""
     q, k, v = (t.requires_grad_() for t in qkv(b=2, h=3, n=63, d=21, dv=7))
     w, b = (t.requires_grad_() for t in weights(size=5.0))
-    exponents = map_of(w, b)
+    exponents = exponents_of(w, b)
     mask = key_mask(2, 63)
     first, mid, _ = ex.causal(q[:, :, :23], k[:, :, :23], v[:, :, :23], exponents, 10,
                               key_padding_mask=mask[:, :23], chunk_size=16, slice_elements=10)
@@ -133,6 +140,10 @@ def test_an_incoming_state_gives_the_whole_sequence():
     torch.testing.assert_close(end.log_scale, whole.log_scale, rtol=0, atol=0)
     torch.testing.assert_close(end.kv, whole.kv, rtol=1e-12, atol=1e-12)
     assert end.position == whole.position == 63
+
+
+def test_an_incoming_state_gives_the_whole_sequence():
+    check_incoming_state(map_of)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -219,15 +230,16 @@ def test_in_chunk_growth_beyond_the_limit_loses_only_what_the_docstring_says():
     assert (out[:, :, 32:40] - ref[:, :, 32:40]).abs().amax() > 1e-3
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_equals_the_cpu_strategy(dtype):
-    """From an incoming state, with padding, the normaliser and slices of one chunk: outputs,
-    normalisers, the state after and the gradients (the incoming state's included) equal the
-    CPU strategy's to rounding."""
+def check_equals_strategy(other, dtype, exponents_of, scale_tol=0.0):
+    """The strategy forced against ``other``, for the exponents ``exponents_of(w, b)``: from
+    an incoming state, with padding, the normaliser and slices of one chunk, outputs,
+    normalisers, the state after and the gradients (the incoming state's included) equal to
+    rounding, the state's log-scales within ``scale_tol``. (Also run by
+    tests/test_fused_exponents.py.)"""
     q, k, v = (t.to(dtype).requires_grad_() for t in qkv(b=2, h=3, n=63, d=21, dv=7))
     w, b = weights(size=20.0)
     w, b = (t.to(dtype).requires_grad_() for t in (w, b))
-    exponents = map_of(w, b)
+    exponents = exponents_of(w, b)
     g = torch.Generator().manual_seed(1)
     kv = torch.rand(2, 3, 10, 8, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
     scale = (torch.randn(2, 3, 10, 1, generator=g, dtype=torch.float64) * 5).to(dtype)
@@ -244,11 +256,12 @@ def test_equals_the_cpu_strategy(dtype):
     weight = torch.randn(2, 3, 63, generator=g, dtype=torch.float64).to(dtype)
     end = torch.randn(2, 3, 10, 8, generator=g, dtype=torch.float64).to(dtype)
     got = run()
-    with strategy.force(kernelized="cpu"):
+    with strategy.force(kernelized=other):
         want = run()
     tol = 1e-11 if dtype == torch.float64 else 2e-5
     torch.testing.assert_close(got[0], want[0], rtol=tol, atol=tol)
-    torch.testing.assert_close(got[1].log_scale, want[1].log_scale, rtol=0, atol=0)
+    torch.testing.assert_close(got[1].log_scale, want[1].log_scale, rtol=scale_tol,
+                               atol=scale_tol)
     torch.testing.assert_close(got[1].kv, want[1].kv, rtol=tol, atol=tol)
     assert got[1].position == want[1].position == 67
     torch.testing.assert_close(got[2].log_abs, want[2].log_abs, rtol=tol, atol=tol)
@@ -256,6 +269,11 @@ def test_equals_the_cpu_strategy(dtype):
     for a, c in zip(got[3], want[3], strict=True):
         scale_ = c.abs().max()
         torch.testing.assert_close(a / scale_, c / scale_, rtol=tol, atol=10 * tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_equals_the_cpu_strategy(dtype):
+    check_equals_strategy("cpu", dtype, map_of)
 
 
 def test_training_keeps_inputs_not_exponents_or_states():
@@ -297,10 +315,11 @@ def test_the_forward_reads_nothing_back_to_the_host(grad, monkeypatch):
                          chunk_size=16, slice_elements=10)
 
 
-def test_hedgehog_trains_and_decodes_as_its_forward(slices):
-    """Hedgehog's exp form in fp32 under the forced strategy: a few optimiser steps lower a
+def check_hedgehog_trains_and_decodes():
+    """Hedgehog's exp form in fp32 under the strategy forced: a few optimiser steps lower a
     regression loss with finite gradients on the projection, and then decoding token by token
-    and a prefill split mid-chunk give the causal forward's outputs."""
+    and a prefill split mid-chunk give the causal forward's outputs. (Also run by
+    tests/test_fused_exponents.py.)"""
     torch.manual_seed(0)
     module = effattn.build("hedgehog", head_dim=16, heads=2, seed=0, chunk_size=16)
     q, k, v = qkv(b=2, h=2, n=50, d=16, dtype=torch.float32)
@@ -315,7 +334,7 @@ def test_hedgehog_trains_and_decodes_as_its_forward(slices):
                    for p in module.parameters())
         opt.step()
         losses.append(loss.item())
-    assert slices[0] > 0 and losses[-1] < losses[0]
+    assert losses[-1] < losses[0]
     with torch.no_grad():
         full = module(q, k, v, causal=True)
         state, outs = None, []
@@ -327,6 +346,11 @@ def test_hedgehog_trains_and_decodes_as_its_forward(slices):
         first, state = module.prefill(q[:, :, :23], k[:, :, :23], v[:, :, :23])
         rest, _ = module.prefill(q[:, :, 23:], k[:, :, 23:], v[:, :, 23:], state)
         torch.testing.assert_close(torch.cat([first, rest], 2), full, rtol=1e-5, atol=1e-5)
+
+
+def test_hedgehog_trains_and_decodes_as_its_forward(slices):
+    check_hedgehog_trains_and_decodes()
+    assert slices[0] > 0
 
 
 def test_compile_fullgraph_of_hedgehog():

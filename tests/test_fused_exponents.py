@@ -14,13 +14,18 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 from conftest import count_calls, qkv  # noqa: E402
 from test_exponents import key_mask, map_of, weights  # noqa: E402
+from test_exponents_gpu import (  # noqa: E402
+    check_equals_strategy,
+    check_hedgehog_trains_and_decodes,
+    check_incoming_state,
+    check_lag_and_normaliser,
+)
 
 import effattn  # noqa: E402
 from effattn import naive, strategy  # noqa: E402
 from effattn.kernelized import exponents as ex  # noqa: E402
 from effattn.kernelized import exponents_gpu, fused, fused_exponents  # noqa: E402
 from effattn.kernelized import fused_exponents_kernels as kernels  # noqa: E402
-from effattn.kernelized.core import RecurrentState  # noqa: E402
 from effattn.kernelized.features import AffineExponents  # noqa: E402
 from effattn.tools.bench.accounting import live_peak_bytes  # noqa: E402
 
@@ -99,61 +104,15 @@ def test_feature_blocks_combine_their_sums(deterministic):
 
 @pytest.mark.parametrize("lag", [0, 5, 63])
 def test_lag_and_normaliser_equal_the_reference(lag, launches):
-    """The window hybrid's linear part through hedgehog's core configuration: query i sees
-    keys j <= i - lag; padding, slices of 16 tokens; outputs, normalisers and gradients."""
-    module = effattn.build("hedgehog", head_dim=21, heads=3, num_features=5, seed=0,
-                           chunk_size=16).double()
-    module.slice_elements = 10
-    q, k, v = (t.requires_grad_() for t in qkv(b=3, h=3, n=63, d=21, dv=7))
-    mask = key_mask(3, 63)
-    out, _, norm = module.core().causal_normalised(q, k, v, key_padding_mask=mask, lag=lag)
-    logs = torch.logsumexp(module.exponents(q)[..., :, None, :]
-                           + module.exponents(k)[..., None, :, :], -1)
-    i = torch.arange(63)
-    seen = (i[None, :] <= i[:, None] - lag)[None, None] & ~mask[:, None, None, :]
-    logs = logs.masked_fill(~seen, float("-inf"))
-    ref = torch.softmax(logs, -1).nan_to_num(0.0) @ v
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(norm.log_abs, torch.logsumexp(logs, -1))
-    torch.testing.assert_close(norm.sign, (logs.amax(-1) > float("-inf")).double())
-    if lag >= 63:  # no query sees a key: nothing to launch
-        assert (out == 0).all()
-        return
+    """tests/test_exponents_gpu.py's check through the kernels (none launched where no query
+    sees a key)."""
+    check_lag_and_normaliser(lag)
+    assert launches["gpu"] == 0 and (launches["forward"] > 0) == (lag < 63)
+
+
+def test_an_incoming_state_gives_the_whole_sequence(launches):
+    check_incoming_state(AffineExponents)
     assert launches["forward"] > 0 and launches["gpu"] == 0
-    params = (q, k, v, *module.parameters())
-    probe, weight = torch.randn_like(out), torch.randn_like(norm.log_abs)
-    found = norm.sign > 0
-    loss = (out * probe).sum() + (norm.log_abs.where(found, 0.0) * weight).sum()
-    ref_loss = (ref * probe).sum() + (torch.logsumexp(logs, -1).where(found, 0.0) * weight).sum()
-    for a, c in zip(torch.autograd.grad(loss, params), torch.autograd.grad(ref_loss, params),
-                    strict=True):
-        torch.testing.assert_close(a, c, rtol=1e-9, atol=1e-10)
-
-
-def test_an_incoming_state_gives_the_whole_sequence():
-    """A prefix's state (split mid-chunk) handed to the rest: outputs and the gradients through
-    the state equal the reference over the whole sequence; the final state equals the one-pass
-    state (its per-feature scales exactly)."""
-    q, k, v = (t.requires_grad_() for t in qkv(b=2, h=3, n=63, d=21, dv=7))
-    w, b = (t.requires_grad_() for t in weights(size=5.0))
-    exponents = AffineExponents(w, b)
-    mask = key_mask(2, 63)
-    first, mid, _ = ex.causal(q[:, :, :23], k[:, :, :23], v[:, :, :23], exponents, 10,
-                              key_padding_mask=mask[:, :23], chunk_size=16, slice_elements=10)
-    rest, end, _ = ex.causal(q[:, :, 23:], k[:, :, 23:], v[:, :, 23:], exponents, 10, mid,
-                             key_padding_mask=mask[:, 23:], chunk_size=16, slice_elements=10)
-    out = torch.cat([first, rest], 2)
-    ref = naive.exponent_attention(exponents(q), exponents(k), v, causal=True,
-                                   key_padding_mask=mask)
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
-    probe = torch.randn_like(out)
-    for a, c in zip(grads(out, (q, k, v, w, b), probe), grads(ref, (q, k, v, w, b), probe),
-                    strict=True):
-        torch.testing.assert_close(a, c, rtol=1e-9, atol=1e-10)
-    _, whole, _ = ex.causal(q, k, v, exponents, 10, key_padding_mask=mask, chunk_size=16)
-    torch.testing.assert_close(end.log_scale, whole.log_scale, rtol=0, atol=0)
-    torch.testing.assert_close(end.kv, whole.kv, rtol=1e-12, atol=1e-12)
-    assert end.position == whole.position == 63
 
 
 @pytest.mark.parametrize("dtype, at, jump", [
@@ -187,43 +146,12 @@ def test_growth_of_the_running_max_stays_exact(dtype, at, jump):
             torch.testing.assert_close(a, c, rtol=1e-8, atol=1e-9)
 
 
-def test_fp32_equals_the_gpu_strategy():
-    """From an incoming state, with padding, the normaliser and slices of one chunk: fp32
-    outputs, normalisers, the state after and the gradients (the incoming state's included)
-    equal the GPU strategy's to rounding."""
-    dtype = torch.float32
-    q, k, v = (t.to(dtype).requires_grad_() for t in qkv(b=2, h=3, n=63, d=21, dv=7))
-    w, b = weights(size=20.0)
-    w, b = (t.to(dtype).requires_grad_() for t in (w, b))
-    g = torch.Generator().manual_seed(1)
-    kv = torch.rand(2, 3, 10, 8, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
-    scale = (torch.randn(2, 3, 10, 1, generator=g, dtype=torch.float64) * 5).to(dtype)
-    probe = torch.randn(2, 3, 63, 7, generator=g, dtype=torch.float64).to(dtype)
-    weight = torch.randn(2, 3, 63, generator=g, dtype=torch.float64).to(dtype)
-    end = torch.randn(2, 3, 10, 8, generator=g, dtype=torch.float64).to(dtype)
-
-    def run():
-        out, state, norm = ex.causal(q, k, v, AffineExponents(w, b), 10,
-                                     RecurrentState(kv, scale, 4),
-                                     key_padding_mask=key_mask(2, 63), chunk_size=16,
-                                     slice_elements=10, normaliser=True)
-        loss = (out * probe).sum() + (norm.log_abs * weight).sum() + (state.kv * end).sum()
-        return out, state, norm, torch.autograd.grad(loss, (q, k, v, w, b, kv))
-
-    got = run()
-    with strategy.force(kernelized="gpu"):
-        want = run()
-    tol = 2e-5
-    torch.testing.assert_close(got[0], want[0], rtol=tol, atol=tol)
-    # The running maxima of exponents that the kernels' GEMM and torch's round differently.
-    torch.testing.assert_close(got[1].log_scale, want[1].log_scale, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(got[1].kv, want[1].kv, rtol=tol, atol=tol)
-    assert got[1].position == want[1].position == 67
-    torch.testing.assert_close(got[2].log_abs, want[2].log_abs, rtol=tol, atol=tol)
-    torch.testing.assert_close(got[2].sign, want[2].sign, rtol=0, atol=0)
-    for a, c in zip(got[3], want[3], strict=True):
-        torch.testing.assert_close(a / c.abs().max(), c / c.abs().max(), rtol=tol,
-                                   atol=10 * tol)
+def test_fp32_equals_the_gpu_strategy(launches):
+    """From an incoming state, with padding, the normaliser and slices of one chunk: equal to
+    the GPU strategy's to fp32's rounding (the state's running maxima to 1e-6: the kernels'
+    GEMM and torch's round the exponents differently)."""
+    check_equals_strategy("gpu", torch.float32, AffineExponents, scale_tol=1e-6)
+    assert launches["forward"] > 0
 
 
 def test_bf16_inputs_are_read_as_they_are(monkeypatch, launches):
@@ -257,8 +185,7 @@ def test_bf16_inputs_are_read_as_they_are(monkeypatch, launches):
 
 def test_hedgehog_matches_its_reference_trains_and_decodes(launches):
     """Hedgehog's exp form through the kernels: float64 outputs and the gradients of its W and b
-    against its reference; then in fp32 a few optimiser steps lower a regression loss, and
-    decoding token by token and a prefill split mid-chunk give the causal forward's outputs."""
+    against its reference; then tests/test_exponents_gpu.py's training and decoding check."""
     module = effattn.build("hedgehog", head_dim=21, heads=3, seed=0, chunk_size=16).double()
     q, k, v = (t.requires_grad_() for t in qkv(n=63, d=21, dv=5, scale=0.5))
     mask = key_mask(2, 63)
@@ -269,34 +196,9 @@ def test_hedgehog_matches_its_reference_trains_and_decodes(launches):
     probe = torch.randn_like(out)
     for a, c in zip(grads(out, params, probe), grads(ref, params, probe), strict=True):
         torch.testing.assert_close(a, c, rtol=1e-7, atol=1e-7)
-    assert launches["forward"] == 1 and launches["backward"] == 1 and launches["gpu"] == 0
-
-    torch.manual_seed(0)
-    module = effattn.build("hedgehog", head_dim=16, heads=2, seed=0, chunk_size=16)
-    q, k, v = qkv(b=2, h=2, n=50, d=16, dtype=torch.float32)
-    target = torch.randn(2, 2, 50, 16)
-    opt = torch.optim.Adam(module.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(4):
-        loss = (module(q, k, v, causal=True) - target).square().mean()
-        opt.zero_grad()
-        loss.backward()
-        assert all(p.grad is not None and torch.isfinite(p.grad).all()
-                   for p in module.parameters())
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0]
-    with torch.no_grad():
-        full = module(q, k, v, causal=True)
-        state, outs = None, []
-        for t in range(50):
-            out, state = module.step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1],
-                                     state)
-            outs.append(out)
-        torch.testing.assert_close(torch.cat(outs, 2), full, rtol=1e-5, atol=1e-5)
-        first, state = module.prefill(q[:, :, :23], k[:, :, :23], v[:, :, :23])
-        rest, _ = module.prefill(q[:, :, 23:], k[:, :, 23:], v[:, :, 23:], state)
-        torch.testing.assert_close(torch.cat([first, rest], 2), full, rtol=1e-5, atol=1e-5)
+    assert launches == {"forward": 1, "backward": 1, "gpu": 0}
+    check_hedgehog_trains_and_decodes()
+    assert launches["gpu"] == 0
 
 
 @pytest.mark.parametrize("case", ["non-causal", "other-exponents", "compiled"])

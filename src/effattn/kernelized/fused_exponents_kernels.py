@@ -107,6 +107,16 @@ def _key_exponents(x_ptr, ls_ptr, w, b, t, t_ok, f_ok, D, BD: tl.constexpr, ACC:
 
 
 @triton.jit
+def _state_rows(ptr, bh, f, f_ok, d, d_ok, F, DV, ACC: tl.constexpr):
+    """This block's rows f of a (B H, F, Dv + 1) state [S, z] (or of its adjoint), in ACC: S
+    (BK, BV) and z (BK)."""
+    rows = ptr + bh * F * (DV + 1) + f * (DV + 1)
+    s = tl.load(rows[:, None] + d[None, :], mask=f_ok[:, None] & d_ok[None, :],
+                other=0.0).to(ACC)
+    return s, tl.load(rows + DV, mask=f_ok, other=0.0).to(ACC)
+
+
+@triton.jit
 def _exact_pairs(u_q, u_k, shift, causal, BT: tl.constexpr, ACC: tl.constexpr):
     """A_ij = Σ_f exp(min(u_qf(i) + u_kf(j) - c_i, 0)) for j <= i (BT, BT), term by term: one
     key j at a time."""
@@ -201,9 +211,7 @@ def _forward_kernel(
     d_ok = d < DV
     causal = t0[None, :] <= t0[:, None]
     w, b = _head_rows(w_ptr, b_ptr, bh % H, f, f_ok, F, D, BD, ACC)
-    state = kv_in_ptr + bh * F * (DV + 1) + f[:, None] * (DV + 1)
-    s = tl.load(state + d[None, :], mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(ACC)
-    z = tl.load(kv_in_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(ACC)
+    s, z = _state_rows(kv_in_ptr, bh, f, f_ok, d, d_ok, F, DV, ACC)
     r = tl.load(r_in_ptr + bh * F + f, mask=f_ok, other=0.0).to(ACC)
     part = fk._part(kb, bh, BH, N, ATOMIC)
     for c in range(0, NC):
@@ -260,6 +268,25 @@ def _store_exponent_grads(dx_ptr, du, w, x, part, t, t_ok, D, BD: tl.constexpr,
 
 
 @triton.jit
+def _recomputed(q_ptr, k_ptr, ls_ptr, r_ptr, c_ptr, w, b, bh, c, t, t_ok, f, f_ok, N, F, D, NC,
+                BD: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr):
+    """What the backward kernels recompute of chunk c: the running maxima before and after it
+    (R_{c-1}, R_c, as the forward stored them), the exponents u_q, u_k with x̃ of each, the
+    queries' shifts and the factors Q = exp(u_q + R_{c-1} - c), K = exp(u_k - R_c) (0 past the
+    sequence and past F)."""
+    r = tl.load(r_ptr + (bh * (NC + 1) + c) * F + f, mask=f_ok, other=0.0).to(ACC)
+    r_next = tl.load(r_ptr + (bh * (NC + 1) + c + 1) * F + f, mask=f_ok, other=0.0).to(ACC)
+    u_q, xq = _exponents(q_ptr + bh * N * D, w, b, t, t_ok, D, BD, ACC, PRECISION)
+    u_k, xk = _key_exponents(k_ptr + bh * N * D, ls_ptr + bh * N, w, b, t, t_ok, f_ok, D, BD,
+                             ACC, PRECISION)
+    shift = tl.load(c_ptr + bh * N + t, mask=t_ok, other=0.0).to(ACC)
+    ok = t_ok[:, None] & f_ok[None, :]
+    q_f = tl.exp(tl.where(ok, u_q + r[None, :] - shift[:, None], float("-inf")))
+    k_f = tl.exp(u_k - r_next[None, :])
+    return r, r_next, u_q, xq, u_k, xk, shift, q_f, k_f
+
+
+@triton.jit
 def _backward_queries_kernel(
     q_ptr, k_ptr, ls_ptr, v_ptr, kv_in_ptr, r_ptr, c_ptr, do_ptr, div_ptr, gd_ptr, w_ptr,
     b_ptr, dq_ptr, dw_ptr, db_ptr,
@@ -277,9 +304,7 @@ def _backward_queries_kernel(
     d_ok = d < DV
     causal = t0[None, :] <= t0[:, None]
     w, b = _head_rows(w_ptr, b_ptr, bh % H, f, f_ok, F, D, BD, ACC)
-    state = kv_in_ptr + bh * F * (DV + 1) + f[:, None] * (DV + 1)
-    s = tl.load(state + d[None, :], mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(ACC)
-    z = tl.load(kv_in_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(ACC)
+    s, z = _state_rows(kv_in_ptr, bh, f, f_ok, d, d_ok, F, DV, ACC)
     dw = tl.zeros([BK, BD], dtype=ACC)
     db = tl.zeros([BK], dtype=ACC)
     part = fk._part(kb, bh, BH, N, ATOMIC)
@@ -287,14 +312,9 @@ def _backward_queries_kernel(
         t = c * BT + t0
         t_ok = t < N
         ok = t_ok[:, None] & f_ok[None, :]
-        r = tl.load(r_ptr + (bh * (NC + 1) + c) * F + f, mask=f_ok, other=0.0).to(ACC)
-        r_next = tl.load(r_ptr + (bh * (NC + 1) + c + 1) * F + f, mask=f_ok, other=0.0).to(ACC)
-        u_q, xq = _exponents(q_ptr + bh * N * D, w, b, t, t_ok, D, BD, ACC, PRECISION)
-        u_k, _ = _key_exponents(k_ptr + bh * N * D, ls_ptr + bh * N, w, b, t, t_ok, f_ok, D,
-                                BD, ACC, PRECISION)
-        shift = tl.load(c_ptr + bh * N + t, mask=t_ok, other=0.0).to(ACC)
-        q_f = tl.exp(tl.where(ok, u_q + r[None, :] - shift[:, None], float("-inf")))
-        k_f = tl.exp(u_k - r_next[None, :])
+        r, r_next, u_q, xq, u_k, _, shift, q_f, k_f = _recomputed(
+            q_ptr, k_ptr, ls_ptr, r_ptr, c_ptr, w, b, bh, c, t, t_ok, f, f_ok, N, F, D, NC, BD,
+            ACC, PRECISION)
         vd_ok = t_ok[:, None] & d_ok[None, :]
         vc = tl.load(v_ptr + bh * N * DV + t[:, None] * DV + d[None, :], mask=vd_ok,
                      other=0.0).to(ACC)
@@ -339,9 +359,7 @@ def _backward_keys_kernel(
     d_ok = d < DV
     causal = t0[None, :] <= t0[:, None]
     w, b = _head_rows(w_ptr, b_ptr, bh % H, f, f_ok, F, D, BD, ACC)
-    after = du_ptr + bh * F * (DV + 1) + f[:, None] * (DV + 1)
-    u = tl.load(after + d[None, :], mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(ACC)
-    uz = tl.load(du_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(ACC)
+    u, uz = _state_rows(du_ptr, bh, f, f_ok, d, d_ok, F, DV, ACC)
     rows = dw_ptr + bh * F * D + f[:, None] * D + e[None, :]
     rows_ok = f_ok[:, None] & (e < D)[None, :]
     dw = tl.load(rows, mask=rows_ok, other=0.0)
@@ -352,14 +370,9 @@ def _backward_keys_kernel(
         t = c * BT + t0
         t_ok = t < N
         ok = t_ok[:, None] & f_ok[None, :]
-        r = tl.load(r_ptr + (bh * (NC + 1) + c) * F + f, mask=f_ok, other=0.0).to(ACC)
-        r_next = tl.load(r_ptr + (bh * (NC + 1) + c + 1) * F + f, mask=f_ok, other=0.0).to(ACC)
-        u_q, _ = _exponents(q_ptr + bh * N * D, w, b, t, t_ok, D, BD, ACC, PRECISION)
-        u_k, xk = _key_exponents(k_ptr + bh * N * D, ls_ptr + bh * N, w, b, t, t_ok, f_ok, D,
-                                 BD, ACC, PRECISION)
-        shift = tl.load(c_ptr + bh * N + t, mask=t_ok, other=0.0).to(ACC)
-        q_f = tl.exp(tl.where(ok, u_q + r[None, :] - shift[:, None], float("-inf")))
-        k_f = tl.exp(u_k - r_next[None, :])
+        r, r_next, u_q, _, u_k, xk, shift, q_f, k_f = _recomputed(
+            q_ptr, k_ptr, ls_ptr, r_ptr, c_ptr, w, b, bh, c, t, t_ok, f, f_ok, N, F, D, NC, BD,
+            ACC, PRECISION)
         values = t[:, None] * DV + d[None, :]
         vd_ok = t_ok[:, None] & d_ok[None, :]
         vc = tl.load(v_ptr + bh * N * DV + values, mask=vd_ok, other=0.0).to(ACC)
