@@ -188,9 +188,12 @@ def variants(kernels: Any) -> list[tuple[Any, bool, str]]:
     """(kernel, gated, map) to compile: the scan's kernels ungated and gated, with φ from
     memory and formed inside (each of ``MAPS``); the row maxima's kernel once; the per-feature
     core's kernels once each (map ``exponents``)."""
+    from effattn.kernelized import fused_exponents_kernels
+
     out = []
     for kernel in kernels:
-        if kernel.__module__.endswith("fused_exponents_kernels"):
+        # By identity: under Triton's interpreter a kernel's __module__ is the interpreter's.
+        if kernel in fused_exponents_kernels.KERNELS:
             out.append((kernel, False, "exponents"))
         elif "MAP" in kernel.arg_names:
             out += [(kernel, g, m) for g, m in itertools.product((False, True), MAPS)]
