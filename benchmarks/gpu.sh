@@ -71,7 +71,7 @@ for stage in "${STAGES[@]}"; do
             # (pip install fla_core-*.whl); without it the fla rows say "fla: not installed".
             # The eager suites (the triton strategy's among them); the compiled one is its own
             # stage, since it compiles each method afresh at every point and pass.
-            python3 benchmarks/gpu_peers.py --impls effattn,fla,sdpa,spans,triton,tf32 \
+            python3 benchmarks/gpu_peers.py --impls effattn,fla,sdpa,spans,triton,segments,tf32 \
                 --out "$OUT/peers" 2>&1 | tee "$OUT/peers.txt" ;;
         compiled)
             # Eight compilations (performer and linear, bf16, N = 16384, causal and not, both

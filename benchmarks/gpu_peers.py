@@ -31,6 +31,12 @@ Peers, each on the problem it solves:
   launch per slice forward and two backward in place of the GPU strategy's chunk-parallel
   operations, and no chunk states. The strategy is chosen only when forced until these rows
   say it is faster. Without triton the rows say ``triton: not installed``.
+- ``segments``: the triton suite's methods again (but hedgehog) with every kernel launch
+  walking its chunks in one segment (methods ``<method>-triton-unsplit``). The triton rows
+  split a launch's chunks into segments walked side by side where its (feature block,
+  batch-head) programs alone would leave the GPU's multiprocessors idle (at B = 1, H = 8: 8 to
+  32 programs against an H100's 132; ``effattn.kernelized.fused_kernels.segments``); these
+  rows say what the split gains.
 - ``tf32``: the ``effattn`` and ``triton`` suites again with torch's fp32 CUDA matmuls on TF32
   tensor cores (``torch.backends.cuda.matmul.fp32_precision = "tf32"``, what
   ``torch.set_float32_matmul_precision("high")`` sets; methods ``<method>-tf32`` and
@@ -301,6 +307,29 @@ def triton_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
                    (q, k, v), error=error)
 
 
+def segments_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
+    """``triton_suite``'s methods whose scan the row kernels run (all but hedgehog, whose
+    per-feature kernels walk their chunks in one segment) with every launch in one segment
+    (``fused_kernels.SEGMENT_PROGRAMS = 0``; methods ``<method>-triton-unsplit``), beside the
+    triton rows, which split their chunks into segments where the programs alone would leave
+    multiprocessors idle. The setting holds while the cases are measured, backward included
+    (the driver measures each case before it resumes the suite), and is restored after."""
+    try:
+        from effattn.kernelized import fused_kernels
+    except ImportError:
+        fused_kernels = None
+    before = None if fused_kernels is None else fused_kernels.SEGMENT_PROGRAMS
+    if fused_kernels is not None:
+        fused_kernels.SEGMENT_PROGRAMS = 0
+    try:
+        rows = [(name, options) for name, options in methods if name != "hedgehog"]
+        for case in triton_suite(p, rows):
+            yield replace(case, method=f"{case.method}-unsplit")
+    finally:
+        if fused_kernels is not None:
+            fused_kernels.SEGMENT_PROGRAMS = before
+
+
 def tf32_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
     """``effattn_suite`` and ``triton_suite`` with fp32 CUDA matmuls on TF32. The setting holds
     while the cases are measured, backward included: the driver measures each case before it
@@ -317,7 +346,8 @@ def tf32_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
 
 SUITES: dict[str, Suite] = {"effattn": effattn_suite, "fla": fla_suite, "sdpa": sdpa_suite,
                             "spans": spans_suite, "compiled": compiled_suite,
-                            "triton": triton_suite, "tf32": tf32_suite}
+                            "triton": triton_suite, "segments": segments_suite,
+                            "tf32": tf32_suite}
 
 
 def _sync(device: torch.device) -> None:

@@ -140,8 +140,10 @@ def compile_kernel(kernel: Any, arch: int, name: str, gated: bool, map_: str = "
     # Feature blocks add their parts atomically wherever there are several, as at F = 256
     # (fused_kernels.atomic); the elu map's F is D.
     blocks = -(-(key_dim if map_ == "elu" else feature_dim) // meta["BK"])
+    # The segments' first passes (STATES, ADJOINT) do a part of their kernels' work: the
+    # kernels as the main passes run them are compiled.
     constants = {**meta, "LOG_FLOOR_": fused_kernels.LOG_FLOOR, "GATED": gated,
-                 "ATOMIC": fused_kernels.atomic(blocks)}
+                 "ATOMIC": fused_kernels.atomic(blocks), "STATES": False, "ADJOINT": False}
     if map_ == "exponents":
         constants["LIMIT"] = fused_exponents_kernels.GROWTH[
             torch.float64 if dtype == torch.float64 else torch.float32]

@@ -33,7 +33,7 @@ from effattn.kernelized import core, fused, fused_kernels, gpu  # noqa: E402
 from effattn.tools.bench.accounting import count_ops, live_peak_bytes  # noqa: E402
 
 
-def _matches_reference(module, q, k, v, extra=(), **kw):
+def matches_reference(module, q, k, v, extra=(), **kw):
     """The causal call with padding equals the float64 reference, and so do the gradients of q,
     k, v, ``extra`` and the module's parameters."""
     mask = padding(2, q.shape[2]) if kw.pop("pad", True) else None
@@ -418,7 +418,7 @@ def test_performer_forms_its_map_in_the_kernels(feature_map, pad, row_maxima, la
     module = make_kernelized("performer", {"feature_map": feature_map})
     assert isinstance(module.feature_fn(), effattn.kernelized.features.PositiveMap)
     module.slice_elements = 320
-    _matches_reference(module, *(t.requires_grad_(True)
+    matches_reference(module, *(t.requires_grad_(True)
                                  for t in qkv(n=130, d=21, dv=5, scale=0.5)), pad=pad)
     if feature_map == "positive":
         assert launches == {"forward": 3, "backward": 9, "gpu": 0}
@@ -468,7 +468,7 @@ def test_maps_given_as_data_are_formed_in_the_kernels(variant, monkeypatch, laun
     module(q, k, v, causal=True, **kw).sum().backward()
     assert maps == {"sin_cos": 0, "phase": 0, "relu": 0, "arccos": 0, "taylor": 0, "elu": 0}
     assert 1 < launches["forward"] <= launches["backward"] and launches["gpu"] == 0
-    _matches_reference(module, q, k, v, extra, **kw)
+    matches_reference(module, q, k, v, extra, **kw)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -549,7 +549,7 @@ def test_a_trained_projection_takes_the_features_path(row_maxima, launches):
     against the reference's."""
     module = make_kernelized("performer", {})
     module.projection.requires_grad_(True)
-    _matches_reference(module, *(t.requires_grad_(True)
+    matches_reference(module, *(t.requires_grad_(True)
                                  for t in qkv(n=63, d=21, dv=5, scale=0.5)),
                        extra=(module.projection,))
     assert row_maxima == {"row_max": 0} and launches["forward"] == 1
@@ -680,7 +680,7 @@ def test_slices_hand_on_state_and_gradient(name, launches):
     module = make_kernelized(name, {})
     module.slice_elements = 40
     assert gpu.slice_tokens(6, module.feature_dim, 5, 16, module.slice_elements) == 16
-    _matches_reference(module, *(t.requires_grad_(True)
+    matches_reference(module, *(t.requires_grad_(True)
                                  for t in qkv(n=130, d=21, dv=5, scale=0.5)))
     assert launches == {"forward": 9, "backward": 9, "gpu": 0}
 
@@ -693,7 +693,7 @@ def test_backward_spans_start_from_the_forwards_checkpoints(pad, launches):
     module.slice_elements = 320
     assert gpu.slice_tokens(6, module.feature_dim, 5, 16, 320) == 48
     assert fused.backward_span_tokens(6, module.feature_dim, 5, 16, 320, torch.float64) == 16
-    _matches_reference(module, *(t.requires_grad_(True)
+    matches_reference(module, *(t.requires_grad_(True)
                                  for t in qkv(n=130, d=21, dv=5, scale=0.5)), pad=pad)
     assert launches == {"forward": 3, "backward": 9, "gpu": 0}
 
@@ -713,7 +713,7 @@ def test_gated_rfa_matches_reference_with_the_gates_gradient(slice_elements, lau
     gate = torch.sigmoid(3 * torch.randn(2, 3, 130, generator=g, dtype=torch.float64))
     gate[0, 0, 5] = 1e-20
     gate = gate.requires_grad_()
-    _matches_reference(module, q, k, v, (gate,), gate=gate)
+    matches_reference(module, q, k, v, (gate,), gate=gate)
     assert launches["gpu"] == 0 and launches["forward"] >= 1
     assert launches["backward"] == (1 if slice_elements is None else 9)
 

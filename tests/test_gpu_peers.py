@@ -143,6 +143,31 @@ def test_tf32_rows_hold_the_setting_while_measured_and_restore_it(tmp_path, monk
     assert seen and set(seen) == {"tf32"}
 
 
+def test_segments_rows_run_unsplit_while_measured_and_restore_it(tmp_path, monkeypatch):
+    """The segments suite: the triton rows again but hedgehog's, each measured (backward
+    included) with every launch in one segment, the setting restored after the suite."""
+    pytest.importorskip("triton")
+    from effattn.kernelized import fused_kernels
+
+    seen = []
+    timer = peers.timer
+
+    def spy(fn, device, repeats):
+        seen.append(fused_kernels.SEGMENT_PROGRAMS)
+        return timer(fn, device, repeats)
+
+    monkeypatch.setattr(peers, "timer", spy)
+    before = fused_kernels.SEGMENT_PROGRAMS
+    assert peers.main(["--device", "cpu", "--smoke", "--dtypes", "fp32", "--repeats", "1",
+                       "--impls", "segments", "--methods", "performer,hedgehog",
+                       "--out", str(tmp_path)]) == 0
+    assert fused_kernels.SEGMENT_PROGRAMS == before > 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert {r["method"] for r in rows} == {"performer-triton-unsplit"}
+    assert all("error" not in r and r["ms"] is not None for r in rows)
+    assert seen and set(seen) == {0}
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--impls", "effattn,nope"], "--impls"),
     (["--lengths", "4096,5"], "--lengths"),

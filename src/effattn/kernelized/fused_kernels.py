@@ -61,9 +61,30 @@ A program holds one block of BK features and all Dv values, so that the sums ove
 (num, den, dv, the gradient of x̃ and the products φ·dφ) come out per feature block: with
 several blocks, each adds its part atomically into one zeroed buffer (``ATOMIC``), or, with
 ``torch.use_deterministic_algorithms`` on, stores it in its own, added by the caller
-(:func:`atomic`); the rest needs no reduction across programs. Grid: (F / BK, B H). The chunk
-C is a power of two >= 16 (tl.dot's smallest tile; :func:`tile`), with 8 warps a program
+(:func:`atomic`); the rest needs no reduction across programs. Grid: (F / BK, B H, P). The
+chunk C is a power of two >= 16 (tl.dot's smallest tile; :func:`tile`), with 8 warps a program
 (:func:`meta`).
+
+Segments (the grid's P; :func:`segments` chooses it by device, 1 off a GPU). At B = 1, H = 8
+the (F / BK, B H) programs are 8 to 32, and each walks N / C chunks one after the other: a
+chain of dependent steps on a few of a GPU's multiprocessors. The chunks are then split into
+P segments of consecutive chunks, walked side by side. The state is linear in what enters it,
+so what each segment needs from the ones before is one state:
+
+- forward: a first launch (``STATES``) walks each segment's keys alone, from an empty state,
+  to its own state L_p at its running scale r_p; the state entering segment p is
+  e^{G_p + R_in} S_in + Σ_{q<p} e^{G_p - G_{q+1} + r_q} L_q (G the cumulative log-gate at the
+  segments' starts), one (P x P) by (P x F (Dv + 1)) product per (batch, head) in ATen
+  (:func:`_entering`), held at the largest of those exponents, the running max one walk keeps;
+  the second launch walks every segment from its own;
+- backward: the queries' kernel needs those states again (at the forward's running scales,
+  which it reads); the keys' kernel needs the gradient of the state leaving each segment,
+  which every later query holds to account: a first launch (``ADJOINT``) walks each segment's
+  queries alone in reverse from 0, and the mirror product (:func:`_adjoints`) sums the later
+  segments' with d_after.
+
+A split costs one more walk over the keys (forward) or the queries (backward) and P states of
+(B, H, F, Dv + 1) each way; the results are one walk's to rounding (tested in float64).
 
 v may be in a narrower dtype than φ (bf16 values beside fp32 features): the kernels read it
 as it is and convert each tile after loading, so that no promoted copy of v is made.
@@ -202,6 +223,13 @@ def _map_rows(w_ptr, b_ptr, f, f_ok, F, D, BK: tl.constexpr, BD: tl.constexpr,
 
 
 @triton.jit
+def _store_state(ptr, s, z, f, f_ok, d, d_ok, DV):
+    """A feature block's rows f of a state [S, z] (F, DV + 1) at ptr."""
+    tl.store(ptr + f[:, None] * (DV + 1) + d[None, :], s, mask=f_ok[:, None] & d_ok[None, :])
+    tl.store(ptr + f * (DV + 1) + DV, z, mask=f_ok)
+
+
+@triton.jit
 def _row_max_kernel(x_ptr, w_ptr, m_ptr, N, F, D, BT: tl.constexpr, BK: tl.constexpr,
                     BD: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr):
     """m_t = max_f w_f·x̃_t of BT tokens, over all F features in blocks of BK."""
@@ -225,64 +253,81 @@ def _row_max_kernel(x_ptr, w_ptr, m_ptr, N, F, D, BT: tl.constexpr, BK: tl.const
 def _forward_kernel(
     q_ptr, k_ptr, ls_ptr, lg_ptr, v_ptr, kv_in_ptr, r_in_ptr, w_ptr, b_ptr, mq_ptr, mk_ptr,
     num_ptr, den_ptr, m_ptr, kv_out_ptr, r_ptr, marks_ptr,
-    N, F, D, DV, NC, BH, EVERY, NMARKS, LOG_FLOOR_: tl.constexpr,
+    N, F, D, DV, NC, BH, EVERY, NMARKS, SEG, LOG_FLOOR_: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
     PRECISION: tl.constexpr, GATED: tl.constexpr, MAP: tl.constexpr, ATOMIC: tl.constexpr,
+    STATES: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
+    # Segment p walks chunks [p SEG, (p + 1) SEG) from its entering state (row bh P + p of
+    # kv_in and r_in); with STATES, from an empty one (0 at LOG_FLOOR), the keys' side only,
+    # writing the state and running scale it ends with (row bh P + p of kv_out and r).
+    p = tl.program_id(2)
+    seg = bh * tl.num_programs(2) + p
+    c_start = p * SEG
+    c_end = tl.minimum(NC, c_start + SEG)
     f = kb * BK + tl.arange(0, BK)
     d = tl.arange(0, BV)
     t0 = tl.arange(0, BT)
     f_ok = f < F
     d_ok = d < DV
     causal = t0[None, :] <= t0[:, None]
-    state = kv_in_ptr + bh * F * (DV + 1) + f[:, None] * (DV + 1)
-    s = tl.load(state + d[None, :], mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(ACC)
-    z = tl.load(kv_in_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(ACC)
-    r = tl.load(r_in_ptr + bh).to(ACC)
+    if STATES:
+        s = tl.zeros([BK, BV], dtype=ACC)
+        z = tl.zeros([BK], dtype=ACC)
+        r = tl.full([], LOG_FLOOR_, ACC)
+    else:
+        state = kv_in_ptr + seg * F * (DV + 1) + f[:, None] * (DV + 1)
+        s = tl.load(state + d[None, :], mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(ACC)
+        z = tl.load(kv_in_ptr + seg * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok,
+                    other=0.0).to(ACC)
+        r = tl.load(r_in_ptr + seg).to(ACC)
     if MAP != READ:
         w, b, w2, b2 = _map_rows(w_ptr, b_ptr, f, f_ok, F, D, BK, BD, ACC, MAP)
     part = _part(kb, bh, BH, N, ATOMIC)
-    for c in range(0, NC):
+    for c in range(c_start, c_end):
         if (c > 0) & (c % EVERY == 0):
-            mark = marks_ptr + (bh * NMARKS + c // EVERY - 1) * F * (DV + 1)
-            tl.store(mark + f[:, None] * (DV + 1) + d[None, :], s,
-                     mask=f_ok[:, None] & d_ok[None, :])
-            tl.store(mark + f * (DV + 1) + DV, z, mask=f_ok)
+            _store_state(marks_ptr + (bh * NMARKS + c // EVERY - 1) * F * (DV + 1), s, z, f,
+                         f_ok, d, d_ok, DV)
         t = c * BT + t0
         t_ok = t < N
         ls = tl.load(ls_ptr + bh * N + t, mask=t_ok, other=float("-inf")).to(ACC)
         gc, total = _decays(lg_ptr + bh * N + t, t_ok, GATED, BT, ACC)
         kt = ls - gc
-        prefix = tl.max(tl.where(causal, kt[None, :], float("-inf")), 1)
-        m = tl.maximum(tl.maximum(prefix + gc, LOG_FLOOR_), r + gc)
         if MAP != READ:
-            qc, _, _ = _features(q_ptr + bh * N * D, w, mq_ptr + bh * N, b, w2, b2, t, t_ok, f,
-                                 f_ok, D, BD, ACC, PRECISION, MAP)
             kc, _, _ = _features(k_ptr + bh * N * D, w, mk_ptr + bh * N, b, w2, b2, t, t_ok, f,
                                  f_ok, D, BD, ACC, PRECISION, MAP)
-            qc, kc = qc.to(w.dtype), kc.to(w.dtype)
+            kc = kc.to(w.dtype)
         else:
             rows = t[:, None] * F + f[None, :]
             ok = t_ok[:, None] & f_ok[None, :]
-            qc = tl.load(q_ptr + bh * N * F + rows, mask=ok, other=0.0)
             kc = tl.load(k_ptr + bh * N * F + rows, mask=ok, other=0.0)
         vc = tl.load(v_ptr + bh * N * DV + t[:, None] * DV + d[None, :],
-                     mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(qc.dtype)
-        x = tl.dot(qc, tl.trans(kc), input_precision=PRECISION).to(ACC)
-        a = tl.where(causal,
-                     x * tl.exp(tl.minimum(kt[None, :] + gc[:, None] - m[:, None], 0.0)), 0.0)
-        omega = tl.exp(r + gc - m)
-        num = omega[:, None] * tl.dot(qc, s.to(qc.dtype), input_precision=PRECISION).to(ACC)
-        num += tl.dot(a.to(vc.dtype), vc, input_precision=PRECISION).to(ACC)
-        den = omega * tl.sum(qc.to(ACC) * z[None, :], 1) + tl.sum(a, 1)
-        _put(num_ptr + part * DV + t[:, None] * DV + d[None, :], num,
-             t_ok[:, None] & d_ok[None, :], ATOMIC)
-        _put(den_ptr + part + t, den, t_ok, ATOMIC)
-        if kb == 0:
-            tl.store(m_ptr + bh * N + t, m, mask=t_ok)
-            tl.store(r_ptr + bh * (NC + 1) + c, r)
+                     mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(kc.dtype)
+        if not STATES:
+            prefix = tl.max(tl.where(causal, kt[None, :], float("-inf")), 1)
+            m = tl.maximum(tl.maximum(prefix + gc, LOG_FLOOR_), r + gc)
+            if MAP != READ:
+                qc, _, _ = _features(q_ptr + bh * N * D, w, mq_ptr + bh * N, b, w2, b2, t, t_ok,
+                                     f, f_ok, D, BD, ACC, PRECISION, MAP)
+                qc = qc.to(w.dtype)
+            else:
+                qc = tl.load(q_ptr + bh * N * F + rows, mask=ok, other=0.0)
+            x = tl.dot(qc, tl.trans(kc), input_precision=PRECISION).to(ACC)
+            a = tl.where(causal,
+                         x * tl.exp(tl.minimum(kt[None, :] + gc[:, None] - m[:, None], 0.0)),
+                         0.0)
+            omega = tl.exp(r + gc - m)
+            num = omega[:, None] * tl.dot(qc, s.to(qc.dtype), input_precision=PRECISION).to(ACC)
+            num += tl.dot(a.to(vc.dtype), vc, input_precision=PRECISION).to(ACC)
+            den = omega * tl.sum(qc.to(ACC) * z[None, :], 1) + tl.sum(a, 1)
+            _put(num_ptr + part * DV + t[:, None] * DV + d[None, :], num,
+                 t_ok[:, None] & d_ok[None, :], ATOMIC)
+            _put(den_ptr + part + t, den, t_ok, ATOMIC)
+            if kb == 0:
+                tl.store(m_ptr + bh * N + t, m, mask=t_ok)
+                tl.store(r_ptr + bh * (NC + 1) + c, r)
         r_next = total + tl.maximum(r, tl.max(kt, 0))
         enter = tl.exp(kt + total - r_next)
         keep = tl.exp(r + total - r_next)
@@ -290,11 +335,15 @@ def _forward_kernel(
         s = s * keep + tl.dot(tl.trans(kc), entering, input_precision=PRECISION).to(ACC)
         z = z * keep + tl.sum(kc.to(ACC) * enter[:, None], 0)
         r = r_next
-    tl.store(kv_out_ptr + bh * F * (DV + 1) + f[:, None] * (DV + 1) + d[None, :], s,
-             mask=f_ok[:, None] & d_ok[None, :])
-    tl.store(kv_out_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, z, mask=f_ok)
-    if kb == 0:
-        tl.store(r_ptr + bh * (NC + 1) + NC, r)
+    # The state after: each segment's with STATES, else the last segment's.
+    if STATES:
+        _store_state(kv_out_ptr + seg * F * (DV + 1), s, z, f, f_ok, d, d_ok, DV)
+        if kb == 0:
+            tl.store(r_ptr + seg, r)
+    elif c_end == NC:
+        _store_state(kv_out_ptr + bh * F * (DV + 1), s, z, f, f_ok, d, d_ok, DV)
+        if kb == 0:
+            tl.store(r_ptr + bh * (NC + 1) + NC, r)
 
 
 @triton.jit
@@ -357,25 +406,29 @@ def _divisor_grad_kernel(do_ptr, o_ptr, back_ptr, gd_ptr, N, DV, DO_BH, DO_ROW, 
 def _backward_queries_kernel(
     q_ptr, k_ptr, ls_ptr, lg_ptr, v_ptr, kv_in_ptr, m_ptr, r_ptr, do_ptr, div_ptr, gd_ptr,
     w_ptr, b_ptr, mq_ptr, mk_ptr, dq_ptr, sq_ptr,
-    N, F, D, DV, NC, BH, DO_BH, DO_ROW, DO_COL,
+    N, F, D, DV, NC, BH, DO_BH, DO_ROW, DO_COL, SEG,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
     PRECISION: tl.constexpr, GATED: tl.constexpr, MAP: tl.constexpr, ATOMIC: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
+    # Segment p: chunks [p SEG, (p + 1) SEG) from the state entering it (row bh P + p of kv_in).
+    p = tl.program_id(2)
+    seg = bh * tl.num_programs(2) + p
     f = kb * BK + tl.arange(0, BK)
     d = tl.arange(0, BV)
     t0 = tl.arange(0, BT)
     f_ok = f < F
     d_ok = d < DV
     causal = t0[None, :] <= t0[:, None]
-    state = kv_in_ptr + bh * F * (DV + 1) + f[:, None] * (DV + 1)
+    state = kv_in_ptr + seg * F * (DV + 1) + f[:, None] * (DV + 1)
     s = tl.load(state + d[None, :], mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(ACC)
-    z = tl.load(kv_in_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(ACC)
+    z = tl.load(kv_in_ptr + seg * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok,
+                other=0.0).to(ACC)
     if MAP != READ:
         w, b, w2, b2 = _map_rows(w_ptr, b_ptr, f, f_ok, F, D, BK, BD, ACC, MAP)
     part = _part(kb, bh, BH, N, ATOMIC)
-    for c in range(0, NC):
+    for c in range(p * SEG, tl.minimum(NC, (p + 1) * SEG)):
         t = c * BT + t0
         t_ok = t < N
         r = tl.load(r_ptr + bh * (NC + 1) + c).to(ACC)
@@ -423,26 +476,39 @@ def _backward_queries_kernel(
 def _backward_keys_kernel(
     q_ptr, k_ptr, ls_ptr, lg_ptr, v_ptr, m_ptr, r_ptr, do_ptr, div_ptr, gd_ptr, du_ptr, w_ptr,
     b_ptr, mq_ptr, mk_ptr, dk_ptr, sk_ptr, dv_ptr, dkv_in_ptr,
-    N, F, D, DV, NC, BH, DO_BH, DO_ROW, DO_COL,
+    N, F, D, DV, NC, BH, DO_BH, DO_ROW, DO_COL, SEG,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
     PRECISION: tl.constexpr, GATED: tl.constexpr, MAP: tl.constexpr, ATOMIC: tl.constexpr,
+    ADJOINT: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
+    # Segment p walks chunks [p SEG, (p + 1) SEG) in reverse from the adjoint of the state after
+    # it (row bh P + p of du); with ADJOINT, from 0, the queries' side only, writing the adjoint
+    # it ends with (row bh P + p of dkv_in).
+    p = tl.program_id(2)
+    seg = bh * tl.num_programs(2) + p
+    c_start = p * SEG
+    c_end = tl.minimum(NC, c_start + SEG)
     f = kb * BK + tl.arange(0, BK)
     d = tl.arange(0, BV)
     t0 = tl.arange(0, BT)
     f_ok = f < F
     d_ok = d < DV
     causal = t0[None, :] <= t0[:, None]
-    after = du_ptr + bh * F * (DV + 1) + f[:, None] * (DV + 1)
-    u = tl.load(after + d[None, :], mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(ACC)
-    uz = tl.load(du_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok, other=0.0).to(ACC)
+    if ADJOINT:
+        u = tl.zeros([BK, BV], dtype=ACC)
+        uz = tl.zeros([BK], dtype=ACC)
+    else:
+        after = du_ptr + seg * F * (DV + 1) + f[:, None] * (DV + 1)
+        u = tl.load(after + d[None, :], mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(ACC)
+        uz = tl.load(du_ptr + seg * F * (DV + 1) + f * (DV + 1) + DV, mask=f_ok,
+                     other=0.0).to(ACC)
     if MAP != READ:
         w, b, w2, b2 = _map_rows(w_ptr, b_ptr, f, f_ok, F, D, BK, BD, ACC, MAP)
     part = _part(kb, bh, BH, N, ATOMIC)
-    for i in range(0, NC):
-        c = NC - 1 - i
+    for i in range(0, c_end - c_start):
+        c = c_end - 1 - i
         t = c * BT + t0
         t_ok = t < N
         r = tl.load(r_ptr + bh * (NC + 1) + c).to(ACC)
@@ -454,45 +520,54 @@ def _backward_keys_kernel(
         if MAP != READ:
             qc, _, _ = _features(q_ptr + bh * N * D, w, mq_ptr + bh * N, b, w2, b2, t, t_ok, f,
                                  f_ok, D, BD, ACC, PRECISION, MAP)
-            kc, k_slope, k_slope2 = _features(k_ptr + bh * N * D, w, mk_ptr + bh * N, b, w2, b2,
-                                              t, t_ok, f, f_ok, D, BD, ACC, PRECISION, MAP)
-            qc, kc = qc.to(w.dtype), kc.to(w.dtype)
+            qc = qc.to(w.dtype)
         else:
             rows = t[:, None] * F + f[None, :]
             ok = t_ok[:, None] & f_ok[None, :]
             qc = tl.load(q_ptr + bh * N * F + rows, mask=ok, other=0.0)
-            kc = tl.load(k_ptr + bh * N * F + rows, mask=ok, other=0.0)
         values = t[:, None] * DV + d[None, :]
         vd_ok = t_ok[:, None] & d_ok[None, :]
-        vc = tl.load(v_ptr + bh * N * DV + values, mask=vd_ok, other=0.0).to(qc.dtype)
         gn, gd = _ratio_grads(do_ptr, div_ptr, gd_ptr, bh, t, t_ok, d, vd_ok, N, DO_BH, DO_ROW,
                               DO_COL, ACC)
         gn = gn.to(qc.dtype)
-        weight = tl.where(
-            causal, tl.exp(tl.minimum(kt[None, :] + gc[:, None] - m[:, None], 0.0)), 0.0)
-        a = tl.dot(qc, tl.trans(kc), input_precision=PRECISION).to(ACC) * weight
-        d_x = (tl.dot(gn, tl.trans(vc), input_precision=PRECISION).to(ACC) + gd[:, None]) * weight
-        enter = tl.exp(kt + total - r_next)
-        later = tl.dot(vc, tl.trans(u.to(vc.dtype)), input_precision=PRECISION).to(ACC)
-        dk = enter[:, None] * (later + uz[None, :])
-        dk += tl.dot(tl.trans(d_x.to(qc.dtype)), qc, input_precision=PRECISION).to(ACC)
-        if MAP != READ:
-            _store_inputs_grad(dk_ptr, sk_ptr + part, dk, k_slope, k_slope2, dk * kc.to(ACC), w,
-                               w2, t, t_ok, f, f_ok, bh, part, N, D, BD, ACC, PRECISION, MAP,
-                               ATOMIC)
-        else:
-            tl.store(dk_ptr + bh * N * F + rows, dk, mask=ok)
-        dv = enter[:, None] * tl.dot(kc, u.to(kc.dtype), input_precision=PRECISION).to(ACC)
-        dv += tl.dot(tl.trans(a.to(gn.dtype)), gn, input_precision=PRECISION).to(ACC)
-        _put(dv_ptr + part * DV + values, dv, vd_ok, ATOMIC)
+        if not ADJOINT:
+            if MAP != READ:
+                kc, k_slope, k_slope2 = _features(k_ptr + bh * N * D, w, mk_ptr + bh * N, b, w2,
+                                                  b2, t, t_ok, f, f_ok, D, BD, ACC, PRECISION,
+                                                  MAP)
+                kc = kc.to(w.dtype)
+            else:
+                kc = tl.load(k_ptr + bh * N * F + rows, mask=ok, other=0.0)
+            vc = tl.load(v_ptr + bh * N * DV + values, mask=vd_ok, other=0.0).to(qc.dtype)
+            weight = tl.where(
+                causal, tl.exp(tl.minimum(kt[None, :] + gc[:, None] - m[:, None], 0.0)), 0.0)
+            a = tl.dot(qc, tl.trans(kc), input_precision=PRECISION).to(ACC) * weight
+            d_x = ((tl.dot(gn, tl.trans(vc), input_precision=PRECISION).to(ACC) + gd[:, None])
+                   * weight)
+            enter = tl.exp(kt + total - r_next)
+            later = tl.dot(vc, tl.trans(u.to(vc.dtype)), input_precision=PRECISION).to(ACC)
+            dk = enter[:, None] * (later + uz[None, :])
+            dk += tl.dot(tl.trans(d_x.to(qc.dtype)), qc, input_precision=PRECISION).to(ACC)
+            if MAP != READ:
+                _store_inputs_grad(dk_ptr, sk_ptr + part, dk, k_slope, k_slope2,
+                                   dk * kc.to(ACC), w, w2, t, t_ok, f, f_ok, bh, part, N, D, BD,
+                                   ACC, PRECISION, MAP, ATOMIC)
+            else:
+                tl.store(dk_ptr + bh * N * F + rows, dk, mask=ok)
+            dv = enter[:, None] * tl.dot(kc, u.to(kc.dtype), input_precision=PRECISION).to(ACC)
+            dv += tl.dot(tl.trans(a.to(gn.dtype)), gn, input_precision=PRECISION).to(ACC)
+            _put(dv_ptr + part * DV + values, dv, vd_ok, ATOMIC)
         omega = tl.exp(r + gc - m)
         read = (qc.to(ACC) * omega[:, None]).to(qc.dtype)
         keep = tl.exp(r + total - r_next)
         u = u * keep + tl.dot(tl.trans(read), gn, input_precision=PRECISION).to(ACC)
         uz = uz * keep + tl.sum(read.to(ACC) * gd[:, None], 0)
-    tl.store(dkv_in_ptr + bh * F * (DV + 1) + f[:, None] * (DV + 1) + d[None, :], u,
-             mask=f_ok[:, None] & d_ok[None, :])
-    tl.store(dkv_in_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, uz, mask=f_ok)
+    # The adjoint entering the segment: each segment's with ADJOINT, else the first segment's
+    # (that of the state entering the call).
+    if ADJOINT:
+        _store_state(dkv_in_ptr + seg * F * (DV + 1), u, uz, f, f_ok, d, d_ok, DV)
+    elif p == 0:
+        _store_state(dkv_in_ptr + bh * F * (DV + 1), u, uz, f, f_ok, d, d_ok, DV)
 
 
 # The kernels, and how their arguments are typed (benchmarks/triton_resources.py compiles them
@@ -502,8 +577,8 @@ KERNELS = (_forward_kernel, _backward_queries_kernel, _backward_keys_kernel, _ro
            _divisor_grad_kernel)
 INPUTS = frozenset({"q_ptr", "k_ptr", "v_ptr", "ls_ptr", "lg_ptr", "do_ptr", "o_ptr", "w_ptr",
                     "x_ptr"})
-INTEGERS = frozenset({"N", "F", "D", "DV", "NC", "BH", "EVERY", "NMARKS", "DO_BH", "DO_ROW",
-                      "DO_COL", "O_BH", "O_ROW", "O_COL"})
+INTEGERS = frozenset({"N", "F", "D", "DV", "NC", "BH", "EVERY", "NMARKS", "SEG", "DO_BH",
+                      "DO_ROW", "DO_COL", "O_BH", "O_ROW", "O_COL"})
 
 
 
@@ -694,9 +769,105 @@ def _phi_dtype(phi: Tensor, kind: int) -> torch.dtype:
     return compute_dtype(phi.dtype) if kind == ELU.value else phi.dtype
 
 
+# Segments: a launch's chunks are split into P segments walked side by side (a third grid
+# dimension) where the (feature block, batch-head) programs alone would leave a GPU's
+# multiprocessors idle. SEGMENT_PROGRAMS programs a multiprocessor are aimed at: one, as each
+# program holds about 250 registers a thread in 8 warps (benchmarks/triton-resources), the
+# whole register file of an sm_80 or sm_90 multiprocessor, so that one wave of programs runs at
+# a time. A segment walks at least SEGMENT_CHUNKS chunks: below that the extra pass and the
+# states' combination cost more than the shorter chain saves. Both are unmeasured guesses until
+# a GPU times them (benchmarks/gpu_peers.py, suite ``segments``).
+SEGMENT_PROGRAMS, SEGMENT_CHUNKS = 1, 16
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The multiprocessors of a CUDA device; 0 elsewhere (Triton's interpreter runs programs
+    one after another: segments gain nothing there)."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def segments(device: torch.device, programs: int, chunks: int) -> int:
+    """How many segments a launch of ``programs`` (feature blocks x batch-heads) walking
+    ``chunks`` chunks splits them into: enough for ``SEGMENT_PROGRAMS`` programs a
+    multiprocessor of ``device``, each segment at least ``SEGMENT_CHUNKS`` chunks; 1 (no
+    split) off a GPU or where the programs already fill it."""
+    want = -(-SEGMENT_PROGRAMS * multiprocessors(device) // programs)
+    return max(1, min(want, chunks // SEGMENT_CHUNKS))
+
+
+def _split(chunks: int, count: int) -> tuple[int, int]:
+    """Chunks per segment and the segments' number when ``chunks`` are split into about
+    ``count`` (no segment empty)."""
+    per = triton.cdiv(chunks, max(1, min(count, chunks)))
+    return per, triton.cdiv(chunks, per)
+
+
+def _segment_gates(log_gate: Tensor | None, count: int, tokens: int, like: Tensor) -> Tensor:
+    """The exclusive cumulative log-gates at the segments' starts, G_0 = 0, ..., G_P (the
+    call's total), (B, H, P + 1) in float64 (their differences are the decays between
+    segments: float64 keeps them from cancelling); 0 ungated. ``tokens`` per segment."""
+    b, h = like.shape[:2]
+    if log_gate is None:
+        return like.new_zeros(b, h, count + 1, dtype=torch.float64)
+    n = log_gate.shape[-1]
+    padded = torch.nn.functional.pad(log_gate.to(torch.float64), (0, count * tokens - n))
+    totals = padded.reshape(b, h, count, tokens).sum(-1)
+    return torch.nn.functional.pad(totals.cumsum(-1), (1, 0))
+
+
+def _entering(kv: Tensor, log_scale: Tensor, local: Tensor, ends: Tensor, gates: Tensor,
+              target: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The states entering P segments (B, H, P, F, Dv + 1) and their scales R (B, H, P) from the
+    state entering the first, kv (B, H, F, Dv + 1) at ``log_scale`` (B, H), and each segment's
+    own, from empty: ``local`` (B, H, P, F, Dv + 1) at the running scales ``ends`` (B, H, P),
+    with the exclusive cumulative log-gates G (B, H, P + 1, :func:`_segment_gates`). At the
+    true scale the state entering segment p is
+
+        e^{G_p + R_in} kv + Σ_{q < p} e^{G_p - G_{q+1} + r_q} local_q,
+
+    held at R_p = the largest of those exponents (each weight <= 1: the running max a walk
+    through every chunk keeps), or at ``target`` (B, H, P) where given (the forward's running
+    scales, which the backward's kernels read beside it). The first segment's is kv itself."""
+    count = local.shape[2]
+    # Sources: kv (j = 0) and the segments' own states but the last's (j = q + 1).
+    source = torch.cat([log_scale.to(torch.float64)[..., None],
+                        ends[..., :-1].to(torch.float64) - gates[..., 1:count]], -1)
+    x = gates[..., :count, None] + source[..., None, :]
+    earlier = torch.ones(count, count, dtype=torch.bool, device=kv.device).tril()
+    x = x.masked_fill(~earlier, float("-inf"))
+    scale = x.amax(-1) if target is None else target.to(torch.float64)
+    weights = torch.exp(x - scale[..., None]).to(local.dtype)
+    states = torch.cat([kv[:, :, None].to(local.dtype), local[:, :, :-1]], 2)
+    entering = weights @ states.flatten(-2)
+    return entering.view_as(local), scale.to(local.dtype)
+
+
+def _adjoints(d_after: Tensor, local: Tensor, starts: Tensor, gates: Tensor) -> Tensor:
+    """The gradients of the states after P segments (B, H, P, F, Dv + 1), each at the running
+    scale of the next segment's start (the last at the call's last, that of ``d_after``, the
+    gradient of the state after the call), from each segment's own adjoint from 0, ``local``
+    (B, H, P, F, Dv + 1) at the scales of the segments' starts; ``starts`` (B, H, P + 1) are
+    the running scales at the segments' starts and the call's end, G (B, H, P + 1) the
+    exclusive cumulative log-gates. At the true scale the state after segment p is
+    held to account by every later query: Σ_{q > p} e^{G_q - G_{p+1}} local_q (at the true
+    scale) + e^{G_P - G_{p+1}} d_after, mirror of :func:`_entering`."""
+    count = local.shape[2]
+    r = starts.to(torch.float64)
+    # Sources: the segments' own adjoints but the first's (j = q - 1), and d_after (j = P - 1).
+    source = gates[..., 1:] - r[..., 1:]
+    x = (r[..., 1:] - gates[..., 1:])[..., :, None] + source[..., None, :]
+    later = torch.ones(count, count, dtype=torch.bool, device=local.device).triu()
+    weights = torch.exp(x.masked_fill(~later, float("-inf"))).to(local.dtype)
+    sources = torch.cat([local[:, :, 1:], d_after[:, :, None].to(local.dtype)], 2)
+    return (weights @ sources.flatten(-2)).view_as(local)
+
+
 def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: Tensor,
             log_scale: Tensor, chunk: int, every: int | None = None,
             log_gate: Tensor | None = None, projection: Projection | None = None,
+            split: int | None = None,
             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The fused causal scan: φ(Q), φ(K) (B, H, N, F), the keys' log-weights (B, H, N) (-inf at
     padded keys), v (B, H, N, Dv), the entering state kv (B, H, F, Dv + 1) at scale
@@ -708,7 +879,13 @@ def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: 
     (B, H, nc + 1), whose last is the state after's, and the states entering tokens ``every``,
     2 ``every``, ... < N (a multiple of the chunk; None: none) at their running scales,
     (B, H, n_marks, F, Dv + 1) (one unused slot when there are none); accumulated in fp32
-    (fp64 for fp64). v may be in a narrower dtype than φ (converted tile by tile)."""
+    (fp64 for fp64). v may be in a narrower dtype than φ (converted tile by tile).
+
+    The chunks are walked in ``split`` segments side by side (None: :func:`segments`' count
+    for the device): a first launch walks each segment's keys from an empty state, the states
+    entering the segments follow from theirs in one small batched product
+    (:func:`_entering`), and the second walks every segment from its own. The results are
+    those of one walk, to rounding."""
     b, h, n = phi_q.shape[:3]
     f, d, mapped, kind = _widths(phi_q, projection)
     dv = v.shape[-1]
@@ -721,6 +898,22 @@ def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: 
     every = nc + 1 if every is None else every // bt
     n_marks = (nc - 1) // every
     acc = _accumulator(phi_q.dtype)
+    per, count = _split(nc, segments(phi_q.device, nk * b * h, nc) if split is None else split)
+    gates = _gates(log_gate, key_log_scale)
+    args = (phi_q, phi_k, key_log_scale, gates, v)
+    kv, log_scale = kv.to(acc).contiguous(), log_scale.to(acc).contiguous()
+    if count > 1:
+        local = phi_q.new_empty(b, h, count, f, dv + 1, dtype=acc)
+        ends = phi_q.new_empty(b, h, count, dtype=acc)
+        # The first launch reads no entering state and writes no outputs and no checkpoints
+        # (every chunk count past the last): kv stands in.
+        _forward_kernel[(nk, b * h, count)](
+            *args, kv, log_scale, *mapped, kv, kv, kv, local, ends, kv, n, f, d, dv, nc, b * h,
+            nc + 1, 1, per, LOG_FLOOR, **config, GATED=log_gate is not None, MAP=kind,
+            ATOMIC=atomic(nk), STATES=True,
+        )
+        kv, log_scale = _entering(kv, log_scale, local, ends,
+                                  _segment_gates(log_gate, count, per * bt, phi_q))
     num = _partial(phi_q, nk, b, h, n, dv, dtype=acc)
     den = _partial(phi_q, nk, b, h, n, dtype=acc)
     m = phi_q.new_empty(b, h, n, dtype=acc)
@@ -728,11 +921,10 @@ def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: 
     running = phi_q.new_empty(b, h, nc + 1, dtype=acc)
     # A slot even when unused: a kernel argument must point at memory.
     marks = phi_q.new_empty(b, h, max(1, n_marks), f, dv + 1, dtype=acc)
-    _forward_kernel[(nk, b * h)](
-        phi_q, phi_k, key_log_scale, _gates(log_gate, key_log_scale), v,
-        kv.to(acc).contiguous(), log_scale.to(acc).contiguous(), *mapped, num, den, m, kv_out,
-        running, marks, n, f, d, dv, nc, b * h, every, max(1, n_marks), LOG_FLOOR, **config,
-        GATED=log_gate is not None, MAP=kind, ATOMIC=atomic(nk),
+    _forward_kernel[(nk, b * h, count)](
+        *args, kv.contiguous(), log_scale.contiguous(), *mapped, num, den, m, kv_out, running,
+        marks, n, f, d, dv, nc, b * h, every, max(1, n_marks), per, LOG_FLOOR, **config,
+        GATED=log_gate is not None, MAP=kind, ATOMIC=atomic(nk), STATES=False,
     )
     return _total(num, nk), _total(den, nk), m, kv_out, running, marks
 
@@ -740,7 +932,7 @@ def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: 
 def backward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: Tensor,
              m: Tensor, running: Tensor, d_out: Tensor, div: Tensor, d_den: Tensor,
              d_after: Tensor | None, chunk: int, log_gate: Tensor | None = None,
-             projection: Projection | None = None,
+             projection: Projection | None = None, split: int | None = None,
              ) -> tuple[Tensor, Tensor, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
     """The gradients of :func:`forward`'s inputs φ(Q), φ(K), v and kv (the entering state)
     from those of num, d_out / div (d_out (B, H, N, Dv), read in its own dtype and in place;
@@ -779,17 +971,39 @@ def backward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv:
         q_sums, k_sums = (_partial(phi_q, nk, b, h, n, dtype=acc) for _ in range(2))
     d_v = _partial(v, nk, b, h, n, dv, dtype=acc)
     d_kv = kv.new_empty(b, h, f, dv + 1, dtype=acc)
-    grid = (nk, b * h)
+    per, count = _split(nc, segments(phi_q.device, nk * b * h, nc) if split is None else split)
+    grid = (nk, b * h, count)
     gates, gated = _gates(log_gate, key_log_scale), log_gate is not None
+    kv, d_after = kv.to(acc).contiguous(), d_after.to(acc).contiguous()
+    if count > 1:
+        # The states entering the segments, at the forward's running scales there (the
+        # forward's first launch and combination again), and the gradients of the states
+        # leaving them (the keys' kernel's queries' side, from 0, then combined).
+        starts = torch.cat([running[..., 0:nc:per], running[..., nc:]], -1)
+        segment_gates = _segment_gates(log_gate, count, per * config["BT"], phi_q)
+        local = phi_q.new_empty(b, h, count, f, dv + 1, dtype=acc)
+        ends = phi_q.new_empty(b, h, count, dtype=acc)
+        _forward_kernel[grid](
+            phi_q, phi_k, key_log_scale, gates, v, kv, kv, *mapped, kv, kv, kv, local, ends, kv,
+            n, f, d, dv, nc, b * h, nc + 1, 1, per, LOG_FLOOR, **config, GATED=gated, MAP=kind,
+            ATOMIC=atomic(nk), STATES=True,
+        )
+        kv = _entering(kv, running[..., 0], local, ends, segment_gates, starts[..., :-1])[0]
+        _backward_keys_kernel[grid](
+            phi_q, phi_k, key_log_scale, gates, v, m, running, d_out, div, d_den, kv, *mapped,
+            kv, kv, kv, local, n, f, d, dv, nc, b * h, *read_do, per, **config, GATED=gated,
+            MAP=kind, ATOMIC=atomic(nk), ADJOINT=True,
+        )
+        d_after = _adjoints(d_after, local, starts, segment_gates)
     _backward_queries_kernel[grid](
-        phi_q, phi_k, key_log_scale, gates, v, kv.to(acc).contiguous(), m, running, d_out, div,
-        d_den, *mapped, d_q, q_sums, n, f, d, dv, nc, b * h, *read_do, **config, GATED=gated,
+        phi_q, phi_k, key_log_scale, gates, v, kv.contiguous(), m, running, d_out, div, d_den,
+        *mapped, d_q, q_sums, n, f, d, dv, nc, b * h, *read_do, per, **config, GATED=gated,
         MAP=kind, ATOMIC=atomic(nk),
     )
     _backward_keys_kernel[grid](
         phi_q, phi_k, key_log_scale, gates, v, m, running, d_out, div, d_den,
-        d_after.to(acc).contiguous(), *mapped, d_k, k_sums, d_v, d_kv, n, f, d, dv, nc, b * h,
-        *read_do, **config, GATED=gated, MAP=kind, ATOMIC=atomic(nk),
+        d_after.contiguous(), *mapped, d_k, k_sums, d_v, d_kv, n, f, d, dv, nc, b * h,
+        *read_do, per, **config, GATED=gated, MAP=kind, ATOMIC=atomic(nk), ADJOINT=False,
     )
     d_v = _total(d_v, nk)
     if projection is None:

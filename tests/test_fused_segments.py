@@ -1,0 +1,151 @@
+"""The triton strategy's segments (effattn.kernelized.fused_kernels: ``split``), run on the CPU
+by Triton's interpreter: a launch's chunks walked in P segments side by side, the states
+entering them from a first pass over each segment's keys and one batched product, the
+gradients of the states leaving them alike from the queries' side.
+
+The kernels split into segments against the same kernels in one walk (float64: outputs, state
+after, checkpoints, running scales, every gradient), with φ read and formed inside, gated and
+not, an entering state at the floor and a first segment whose keys are all padded; the number
+of segments a device gets; a module's call through the strategy with segments against its
+float64 reference.
+"""
+
+import pytest
+
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+from conftest import count_calls, make_kernelized, qkv  # noqa: E402
+from test_fused_strategy import matches_reference  # noqa: E402
+
+from effattn import strategy  # noqa: E402
+from effattn.kernelized import core, fused, fused_kernels  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _triton_strategy(request):
+    """The strategy forced; CPU cases only where Triton's interpreter runs them."""
+    params = getattr(request.node, "callspec", None)
+    on = params.params.get("device", "cpu") if params else "cpu"
+    if on == "cpu" and not fused.runs(torch.zeros(1)):
+        pytest.skip("CPU case: Triton's interpreter is off on a machine with a GPU")
+    with strategy.force(kernelized="triton"):
+        yield
+
+
+def _inputs(kind, gated, device):
+    """φ(Q), φ(K) (or x̃ with the projection for a map formed inside), the keys' log-weights,
+    v, an entering state and its scales (one at the floor, with a zero state), the log-gates:
+    B = H = 2, N = 100 (7 chunks of 16, the last not full), F = 70 (two feature blocks); the
+    first 51 keys of one (batch, head) pair padded."""
+    g = torch.Generator().manual_seed(3)
+    b, h, n, f, dv = 2, 2, 100, 70, 5
+    dt = torch.float64
+    d = {"read": f, "exp": 21, "elu": f}[kind]
+    if kind == "read":
+        xq, xk = (torch.rand(b, h, n, f, generator=g, dtype=dt) for _ in range(2))
+    else:
+        xq, xk = (torch.randn(b, h, n, d, generator=g, dtype=dt) for _ in range(2))
+    ls = torch.rand(b, h, n, generator=g, dtype=dt) * 40 - 20
+    ls[0, 0, :51] = float("-inf")
+    v = torch.randn(b, h, n, dv, generator=g, dtype=dt)
+    kv = torch.rand(b, h, f, dv + 1, generator=g, dtype=dt)
+    kv[1, 0] = 0.0
+    log_scale = torch.tensor([[2.0, -3.0], [core.LOG_FLOOR, 9.0]], dtype=dt)
+    lg = None
+    if gated:
+        lg = torch.log(torch.rand(b, h, n, generator=g, dtype=dt)).clamp_min(core.LOG_GATE_FLOOR)
+    xq, xk, ls, v, kv, log_scale = (t.to(device) for t in (xq, xk, ls, v, kv, log_scale))
+    lg = None if lg is None else lg.to(device)
+    projection = None
+    if kind == "exp":
+        w = torch.randn(f, d, generator=g, dtype=dt).to(device)
+        projection = fused_kernels.Projection(w, fused_kernels.row_max(xq, w),
+                                              fused_kernels.row_max(xk, w))
+    elif kind == "elu":
+        projection = fused_kernels.Projection(None)
+    return xq, xk, ls, v, kv, log_scale, lg, projection
+
+
+def _close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.parametrize("kind, split", [("read", 3), ("read", 7), ("exp", 3), ("elu", 3)])
+@pytest.mark.parametrize("gated", [False, True], ids=["ungated", "gated"])
+def test_segments_equal_one_walk(kind, split, gated, device):
+    """Split 3 (segments of 3, 3 and 1 chunks) and 7 (a chunk each): the forward's outputs at
+    their row scales, the state after and the checkpoints (every 2 chunks, some at a segment's
+    start) at their running scales, and the backward's gradients of φ (or x̃), v, the entering
+    state and the products φ·dφ, equal one walk's."""
+    xq, xk, ls, v, kv, log_scale, lg, projection = _inputs(kind, gated, device)
+    runs = {}
+    for count in (1, split):
+        num, den, m, after, running, marks = fused_kernels.forward(
+            xq, xk, ls, v, kv, log_scale, 16, 32, lg, projection, split=count)
+        g = torch.Generator().manual_seed(5)
+        d_out = torch.randn(num.shape, generator=g, dtype=num.dtype).to(device)
+        div = (torch.rand(den.shape, generator=g, dtype=den.dtype) + 0.5).to(device)
+        g_den = torch.randn(den.shape, generator=g, dtype=den.dtype).to(device)
+        g_after = torch.randn(after.shape, generator=g, dtype=after.dtype).to(device)
+        grads = fused_kernels.backward(xq, xk, ls, v, kv, m, running, d_out, div, g_den,
+                                       g_after, 16, lg, projection, split=count)
+        runs[count] = (num, den, m, after, running, marks, grads)
+    num, den, m, after, running, marks, grads = runs[split]
+    num1, den1, m1, after1, running1, marks1, grads1 = runs[1]
+    _close(running, running1)
+    _close(num * torch.exp(m - m1)[..., None], num1)
+    _close(den * torch.exp(m - m1), den1)
+    _close(after * torch.exp(running - running1)[..., -1:, None], after1)
+    at = torch.exp(running - running1)[..., 2:-1:2, None, None]
+    assert marks.shape[2] == at.shape[2] == 3
+    _close(marks * at, marks1)
+    d_q, d_k, d_v, d_kv, sums = grads
+    want_q, want_k, want_v, want_kv, want_sums = grads1
+    for a, b in zip((d_q, d_k, d_v, d_kv), (want_q, want_k, want_v, want_kv), strict=True):
+        _close(a, b)
+    assert (sums is None) == (projection is None)
+    if sums is not None:
+        for a, b in zip(sums, want_sums, strict=True):
+            _close(a, b)
+
+
+def test_segments_fill_a_gpu_and_no_more(monkeypatch):
+    """One program per multiprocessor is aimed at, a segment at least SEGMENT_CHUNKS chunks;
+    off a GPU, none."""
+    cpu = torch.device("cpu")
+    assert fused_kernels.multiprocessors(cpu) == 0
+    assert fused_kernels.segments(cpu, 8, 4096) == 1
+    monkeypatch.setattr(fused_kernels, "multiprocessors", lambda device: 132)
+    assert fused_kernels.SEGMENT_PROGRAMS == 1 and fused_kernels.SEGMENT_CHUNKS == 16
+    assert fused_kernels.segments(cpu, 8, 2048) == 17  # linear, B = 1, H = 8
+    assert fused_kernels.segments(cpu, 32, 2048) == 5  # 256 features: 4 blocks
+    assert fused_kernels.segments(cpu, 8, 100) == 6  # 100 chunks: segments of 16 at least
+    assert fused_kernels.segments(cpu, 8, 20) == 1
+    assert fused_kernels.segments(cpu, 8 * 16 * 4, 2048) == 1  # B = 8, H = 16, F = 256
+    assert fused_kernels._split(7, 3) == (3, 3)
+    assert fused_kernels._split(7, 7) == (1, 7)
+    assert fused_kernels._split(2, 5) == (1, 2)
+
+
+@pytest.mark.parametrize("name, options", [("performer", {}), ("rfa", {"gated": True})],
+                         ids=["performer", "rfa-gated"])
+def test_a_module_split_into_segments_matches_reference(name, options, monkeypatch):
+    """With a GPU's multiprocessors pretended (and segments of 2 chunks allowed), a causal
+    call with padding (performer: its map formed inside; gated RFA: the gates' decays between
+    segments) splits the forward and the backward into segments, and its outputs and gradients
+    (the gate's too) equal the float64 reference."""
+    monkeypatch.setattr(fused_kernels, "multiprocessors", lambda device: 16)
+    monkeypatch.setattr(fused_kernels, "SEGMENT_CHUNKS", 2)
+    calls = count_calls(monkeypatch, {"entering": (fused_kernels, "_entering"),
+                                      "adjoints": (fused_kernels, "_adjoints")})
+    module = make_kernelized(name, options)
+    q, k, v = (t.requires_grad_(True) for t in qkv(n=130, d=21, dv=5, scale=0.5))
+    extra, kw = (), {}
+    if options:
+        g = torch.Generator().manual_seed(1)
+        gate = torch.sigmoid(3 * torch.randn(2, 3, 130, generator=g, dtype=torch.float64))
+        extra, kw = (gate.requires_grad_(),), {"gate": gate}
+    matches_reference(module, q, k, v, extra, **kw)
+    # The forward's entering states, the backward's again, and its adjoints.
+    assert calls == {"entering": 2, "adjoints": 1}
