@@ -110,6 +110,37 @@ def test_segments_equal_one_walk(kind, split, gated, device):
             _close(a, b)
 
 
+@pytest.mark.parametrize("gated", [False, True], ids=["ungated", "gated"])
+def test_half_precision_and_deterministic_segments_equal_one_walk(gated, device):
+    """fp16 φ and v (chunks of 32: N = 100 is 4 chunks, split in 2), with
+    ``torch.use_deterministic_algorithms`` on (the feature blocks write their own buffers):
+    outputs, state after and gradients within fp16's rounding of one walk's."""
+    xq, xk, ls, v, kv, log_scale, lg, _ = _inputs("read", gated, device)
+    xq, xk, v = xq.half(), xk.half(), v.half()
+    ls, kv, log_scale = ls.float(), kv.float(), log_scale.float()
+    lg = None if lg is None else lg.float()
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = {}
+        for count in (1, 2):
+            num, den, m, after, running, _ = fused_kernels.forward(
+                xq, xk, ls, v, kv, log_scale, 32, None, lg, split=count)
+            g = torch.Generator().manual_seed(5)
+            d_out = torch.randn(num.shape, generator=g).to(device)
+            div = (torch.rand(den.shape, generator=g) + 0.5).to(device)
+            g_den = torch.randn(den.shape, generator=g).to(device)
+            grads = fused_kernels.backward(xq, xk, ls, v, kv, m, running, d_out, div, g_den,
+                                           torch.randn(after.shape, generator=g).to(device),
+                                           32, lg, split=count)
+            runs[count] = (num * torch.exp(m)[..., None], den * torch.exp(m),
+                           after * torch.exp(running[..., -1:, None]), *grads[:4])
+    finally:
+        torch.use_deterministic_algorithms(before)
+    for a, b in zip(runs[2], runs[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3 * b.abs().max().item())
+
+
 def test_segments_fill_a_gpu_and_no_more(monkeypatch):
     """One program per multiprocessor is aimed at, a segment at least SEGMENT_CHUNKS chunks;
     off a GPU, none."""

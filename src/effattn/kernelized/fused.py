@@ -41,6 +41,11 @@ What it runs and what it hands on:
 - non-causal and cross-attention (two batched GEMMs already), and decoding: the GPU strategy's
   functions.
 
+Where a launch's (feature block, batch-head) programs would leave a GPU's multiprocessors idle
+(B = 1, H = 8: 8 to 32 programs), the kernels split its chunks into segments walked side by
+side (:func:`effattn.kernelized.fused_kernels.segments`; the module docstring there says how),
+in the forward and in the backward's spans alike.
+
 Hedgehog's exp map, whose per-feature core scales each feature by its own running max, has
 kernels of its own (:mod:`effattn.kernelized.fused_exponents`), which
 :func:`effattn.kernelized.exponents.causal` calls under this strategy.
