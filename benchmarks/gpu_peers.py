@@ -31,7 +31,7 @@ Peers, each on the problem it solves:
   launch per slice forward and two backward in place of the GPU strategy's chunk-parallel
   operations, and no chunk states. The strategy is chosen only when forced until these rows
   say it is faster. Without triton the rows say ``triton: not installed``.
-- ``segments``: the triton suite's methods again (but hedgehog) with every kernel launch
+- ``segments``: the triton suite's methods again with every kernel launch
   walking its chunks in one segment (methods ``<method>-triton-unsplit``). The triton rows
   split a launch's chunks into segments walked side by side where its (feature block,
   batch-head) programs alone would leave the GPU's multiprocessors idle (at B = 1, H = 8: 8 to
@@ -308,12 +308,11 @@ def triton_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
 
 
 def segments_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
-    """``triton_suite``'s methods whose scan the row kernels run (all but hedgehog, whose
-    per-feature kernels walk their chunks in one segment) with every launch in one segment
-    (``fused_kernels.SEGMENT_PROGRAMS = 0``; methods ``<method>-triton-unsplit``), beside the
-    triton rows, which split their chunks into segments where the programs alone would leave
-    multiprocessors idle. The setting holds while the cases are measured, backward included
-    (the driver measures each case before it resumes the suite), and is restored after."""
+    """``triton_suite`` with every launch in one segment (``fused_kernels.SEGMENT_PROGRAMS =
+    0``; methods ``<method>-triton-unsplit``), beside the triton rows, which split their chunks
+    into segments where the programs alone would leave multiprocessors idle. The setting holds
+    while the cases are measured, backward included (the driver measures each case before it
+    resumes the suite), and is restored after."""
     try:
         from effattn.kernelized import fused_kernels
     except ImportError:
@@ -322,8 +321,7 @@ def segments_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
     if fused_kernels is not None:
         fused_kernels.SEGMENT_PROGRAMS = 0
     try:
-        rows = [(name, options) for name, options in methods if name != "hedgehog"]
-        for case in triton_suite(p, rows):
+        for case in triton_suite(p, methods):
             yield replace(case, method=f"{case.method}-unsplit")
     finally:
         if fused_kernels is not None:

@@ -5,9 +5,10 @@ gradients of the states leaving them alike from the queries' side.
 
 The kernels split into segments against the same kernels in one walk (float64: outputs, state
 after, checkpoints, running scales, every gradient), with φ read and formed inside, gated and
-not, an entering state at the floor and a first segment whose keys are all padded; the number
-of segments a device gets; a module's call through the strategy with segments against its
-float64 reference.
+not, an entering state at the floor and a first segment whose keys are all padded; fp16 tiles
+with deterministic algorithms; hedgehog's per-feature kernels alike; the number of segments a
+device gets; a module's call through the strategy with segments against its float64
+reference.
 """
 
 import pytest
@@ -141,6 +142,49 @@ def test_half_precision_and_deterministic_segments_equal_one_walk(gated, device)
         torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3 * b.abs().max().item())
 
 
+@pytest.mark.parametrize("split", [3, 7])
+def test_per_feature_segments_equal_one_walk(split, device):
+    """Hedgehog's per-feature kernels (effattn.kernelized.fused_exponents_kernels), split into
+    3 segments (3, 3 and 1 chunks) and one chunk each: the shifts, the outputs, the state after,
+    its maxima and the checkpoints equal one walk's, and so do the gradients of x̃, v, the
+    entering state, the rows and the offsets. Keys whose exponents grow along the sequence
+    (each segment raises the running maxima), an entering state at the floor for one (batch,
+    head) pair and the first 51 keys of another padded."""
+    from effattn.kernelized import fused_exponents_kernels as fek
+
+    g = torch.Generator().manual_seed(11)
+    b, h, n, f, d, dv = 2, 2, 100, 70, 21, 5
+    dt = torch.float64
+    xq, xk = (torch.randn(b, h, n, d, generator=g, dtype=dt) for _ in range(2))
+    # Keys whose exponents grow along the sequence: each segment raises the running maxima.
+    xk = xk * torch.linspace(0.5, 4.0, n, dtype=dt)[:, None]
+    w = torch.randn(h, f, d, generator=g, dtype=dt)
+    bias = torch.randn(h, f, generator=g, dtype=dt)
+    ls = torch.zeros(b, h, n, dtype=dt)
+    ls[0, 0, :51] = float("-inf")
+    v = torch.randn(b, h, n, dv, generator=g, dtype=dt)
+    kv = torch.rand(b, h, f, dv + 1, generator=g, dtype=dt)
+    scale = torch.randn(b, h, f, generator=g, dtype=dt)
+    kv[1, 0], scale[1, 0] = 0.0, core.LOG_FLOOR
+    xq, xk, w, bias, ls, v, kv, scale = (
+        t.to(device) for t in (xq, xk, w, bias, ls, v, kv, scale))
+    runs = {}
+    for count in (1, split):
+        num, den, after, running, marks, shift = fek.forward(
+            xq, xk, ls, v, kv, scale, w, bias, 16, 32, split=count)
+        g = torch.Generator().manual_seed(5)
+        d_out = torch.randn(num.shape, generator=g, dtype=dt).to(device)
+        div = (torch.rand(den.shape, generator=g, dtype=dt) + 0.5).to(device)
+        g_den = torch.randn(den.shape, generator=g, dtype=dt).to(device)
+        g_after = torch.randn(after.shape, generator=g, dtype=dt).to(device)
+        grads = fek.backward(xq, xk, ls, v, kv, running, shift, d_out, div, g_den, g_after, w,
+                             bias, 16, split=count)
+        runs[count] = (shift, num, den, after, running, marks, *grads)
+    assert runs[1][5].shape[2] == 3
+    for a, b_ in zip(runs[split], runs[1], strict=True):
+        _close(a, b_)
+
+
 def test_segments_fill_a_gpu_and_no_more(monkeypatch):
     """One program per multiprocessor is aimed at, a segment at least SEGMENT_CHUNKS chunks;
     off a GPU, none."""
@@ -159,17 +203,22 @@ def test_segments_fill_a_gpu_and_no_more(monkeypatch):
     assert fused_kernels._split(2, 5) == (1, 2)
 
 
-@pytest.mark.parametrize("name, options", [("performer", {}), ("rfa", {"gated": True})],
-                         ids=["performer", "rfa-gated"])
+@pytest.mark.parametrize("name, options", [("performer", {}), ("rfa", {"gated": True}),
+                                           ("hedgehog", {})],
+                         ids=["performer", "rfa-gated", "hedgehog"])
 def test_a_module_split_into_segments_matches_reference(name, options, monkeypatch):
     """With a GPU's multiprocessors pretended (and segments of 2 chunks allowed), a causal
     call with padding (performer: its map formed inside; gated RFA: the gates' decays between
-    segments) splits the forward and the backward into segments, and its outputs and gradients
-    (the gate's too) equal the float64 reference."""
+    segments; hedgehog: its per-feature kernels) splits the forward and the backward into
+    segments, and its outputs and gradients (the gate's and the map's too) equal the float64
+    reference."""
+    from effattn.kernelized import fused_exponents_kernels
+
     monkeypatch.setattr(fused_kernels, "multiprocessors", lambda device: 16)
     monkeypatch.setattr(fused_kernels, "SEGMENT_CHUNKS", 2)
-    calls = count_calls(monkeypatch, {"entering": (fused_kernels, "_entering"),
-                                      "adjoints": (fused_kernels, "_adjoints")})
+    owner = fused_exponents_kernels if name == "hedgehog" else fused_kernels
+    calls = count_calls(monkeypatch, {"entering": (owner, "_entering"),
+                                      "adjoints": (owner, "_adjoints")})
     module = make_kernelized(name, options)
     q, k, v = (t.requires_grad_(True) for t in qkv(n=130, d=21, dv=5, scale=0.5))
     extra, kw = (), {}

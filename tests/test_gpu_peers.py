@@ -144,8 +144,8 @@ def test_tf32_rows_hold_the_setting_while_measured_and_restore_it(tmp_path, monk
 
 
 def test_segments_rows_run_unsplit_while_measured_and_restore_it(tmp_path, monkeypatch):
-    """The segments suite: the triton rows again but hedgehog's, each measured (backward
-    included) with every launch in one segment, the setting restored after the suite."""
+    """The segments suite: the triton rows again, each measured (backward included) with
+    every launch in one segment, the setting restored after the suite."""
     pytest.importorskip("triton")
     from effattn.kernelized import fused_kernels
 
@@ -163,7 +163,8 @@ def test_segments_rows_run_unsplit_while_measured_and_restore_it(tmp_path, monke
                        "--out", str(tmp_path)]) == 0
     assert fused_kernels.SEGMENT_PROGRAMS == before > 0
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
-    assert {r["method"] for r in rows} == {"performer-triton-unsplit"}
+    assert {r["method"] for r in rows} == {"performer-triton-unsplit",
+                                           "hedgehog-triton-unsplit"}
     assert all("error" not in r and r["ms"] is not None for r in rows)
     assert seen and set(seen) == {0}
 

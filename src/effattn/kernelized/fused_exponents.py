@@ -136,10 +136,8 @@ def _forward_slice(q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None, kv: Tens
     xq, xk, ls, w, bias = _inputs(exponents, q, k, pad)
     xq, xk = xq.contiguous(), xk.contiguous()
     w, bias = w.contiguous(), bias.contiguous()
-    entering = scale[..., 0]
-    shift = kernels.shifts(xq, xk, ls, w, bias, entering, chunk)
-    num, den, kv_out, running, marks = kernels.forward(
-        xq, xk, ls, v.contiguous(), kv, entering, w, bias, shift, chunk, back)
+    num, den, kv_out, running, marks, shift = kernels.forward(
+        xq, xk, ls, v.contiguous(), kv, scale[..., 0], w, bias, chunk, back)
     den = den[..., None]
     div = ex._divisors(den)[0]
     out = num.div_(div).to(q.dtype)

@@ -44,6 +44,17 @@ blocks as :mod:`effattn.kernelized.fused_kernels` sums) and accumulates ∂L/∂
 ∂L/∂b = Σ_t ∂L/∂u in registers (a program owns its rows of them), written once per (batch,
 head): (B H, F, D) and (B H, F), summed over the batch by the caller.
 
+Segments (a third grid dimension, as the row kernels'): the chunks split into P segments
+walked side by side where the (feature block, batch-head) programs alone would leave a GPU's
+multiprocessors idle (:func:`effattn.kernelized.fused_kernels.segments`). A first launch
+(``STATES``) walks each segment's keys from an empty state; the state entering segment p has
+row f e^{R_in,f - R_p,f} S_in,f + Σ_{q < p} e^{r_q,f - R_p,f} L_q,f, with R_p,f the largest
+of those maxima (:func:`_entering`): a max, so exactly one walk's running maxima. The shifts
+follow, segment by segment from those maxima, then the main launch. The backward takes the
+same states (at the forward's maxima) and, for the keys' kernel, the gradients of the states
+leaving the segments from a first launch over each segment's queries in reverse
+(``ADJOINT``, :func:`_adjoints`); ∂L/∂w and ∂L/∂b come per segment, summed by the caller.
+
 Launch geometry, chunk, accumulator and precision are the row kernels'
 (:func:`effattn.kernelized.fused_kernels.meta` with the map formed inside). On the CPU these run
 under Triton's interpreter (``TRITON_INTERPRET=1``), which is how CI tests them.
@@ -166,20 +177,23 @@ def _exact_key_terms(u_q, u_k, shift, d_a, BT: tl.constexpr, BK: tl.constexpr,
 
 @triton.jit
 def _shift_kernel(q_ptr, k_ptr, ls_ptr, r_in_ptr, w_ptr, b_ptr, c_ptr,
-                  N, F, D, NC, BH, H, LOG_FLOOR_: tl.constexpr, BT: tl.constexpr,
+                  N, F, D, NC, BH, H, SEG, LOG_FLOOR_: tl.constexpr, BT: tl.constexpr,
                   BK: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
                   PRECISION: tl.constexpr, ATOMIC: tl.constexpr):
     """c_i = max_f (u_qf(i) + max(R_in, max_{j <= i} u_kf(j))) over this block's features,
-    combined over the blocks by an atomic max (``ATOMIC``) or stored in the block's own row."""
+    combined over the blocks by an atomic max (``ATOMIC``) or stored in the block's own row;
+    segment p walks chunks [p SEG, (p + 1) SEG) from its entering maxima (row bh P + p)."""
     kb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
+    p = tl.program_id(2)
+    seg = bh * tl.num_programs(2) + p
     f = kb * BK + tl.arange(0, BK)
     t0 = tl.arange(0, BT)
     f_ok = f < F
     w, b = _head_rows(w_ptr, b_ptr, bh % H, f, f_ok, F, D, BD, ACC)
-    r = tl.load(r_in_ptr + bh * F + f, mask=f_ok, other=0.0).to(ACC)
+    r = tl.load(r_in_ptr + seg * F + f, mask=f_ok, other=0.0).to(ACC)
     out = c_ptr + fk._part(kb, bh, BH, N, ATOMIC)
-    for c in range(0, NC):
+    for c in range(p * SEG, tl.minimum(NC, (p + 1) * SEG)):
         t = c * BT + t0
         t_ok = t < N
         u_q, _ = _exponents(q_ptr + bh * N * D, w, b, t, t_ok, D, BD, ACC, PRECISION)
@@ -198,12 +212,20 @@ def _shift_kernel(q_ptr, k_ptr, ls_ptr, r_in_ptr, w_ptr, b_ptr, c_ptr,
 def _forward_kernel(
     q_ptr, k_ptr, ls_ptr, v_ptr, kv_in_ptr, r_in_ptr, w_ptr, b_ptr, c_ptr,
     num_ptr, den_ptr, kv_out_ptr, r_ptr, marks_ptr,
-    N, F, D, DV, NC, BH, H, EVERY, NMARKS, LOG_FLOOR_: tl.constexpr, LIMIT: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
-    PRECISION: tl.constexpr, ATOMIC: tl.constexpr,
+    N, F, D, DV, NC, BH, H, EVERY, NMARKS, SEG, LOG_FLOOR_: tl.constexpr,
+    LIMIT: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BD: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, ATOMIC: tl.constexpr,
+    STATES: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
+    # Segment p walks chunks [p SEG, (p + 1) SEG) from its entering state and maxima (row
+    # bh P + p); with STATES, from an empty state (0 at LOG_FLOOR), the keys' side only,
+    # writing the state and maxima it ends with (row bh P + p of kv_out and r).
+    p = tl.program_id(2)
+    seg = bh * tl.num_programs(2) + p
+    c_start = p * SEG
+    c_end = tl.minimum(NC, c_start + SEG)
     f = kb * BK + tl.arange(0, BK)
     d = tl.arange(0, BV)
     t0 = tl.arange(0, BT)
@@ -211,48 +233,55 @@ def _forward_kernel(
     d_ok = d < DV
     causal = t0[None, :] <= t0[:, None]
     w, b = _head_rows(w_ptr, b_ptr, bh % H, f, f_ok, F, D, BD, ACC)
-    s, z = _state_rows(kv_in_ptr, bh, f, f_ok, d, d_ok, F, DV, ACC)
-    r = tl.load(r_in_ptr + bh * F + f, mask=f_ok, other=0.0).to(ACC)
+    if STATES:
+        s = tl.zeros([BK, BV], dtype=ACC)
+        z = tl.zeros([BK], dtype=ACC)
+        r = tl.full([BK], LOG_FLOOR_, ACC)
+    else:
+        s, z = _state_rows(kv_in_ptr, seg, f, f_ok, d, d_ok, F, DV, ACC)
+        r = tl.load(r_in_ptr + seg * F + f, mask=f_ok, other=0.0).to(ACC)
     part = fk._part(kb, bh, BH, N, ATOMIC)
-    for c in range(0, NC):
+    for c in range(c_start, c_end):
         if (c > 0) & (c % EVERY == 0):
-            mark = marks_ptr + (bh * NMARKS + c // EVERY - 1) * F * (DV + 1)
-            tl.store(mark + f[:, None] * (DV + 1) + d[None, :], s,
-                     mask=f_ok[:, None] & d_ok[None, :])
-            tl.store(mark + f * (DV + 1) + DV, z, mask=f_ok)
-        tl.store(r_ptr + (bh * (NC + 1) + c) * F + f, r, mask=f_ok)
+            fk._store_state(marks_ptr + (bh * NMARKS + c // EVERY - 1) * F * (DV + 1), s, z, f,
+                            f_ok, d, d_ok, DV)
         t = c * BT + t0
         t_ok = t < N
         ok = t_ok[:, None] & f_ok[None, :]
-        u_q, _ = _exponents(q_ptr + bh * N * D, w, b, t, t_ok, D, BD, ACC, PRECISION)
         u_k, _ = _key_exponents(k_ptr + bh * N * D, ls_ptr + bh * N, w, b, t, t_ok, f_ok, D,
                                 BD, ACC, PRECISION)
-        shift = tl.load(c_ptr + bh * N + t, mask=t_ok, other=0.0).to(ACC)
         r_next = tl.maximum(tl.maximum(r, tl.max(u_k, 0)), LOG_FLOOR_)
-        q_f = tl.exp(tl.where(ok, u_q + r[None, :] - shift[:, None], float("-inf")))
         k_f = tl.exp(u_k - r_next[None, :])
         vc = tl.load(v_ptr + bh * N * DV + t[:, None] * DV + d[None, :],
                      mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(ACC)
-        grow = tl.where(ok, u_q + r_next[None, :] - shift[:, None], float("-inf"))
-        if tl.max(grow) <= LIMIT:
-            a = tl.where(causal, tl.dot(tl.exp(grow), tl.trans(k_f),
-                                        input_precision=PRECISION), 0.0)
-        else:
-            a = _exact_pairs(u_q, u_k, shift, causal, BT, ACC)
-        num = tl.dot(q_f, s, input_precision=PRECISION) + tl.dot(a, vc,
-                                                                 input_precision=PRECISION)
-        den = tl.sum(q_f * z[None, :], 1) + tl.sum(a, 1)
-        fk._put(num_ptr + part * DV + t[:, None] * DV + d[None, :], num,
-             t_ok[:, None] & d_ok[None, :], ATOMIC)
-        fk._put(den_ptr + part + t, den, t_ok, ATOMIC)
+        if not STATES:
+            tl.store(r_ptr + (bh * (NC + 1) + c) * F + f, r, mask=f_ok)
+            u_q, _ = _exponents(q_ptr + bh * N * D, w, b, t, t_ok, D, BD, ACC, PRECISION)
+            shift = tl.load(c_ptr + bh * N + t, mask=t_ok, other=0.0).to(ACC)
+            q_f = tl.exp(tl.where(ok, u_q + r[None, :] - shift[:, None], float("-inf")))
+            grow = tl.where(ok, u_q + r_next[None, :] - shift[:, None], float("-inf"))
+            if tl.max(grow) <= LIMIT:
+                a = tl.where(causal, tl.dot(tl.exp(grow), tl.trans(k_f),
+                                            input_precision=PRECISION), 0.0)
+            else:
+                a = _exact_pairs(u_q, u_k, shift, causal, BT, ACC)
+            num = tl.dot(q_f, s, input_precision=PRECISION) + tl.dot(a, vc,
+                                                                     input_precision=PRECISION)
+            den = tl.sum(q_f * z[None, :], 1) + tl.sum(a, 1)
+            fk._put(num_ptr + part * DV + t[:, None] * DV + d[None, :], num,
+                    t_ok[:, None] & d_ok[None, :], ATOMIC)
+            fk._put(den_ptr + part + t, den, t_ok, ATOMIC)
         keep = tl.exp(r - r_next)
         s = s * keep[:, None] + tl.dot(tl.trans(k_f), vc, input_precision=PRECISION)
         z = z * keep + tl.sum(k_f, 0)
         r = r_next
-    tl.store(kv_out_ptr + bh * F * (DV + 1) + f[:, None] * (DV + 1) + d[None, :], s,
-             mask=f_ok[:, None] & d_ok[None, :])
-    tl.store(kv_out_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, z, mask=f_ok)
-    tl.store(r_ptr + (bh * (NC + 1) + NC) * F + f, r, mask=f_ok)
+    # The state after: each segment's with STATES, else the last segment's.
+    if STATES:
+        fk._store_state(kv_out_ptr + seg * F * (DV + 1), s, z, f, f_ok, d, d_ok, DV)
+        tl.store(r_ptr + seg * F + f, r, mask=f_ok)
+    elif c_end == NC:
+        fk._store_state(kv_out_ptr + bh * F * (DV + 1), s, z, f, f_ok, d, d_ok, DV)
+        tl.store(r_ptr + (bh * (NC + 1) + NC) * F + f, r, mask=f_ok)
 
 
 @triton.jit
@@ -290,12 +319,16 @@ def _recomputed(q_ptr, k_ptr, ls_ptr, r_ptr, c_ptr, w, b, bh, c, t, t_ok, f, f_o
 def _backward_queries_kernel(
     q_ptr, k_ptr, ls_ptr, v_ptr, kv_in_ptr, r_ptr, c_ptr, do_ptr, div_ptr, gd_ptr, w_ptr,
     b_ptr, dq_ptr, dw_ptr, db_ptr,
-    N, F, D, DV, NC, BH, H, DO_BH, DO_ROW, DO_COL, LIMIT: tl.constexpr,
+    N, F, D, DV, NC, BH, H, DO_BH, DO_ROW, DO_COL, SEG, LIMIT: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
     PRECISION: tl.constexpr, ATOMIC: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
+    # Segment p: chunks [p SEG, (p + 1) SEG) from the state entering it; its rows' ∂L/∂w and
+    # ∂L/∂b are its own (row bh P + p), summed over the segments by the caller.
+    p = tl.program_id(2)
+    seg = bh * tl.num_programs(2) + p
     f = kb * BK + tl.arange(0, BK)
     d = tl.arange(0, BV)
     e = tl.arange(0, BD)
@@ -304,11 +337,11 @@ def _backward_queries_kernel(
     d_ok = d < DV
     causal = t0[None, :] <= t0[:, None]
     w, b = _head_rows(w_ptr, b_ptr, bh % H, f, f_ok, F, D, BD, ACC)
-    s, z = _state_rows(kv_in_ptr, bh, f, f_ok, d, d_ok, F, DV, ACC)
+    s, z = _state_rows(kv_in_ptr, seg, f, f_ok, d, d_ok, F, DV, ACC)
     dw = tl.zeros([BK, BD], dtype=ACC)
     db = tl.zeros([BK], dtype=ACC)
     part = fk._part(kb, bh, BH, N, ATOMIC)
-    for c in range(0, NC):
+    for c in range(p * SEG, tl.minimum(NC, (p + 1) * SEG)):
         t = c * BT + t0
         t_ok = t < N
         ok = t_ok[:, None] & f_ok[None, :]
@@ -336,21 +369,29 @@ def _backward_queries_kernel(
         keep = tl.exp(r - r_next)
         s = s * keep[:, None] + tl.dot(tl.trans(k_f), vc, input_precision=PRECISION)
         z = z * keep + tl.sum(k_f, 0)
-    tl.store(dw_ptr + bh * F * D + f[:, None] * D + e[None, :], dw,
+    tl.store(dw_ptr + seg * F * D + f[:, None] * D + e[None, :], dw,
              mask=f_ok[:, None] & (e < D)[None, :])
-    tl.store(db_ptr + bh * F + f, db, mask=f_ok)
+    tl.store(db_ptr + seg * F + f, db, mask=f_ok)
 
 
 @triton.jit
 def _backward_keys_kernel(
     q_ptr, k_ptr, ls_ptr, v_ptr, r_ptr, c_ptr, do_ptr, div_ptr, gd_ptr, du_ptr, w_ptr, b_ptr,
     dk_ptr, dv_ptr, dkv_in_ptr, dw_ptr, db_ptr,
-    N, F, D, DV, NC, BH, H, DO_BH, DO_ROW, DO_COL, LIMIT: tl.constexpr,
+    N, F, D, DV, NC, BH, H, DO_BH, DO_ROW, DO_COL, SEG, LIMIT: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
-    PRECISION: tl.constexpr, ATOMIC: tl.constexpr,
+    PRECISION: tl.constexpr, ATOMIC: tl.constexpr, ADJOINT: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
+    # Segment p walks chunks [p SEG, (p + 1) SEG) in reverse from the adjoint of the state after
+    # it (row bh P + p of du), adding to its rows of ∂L/∂w, ∂L/∂b (row bh P + p); with
+    # ADJOINT, from 0, the queries' side only, writing the adjoint it ends with (row bh P + p
+    # of dkv_in).
+    p = tl.program_id(2)
+    seg = bh * tl.num_programs(2) + p
+    c_start = p * SEG
+    c_end = tl.minimum(NC, c_start + SEG)
     f = kb * BK + tl.arange(0, BK)
     d = tl.arange(0, BV)
     e = tl.arange(0, BD)
@@ -359,14 +400,18 @@ def _backward_keys_kernel(
     d_ok = d < DV
     causal = t0[None, :] <= t0[:, None]
     w, b = _head_rows(w_ptr, b_ptr, bh % H, f, f_ok, F, D, BD, ACC)
-    u, uz = _state_rows(du_ptr, bh, f, f_ok, d, d_ok, F, DV, ACC)
-    rows = dw_ptr + bh * F * D + f[:, None] * D + e[None, :]
+    rows = dw_ptr + seg * F * D + f[:, None] * D + e[None, :]
     rows_ok = f_ok[:, None] & (e < D)[None, :]
-    dw = tl.load(rows, mask=rows_ok, other=0.0)
-    db = tl.load(db_ptr + bh * F + f, mask=f_ok, other=0.0)
+    if ADJOINT:
+        u = tl.zeros([BK, BV], dtype=ACC)
+        uz = tl.zeros([BK], dtype=ACC)
+    else:
+        u, uz = _state_rows(du_ptr, seg, f, f_ok, d, d_ok, F, DV, ACC)
+        dw = tl.load(rows, mask=rows_ok, other=0.0)
+        db = tl.load(db_ptr + seg * F + f, mask=f_ok, other=0.0)
     part = fk._part(kb, bh, BH, N, ATOMIC)
-    for i in range(0, NC):
-        c = NC - 1 - i
+    for i in range(0, c_end - c_start):
+        c = c_end - 1 - i
         t = c * BT + t0
         t_ok = t < N
         ok = t_ok[:, None] & f_ok[None, :]
@@ -375,34 +420,40 @@ def _backward_keys_kernel(
             ACC, PRECISION)
         values = t[:, None] * DV + d[None, :]
         vd_ok = t_ok[:, None] & d_ok[None, :]
-        vc = tl.load(v_ptr + bh * N * DV + values, mask=vd_ok, other=0.0).to(ACC)
         gn, gd = fk._ratio_grads(do_ptr, div_ptr, gd_ptr, bh, t, t_ok, d, vd_ok, N, DO_BH,
                                  DO_ROW, DO_COL, ACC)
-        d_a = tl.where(causal, tl.dot(gn, tl.trans(vc), input_precision=PRECISION)
-                       + gd[:, None], 0.0)
-        grow = tl.where(ok, u_q + r_next[None, :] - shift[:, None], float("-inf"))
-        if tl.max(grow) <= LIMIT:
-            q_g = tl.exp(grow)
-            a = tl.where(causal, tl.dot(q_g, tl.trans(k_f), input_precision=PRECISION), 0.0)
-            dk = k_f * tl.dot(tl.trans(d_a), q_g, input_precision=PRECISION)
-        else:
-            a, dk = _exact_key_terms(u_q, u_k, shift, d_a, BT, BK, ACC)
-        dk += k_f * (tl.dot(vc, tl.trans(u), input_precision=PRECISION) + uz[None, :])
-        dk = tl.where(ok, dk, 0.0)
-        dv = tl.dot(k_f, u, input_precision=PRECISION)
-        dv += tl.dot(tl.trans(a), gn, input_precision=PRECISION)
-        fk._put(dv_ptr + part * DV + values, dv, vd_ok, ATOMIC)
-        dw += _store_exponent_grads(dk_ptr, dk, w, xk, part, t, t_ok, D, BD, ACC, PRECISION,
-                                    ATOMIC)
-        db += tl.sum(dk, 0)
+        if not ADJOINT:
+            vc = tl.load(v_ptr + bh * N * DV + values, mask=vd_ok, other=0.0).to(ACC)
+            d_a = tl.where(causal, tl.dot(gn, tl.trans(vc), input_precision=PRECISION)
+                           + gd[:, None], 0.0)
+            grow = tl.where(ok, u_q + r_next[None, :] - shift[:, None], float("-inf"))
+            if tl.max(grow) <= LIMIT:
+                q_g = tl.exp(grow)
+                a = tl.where(causal, tl.dot(q_g, tl.trans(k_f), input_precision=PRECISION),
+                             0.0)
+                dk = k_f * tl.dot(tl.trans(d_a), q_g, input_precision=PRECISION)
+            else:
+                a, dk = _exact_key_terms(u_q, u_k, shift, d_a, BT, BK, ACC)
+            dk += k_f * (tl.dot(vc, tl.trans(u), input_precision=PRECISION) + uz[None, :])
+            dk = tl.where(ok, dk, 0.0)
+            dv = tl.dot(k_f, u, input_precision=PRECISION)
+            dv += tl.dot(tl.trans(a), gn, input_precision=PRECISION)
+            fk._put(dv_ptr + part * DV + values, dv, vd_ok, ATOMIC)
+            dw += _store_exponent_grads(dk_ptr, dk, w, xk, part, t, t_ok, D, BD, ACC,
+                                        PRECISION, ATOMIC)
+            db += tl.sum(dk, 0)
         keep = tl.exp(r - r_next)
         u = u * keep[:, None] + tl.dot(tl.trans(q_f), gn, input_precision=PRECISION)
         uz = uz * keep + tl.sum(q_f * gd[:, None], 0)
-    tl.store(dkv_in_ptr + bh * F * (DV + 1) + f[:, None] * (DV + 1) + d[None, :], u,
-             mask=f_ok[:, None] & d_ok[None, :])
-    tl.store(dkv_in_ptr + bh * F * (DV + 1) + f * (DV + 1) + DV, uz, mask=f_ok)
-    tl.store(rows, dw, mask=rows_ok)
-    tl.store(db_ptr + bh * F + f, db, mask=f_ok)
+    # The adjoint entering the segment: each segment's with ADJOINT, else the first segment's
+    # (that of the state entering the call).
+    if ADJOINT:
+        fk._store_state(dkv_in_ptr + seg * F * (DV + 1), u, uz, f, f_ok, d, d_ok, DV)
+    else:
+        if p == 0:
+            fk._store_state(dkv_in_ptr + bh * F * (DV + 1), u, uz, f, f_ok, d, d_ok, DV)
+        tl.store(rows, dw, mask=rows_ok)
+        tl.store(db_ptr + seg * F + f, db, mask=f_ok)
 
 
 # The kernels, for benchmarks/triton_resources.py's ahead-of-time compiles (arguments typed as
@@ -424,36 +475,77 @@ def _launch_sizes(x: Tensor, w: Tensor, config: dict) -> tuple[int, int, int, in
     return b * h, n, f, triton.cdiv(f, config["BK"]), triton.cdiv(n, config["BT"])
 
 
-def shifts(xq: Tensor, xk: Tensor, ls: Tensor, w: Tensor, bias: Tensor, scale: Tensor,
-           chunk: int) -> Tensor:
+def _shifts(xq: Tensor, xk: Tensor, ls: Tensor, w: Tensor, bias: Tensor, scale: Tensor,
+            config: dict, per: int, count: int) -> Tensor:
     """The queries' shifts c (B, H, N): c_i = max_f (u_qf(i) + max(R_f, max_{j <= i} u_kf(j)))
     of x̃ (B, H, N, D) (queries and keys), the keys' log-weights ls (B, H, N) (-inf at padded
-    keys), the heads' rows w (H, F, D) and offsets b (H, F), and the entering scales R
-    (B, H, F); in fp32 (fp64 for fp64)."""
+    keys), the heads' rows w (H, F, D) and offsets b (H, F), and the maxima R entering each of
+    ``count`` segments of ``per`` chunks (B, H, count, F); in fp32 (fp64 for fp64)."""
     b, h = xq.shape[:2]
-    config = _config(xq, chunk, w.shape[1], 16)
     bh, n, f, nk, nc = _launch_sizes(xq, w, config)
     acc = fk._accumulator(xq.dtype)
     many = atomic(nk)
     c = (xq.new_full((b, h, n), float("-inf"), dtype=acc) if many
          else xq.new_empty(nk, b, h, n, dtype=acc))
-    _shift_kernel[(nk, bh)](
-        xq, xk, ls, scale.to(acc).contiguous(), w, bias, c, n, f, xq.shape[-1], nc, bh, h,
+    _shift_kernel[(nk, bh, count)](
+        xq, xk, ls, scale.contiguous(), w, bias, c, n, f, xq.shape[-1], nc, bh, h, per,
         LOG_FLOOR, BT=config["BT"], BK=config["BK"], BD=config["BD"], ACC=config["ACC"],
         PRECISION=config["PRECISION"], ATOMIC=many, num_warps=config["num_warps"])
     return c if many else c.amax(0)
 
 
+def _entering(kv: Tensor, scale: Tensor, local: Tensor, ends: Tensor,
+              target: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The states entering P segments (B, H, P, F, Dv + 1) and their maxima R (B, H, P, F), per
+    feature, from the state entering the first, kv (B, H, F, Dv + 1) at maxima ``scale``
+    (B, H, F), and each segment's own from empty, ``local`` at its maxima ``ends`` (B, H, P, F):
+    row f of the state entering segment p is e^{R_in - R_p} kv + Σ_{q < p} e^{r_q - R_p}
+    local_q with R_p the largest of those maxima (a walk's running max, exactly: max does not
+    round), or ``target`` (B, H, P, F) where given (the forward's, for the backward). The
+    first segment's is kv itself. (:func:`effattn.kernelized.fused_kernels._entering` with one
+    scale per feature and no gates.)"""
+    count = local.shape[2]
+    source = torch.cat([scale[:, :, None], ends[:, :, :-1]], 2)
+    earlier = torch.ones(count, count, dtype=torch.bool, device=kv.device).tril()[..., None]
+    x = source[:, :, None].masked_fill(~earlier, float("-inf"))
+    top = x.amax(3) if target is None else target
+    weights = torch.exp(x - top[:, :, :, None])
+    states = torch.cat([kv[:, :, None], local[:, :, :-1]], 2)
+    return torch.einsum("bhpjf,bhjfd->bhpfd", weights, states), top
+
+
+def _adjoints(d_after: Tensor, local: Tensor, starts: Tensor) -> Tensor:
+    """The gradients of the states after P segments (B, H, P, F, Dv + 1), each at the maxima of
+    the next segment's start (the last at the call's last, d_after's), from each segment's own
+    adjoint from 0, ``local``, at the maxima of its start; ``starts`` (B, H, P + 1, F) are the
+    forward's maxima at the segments' starts and the call's end. Row f of the gradient of the
+    state after segment p is Σ_{q > p} e^{R(p + 1) - R(q)} local_q + e^{R(p + 1) - R(end)}
+    d_after (:func:`effattn.kernelized.fused_kernels._adjoints` per feature, no gates)."""
+    count = local.shape[2]
+    x = starts[:, :, 1:, None] - starts[:, :, None, 1:]
+    later = torch.ones(count, count, dtype=torch.bool, device=local.device).triu()[..., None]
+    weights = torch.exp(x.masked_fill(~later, float("-inf")))
+    sources = torch.cat([local[:, :, 1:], d_after[:, :, None]], 2)
+    return torch.einsum("bhpjf,bhjfd->bhpfd", weights, sources)
+
+
 def forward(xq: Tensor, xk: Tensor, ls: Tensor, v: Tensor, kv: Tensor, scale: Tensor,
-            w: Tensor, bias: Tensor, c: Tensor, chunk: int, every: int | None = None,
-            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+            w: Tensor, bias: Tensor, chunk: int, every: int | None = None,
+            split: int | None = None,
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The fused causal scan of x̃ (B, H, N, D), ls, v (B, H, N, Dv), the entering state kv
-    (B, H, F, Dv + 1) at scales R (B, H, F), the rows w (H, F, D), offsets b (H, F) and shifts
-    c (B, H, N) (:func:`shifts`): num (B, H, N, Dv) and den (B, H, N) held at exp(c), the state
-    after, the running maxima R_{-1}..R_{nc-1} (B, H, nc + 1, F) (the last the state after's)
-    and the states entering tokens ``every``, 2 ``every``, ... < N (a multiple of the chunk;
-    None: none) (B, H, n_marks, F, Dv + 1) (one unused slot when there are none); in fp32
-    (fp64 for fp64). v may be in a narrower dtype (converted tile by tile)."""
+    (B, H, F, Dv + 1) at scales R (B, H, F), the rows w (H, F, D) and offsets b (H, F): num
+    (B, H, N, Dv) and den (B, H, N) held at exp(c), the state after, the running maxima
+    R_{-1}..R_{nc-1} (B, H, nc + 1, F) (the last the state after's), the states entering tokens
+    ``every``, 2 ``every``, ... < N (a multiple of the chunk; None: none) (B, H, n_marks, F,
+    Dv + 1) (one unused slot when there are none) and the queries' shifts c (B, H, N)
+    (``_shift_kernel``, launched first); in fp32 (fp64 for fp64). v may be in a narrower dtype
+    (converted tile by tile).
+
+    The chunks are walked in ``split`` segments side by side (None:
+    :func:`effattn.kernelized.fused_kernels.segments`' count for the device), as the row
+    kernels walk theirs: a first launch walks each segment's keys from an empty state, and the
+    states and maxima entering the segments follow per feature (:func:`_entering`)."""
     b, h = xq.shape[:2]
     dv = v.shape[-1]
     config = _config(xq, chunk, w.shape[1], dv)
@@ -464,27 +556,43 @@ def forward(xq: Tensor, xk: Tensor, ls: Tensor, v: Tensor, kv: Tensor, scale: Te
     every = nc + 1 if every is None else every // config["BT"]
     n_marks = (nc - 1) // every
     acc = fk._accumulator(xq.dtype)
+    per, count = fk._split(nc, fk.segments(xq.device, nk * bh, nc) if split is None else split)
+    kv, scale = kv.to(acc).contiguous(), scale.to(acc).contiguous()
+    d = xq.shape[-1]
+    if count > 1:
+        local = xq.new_empty(b, h, count, f, dv + 1, dtype=acc)
+        ends = xq.new_empty(b, h, count, f, dtype=acc)
+        # The first launch reads no entering state, no shifts, and writes no outputs and no
+        # checkpoints: kv stands in.
+        _forward_kernel[(nk, bh, count)](
+            xq, xk, ls, v, kv, scale, w, bias, kv, kv, kv, local, ends, kv, n, f, d, dv, nc,
+            bh, h, nc + 1, 1, per, LOG_FLOOR, **config, ATOMIC=atomic(nk), STATES=True)
+        kv, scale = _entering(kv, scale, local, ends)
+    c = _shifts(xq, xk, ls, w, bias, scale, config, per, count)
     num = fk._partial(xq, nk, b, h, n, dv, dtype=acc)
     den = fk._partial(xq, nk, b, h, n, dtype=acc)
     kv_out = xq.new_empty(b, h, f, dv + 1, dtype=acc)
     running = xq.new_empty(b, h, nc + 1, f, dtype=acc)
     marks = xq.new_empty(b, h, max(1, n_marks), f, dv + 1, dtype=acc)
-    _forward_kernel[(nk, bh)](
-        xq, xk, ls, v, kv.to(acc).contiguous(), scale.to(acc).contiguous(), w, bias, c, num,
-        den, kv_out, running, marks, n, f, xq.shape[-1], dv, nc, bh, h, every,
-        max(1, n_marks), LOG_FLOOR, **config, ATOMIC=atomic(nk))
-    return fk._total(num, nk), fk._total(den, nk), kv_out, running, marks
+    _forward_kernel[(nk, bh, count)](
+        xq, xk, ls, v, kv.contiguous(), scale.contiguous(), w, bias, c, num, den, kv_out,
+        running, marks, n, f, d, dv, nc, bh, h, every, max(1, n_marks), per, LOG_FLOOR,
+        **config, ATOMIC=atomic(nk), STATES=False)
+    return fk._total(num, nk), fk._total(den, nk), kv_out, running, marks, c
 
 
 def backward(xq: Tensor, xk: Tensor, ls: Tensor, v: Tensor, kv: Tensor, running: Tensor,
              c: Tensor, d_out: Tensor, div: Tensor, d_den: Tensor, d_after: Tensor | None,
-             w: Tensor, bias: Tensor, chunk: int,
+             w: Tensor, bias: Tensor, chunk: int, split: int | None = None,
              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The gradients of :func:`forward`'s x̃ (queries and keys, (B, H, N, D)), v, kv (the
     entering state), w and b (summed over the batch: (H, F, D), (H, F)) from d_out
     (B, H, N, Dv, read in its own dtype and in place), the divisors div (B, H, N), the
     denominators' gradient (B, H, N) and the state after's (None: 0), given the forward's
-    running maxima and shifts (held constant: the output does not depend on them)."""
+    running maxima and shifts (held constant: the output does not depend on them); in
+    ``split`` segments as :func:`forward` (the states entering them at the forward's maxima,
+    the gradients of the states leaving them from a first launch over each segment's queries
+    in reverse, :func:`_adjoints`)."""
     b, h = xq.shape[:2]
     dv = v.shape[-1]
     config = _config(xq, chunk, w.shape[1], dv)
@@ -498,15 +606,30 @@ def backward(xq: Tensor, xk: Tensor, ls: Tensor, v: Tensor, kv: Tensor, running:
     d_q, d_k = (fk._partial(xq, nk, b, h, n, d, dtype=acc) for _ in range(2))
     d_v = fk._partial(v, nk, b, h, n, dv, dtype=acc)
     d_kv = kv.new_empty(b, h, f, dv + 1, dtype=acc)
-    d_w = xq.new_empty(b, h, f, d, dtype=acc)
-    d_b = xq.new_empty(b, h, f, dtype=acc)
-    grid = (nk, bh)
+    per, count = fk._split(nc, fk.segments(xq.device, nk * bh, nc) if split is None else split)
+    # Each segment's rows of ∂L/∂w and ∂L/∂b, summed over the batch and the segments below.
+    d_w = xq.new_empty(b, h, count, f, d, dtype=acc)
+    d_b = xq.new_empty(b, h, count, f, dtype=acc)
+    grid = (nk, bh, count)
+    kv, d_after = kv.to(acc).contiguous(), d_after.to(acc).contiguous()
+    if count > 1:
+        starts = torch.cat([running[:, :, 0:nc:per], running[:, :, nc:]], 2)
+        local = xq.new_empty(b, h, count, f, dv + 1, dtype=acc)
+        ends = xq.new_empty(b, h, count, f, dtype=acc)
+        _forward_kernel[grid](
+            xq, xk, ls, v, kv, kv, w, bias, kv, kv, kv, local, ends, kv, n, f, d, dv, nc, bh, h,
+            nc + 1, 1, per, LOG_FLOOR, **config, ATOMIC=atomic(nk), STATES=True)
+        kv = _entering(kv, running[:, :, 0], local, ends, starts[:, :, :-1])[0]
+        _backward_keys_kernel[grid](
+            xq, xk, ls, v, running, c, d_out, div, d_den, kv, w, bias, kv, kv, local, kv, kv, n,
+            f, d, dv, nc, bh, h, *read_do, per, **config, ATOMIC=atomic(nk), ADJOINT=True)
+        d_after = _adjoints(d_after, local, starts)
     _backward_queries_kernel[grid](
-        xq, xk, ls, v, kv.to(acc).contiguous(), running, c, d_out, div, d_den, w, bias, d_q,
-        d_w, d_b, n, f, d, dv, nc, bh, h, *read_do, **config, ATOMIC=atomic(nk))
+        xq, xk, ls, v, kv.contiguous(), running, c, d_out, div, d_den, w, bias, d_q, d_w, d_b,
+        n, f, d, dv, nc, bh, h, *read_do, per, **config, ATOMIC=atomic(nk))
     _backward_keys_kernel[grid](
-        xq, xk, ls, v, running, c, d_out, div, d_den, d_after.to(acc).contiguous(), w, bias,
-        d_k, d_v, d_kv, d_w, d_b, n, f, d, dv, nc, bh, h, *read_do, **config,
-        ATOMIC=atomic(nk))
-    return (fk._total(d_q, nk), fk._total(d_k, nk), fk._total(d_v, nk), d_kv, d_w.sum(0),
-            d_b.sum(0))
+        xq, xk, ls, v, running, c, d_out, div, d_den, d_after.contiguous(), w, bias, d_k, d_v,
+        d_kv, d_w, d_b, n, f, d, dv, nc, bh, h, *read_do, per, **config, ATOMIC=atomic(nk),
+        ADJOINT=False)
+    return (fk._total(d_q, nk), fk._total(d_k, nk), fk._total(d_v, nk), d_kv,
+            d_w.sum((0, 2)), d_b.sum((0, 2)))
