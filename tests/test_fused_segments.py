@@ -201,6 +201,7 @@ def test_segments_fill_a_gpu_and_no_more(monkeypatch):
     assert fused_kernels._split(7, 3) == (3, 3)
     assert fused_kernels._split(7, 7) == (1, 7)
     assert fused_kernels._split(2, 5) == (1, 2)
+    assert fused_kernels._split(0, 5) == (1, 1)
 
 
 @pytest.mark.parametrize("name, options", [("performer", {}), ("rfa", {"gated": True}),

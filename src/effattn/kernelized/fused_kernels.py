@@ -295,16 +295,10 @@ def _forward_kernel(
         ls = tl.load(ls_ptr + bh * N + t, mask=t_ok, other=float("-inf")).to(ACC)
         gc, total = _decays(lg_ptr + bh * N + t, t_ok, GATED, BT, ACC)
         kt = ls - gc
-        if MAP != READ:
-            kc, _, _ = _features(k_ptr + bh * N * D, w, mk_ptr + bh * N, b, w2, b2, t, t_ok, f,
-                                 f_ok, D, BD, ACC, PRECISION, MAP)
-            kc = kc.to(w.dtype)
-        else:
-            rows = t[:, None] * F + f[None, :]
-            ok = t_ok[:, None] & f_ok[None, :]
-            kc = tl.load(k_ptr + bh * N * F + rows, mask=ok, other=0.0)
-        vc = tl.load(v_ptr + bh * N * DV + t[:, None] * DV + d[None, :],
-                     mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(kc.dtype)
+        rows = t[:, None] * F + f[None, :]
+        ok = t_ok[:, None] & f_ok[None, :]
+        # The queries' side first (the order of one walk's kernel: it compiles to fewer
+        # spilled registers than with the keys' tiles loaded first).
         if not STATES:
             prefix = tl.max(tl.where(causal, kt[None, :], float("-inf")), 1)
             m = tl.maximum(tl.maximum(prefix + gc, LOG_FLOOR_), r + gc)
@@ -314,6 +308,15 @@ def _forward_kernel(
                 qc = qc.to(w.dtype)
             else:
                 qc = tl.load(q_ptr + bh * N * F + rows, mask=ok, other=0.0)
+        if MAP != READ:
+            kc, _, _ = _features(k_ptr + bh * N * D, w, mk_ptr + bh * N, b, w2, b2, t, t_ok, f,
+                                 f_ok, D, BD, ACC, PRECISION, MAP)
+            kc = kc.to(w.dtype)
+        else:
+            kc = tl.load(k_ptr + bh * N * F + rows, mask=ok, other=0.0)
+        vc = tl.load(v_ptr + bh * N * DV + t[:, None] * DV + d[None, :],
+                     mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(kc.dtype)
+        if not STATES:
             x = tl.dot(qc, tl.trans(kc), input_precision=PRECISION).to(ACC)
             a = tl.where(causal,
                          x * tl.exp(tl.minimum(kt[None, :] + gc[:, None] - m[:, None], 0.0)),
@@ -799,9 +802,9 @@ def segments(device: torch.device, programs: int, chunks: int) -> int:
 
 def _split(chunks: int, count: int) -> tuple[int, int]:
     """Chunks per segment and the segments' number when ``chunks`` are split into about
-    ``count`` (no segment empty)."""
-    per = triton.cdiv(chunks, max(1, min(count, chunks)))
-    return per, triton.cdiv(chunks, per)
+    ``count`` (no segment empty; one segment when there are no chunks)."""
+    per = max(1, triton.cdiv(chunks, max(1, min(count, chunks))))
+    return per, max(1, triton.cdiv(chunks, per))
 
 
 def _segment_gates(log_gate: Tensor | None, count: int, tokens: int, like: Tensor) -> Tensor:
