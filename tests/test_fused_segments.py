@@ -186,17 +186,17 @@ def test_per_feature_segments_equal_one_walk(split, device):
 
 
 def test_segments_fill_a_gpu_and_no_more(monkeypatch):
-    """One program per multiprocessor is aimed at, a segment at least SEGMENT_CHUNKS chunks;
-    off a GPU, none."""
+    """One program per multiprocessor is aimed at, a segment at least SEGMENT_CHUNKS chunks
+    (so that a backward span of tens of chunks is not split); off a GPU, none."""
     cpu = torch.device("cpu")
     assert fused_kernels.multiprocessors(cpu) == 0
     assert fused_kernels.segments(cpu, 8, 4096) == 1
     monkeypatch.setattr(fused_kernels, "multiprocessors", lambda device: 132)
-    assert fused_kernels.SEGMENT_PROGRAMS == 1 and fused_kernels.SEGMENT_CHUNKS == 16
+    assert fused_kernels.SEGMENT_PROGRAMS == 1 and fused_kernels.SEGMENT_CHUNKS == 64
     assert fused_kernels.segments(cpu, 8, 2048) == 17  # linear, B = 1, H = 8
     assert fused_kernels.segments(cpu, 32, 2048) == 5  # 256 features: 4 blocks
-    assert fused_kernels.segments(cpu, 8, 100) == 6  # 100 chunks: segments of 16 at least
-    assert fused_kernels.segments(cpu, 8, 20) == 1
+    assert fused_kernels.segments(cpu, 8, 400) == 6  # 400 chunks: segments of 64 at least
+    assert fused_kernels.segments(cpu, 8, 100) == 1
     assert fused_kernels.segments(cpu, 8 * 16 * 4, 2048) == 1  # B = 8, H = 16, F = 256
     assert fused_kernels._split(7, 3) == (3, 3)
     assert fused_kernels._split(7, 7) == (1, 7)

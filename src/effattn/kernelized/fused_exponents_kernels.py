@@ -506,8 +506,8 @@ def _entering(kv: Tensor, scale: Tensor, local: Tensor, ends: Tensor,
     scale per feature and no gates.)"""
     count = local.shape[2]
     source = torch.cat([scale[:, :, None], ends[:, :, :-1]], 2)
-    earlier = torch.ones(count, count, dtype=torch.bool, device=kv.device).tril()[..., None]
-    x = source[:, :, None].masked_fill(~earlier, float("-inf"))
+    x = source[:, :, None].masked_fill(fk._outside(count, False, kv.device)[..., None],
+                                       float("-inf"))
     top = x.amax(3) if target is None else target
     weights = torch.exp(x - top[:, :, :, None])
     states = torch.cat([kv[:, :, None], local[:, :, :-1]], 2)
@@ -523,8 +523,8 @@ def _adjoints(d_after: Tensor, local: Tensor, starts: Tensor) -> Tensor:
     d_after (:func:`effattn.kernelized.fused_kernels._adjoints` per feature, no gates)."""
     count = local.shape[2]
     x = starts[:, :, 1:, None] - starts[:, :, None, 1:]
-    later = torch.ones(count, count, dtype=torch.bool, device=local.device).triu()[..., None]
-    weights = torch.exp(x.masked_fill(~later, float("-inf")))
+    weights = torch.exp(x.masked_fill(fk._outside(count, True, local.device)[..., None],
+                                      float("-inf")))
     sources = torch.cat([local[:, :, 1:], d_after[:, :, None]], 2)
     return torch.einsum("bhpjf,bhjfd->bhpfd", weights, sources)
 

@@ -777,10 +777,13 @@ def _phi_dtype(phi: Tensor, kind: int) -> torch.dtype:
 # multiprocessors idle. SEGMENT_PROGRAMS programs a multiprocessor are aimed at: one, as each
 # program holds about 250 registers a thread in 8 warps (benchmarks/triton-resources), the
 # whole register file of an sm_80 or sm_90 multiprocessor, so that one wave of programs runs at
-# a time. A segment walks at least SEGMENT_CHUNKS chunks: below that the extra pass and the
-# states' combination cost more than the shorter chain saves. Both are unmeasured guesses until
-# a GPU times them (benchmarks/gpu_peers.py, suite ``segments``).
-SEGMENT_PROGRAMS, SEGMENT_CHUNKS = 1, 16
+# a time. A segment walks at least SEGMENT_CHUNKS chunks: a split costs a first pass and about
+# 20 small ATen operations (the states' combination, each one a launch and a host dispatch of
+# several microseconds), so it pays only where it shortens the chain by many chunk steps (a
+# step is several microseconds too). So the forward's long slices split, and the backward's
+# short spans (tens of chunks) mostly do not. Both are unmeasured guesses until a GPU times
+# them (benchmarks/gpu_peers.py, suite ``segments``).
+SEGMENT_PROGRAMS, SEGMENT_CHUNKS = 1, 64
 
 
 def multiprocessors(device: torch.device) -> int:
@@ -805,6 +808,16 @@ def _split(chunks: int, count: int) -> tuple[int, int]:
     ``count`` (no segment empty; one segment when there are no chunks)."""
     per = max(1, triton.cdiv(chunks, max(1, min(count, chunks))))
     return per, max(1, triton.cdiv(chunks, per))
+
+
+@functools.cache
+def _outside(count: int, upper: bool, device: torch.device) -> Tensor:
+    """The (source, target) pairs of ``count`` segments that a combination leaves out: later
+    segments for the states entering (``upper`` False), earlier ones for the gradients of the
+    states leaving (``upper`` True); built once per (count, device)."""
+    with torch.inference_mode(False):
+        keep = torch.ones(count, count, dtype=torch.bool, device=device)
+        return ~(keep.triu() if upper else keep.tril())
 
 
 def _segment_gates(log_gate: Tensor | None, count: int, tokens: int, like: Tensor) -> Tensor:
@@ -838,8 +851,7 @@ def _entering(kv: Tensor, log_scale: Tensor, local: Tensor, ends: Tensor, gates:
     source = torch.cat([log_scale.to(torch.float64)[..., None],
                         ends[..., :-1].to(torch.float64) - gates[..., 1:count]], -1)
     x = gates[..., :count, None] + source[..., None, :]
-    earlier = torch.ones(count, count, dtype=torch.bool, device=kv.device).tril()
-    x = x.masked_fill(~earlier, float("-inf"))
+    x = x.masked_fill(_outside(count, False, kv.device), float("-inf"))
     scale = x.amax(-1) if target is None else target.to(torch.float64)
     weights = torch.exp(x - scale[..., None]).to(local.dtype)
     states = torch.cat([kv[:, :, None].to(local.dtype), local[:, :, :-1]], 2)
@@ -861,8 +873,8 @@ def _adjoints(d_after: Tensor, local: Tensor, starts: Tensor, gates: Tensor) -> 
     # Sources: the segments' own adjoints but the first's (j = q - 1), and d_after (j = P - 1).
     source = gates[..., 1:] - r[..., 1:]
     x = (r[..., 1:] - gates[..., 1:])[..., :, None] + source[..., None, :]
-    later = torch.ones(count, count, dtype=torch.bool, device=local.device).triu()
-    weights = torch.exp(x.masked_fill(~later, float("-inf"))).to(local.dtype)
+    weights = torch.exp(x.masked_fill(_outside(count, True, local.device),
+                                      float("-inf"))).to(local.dtype)
     sources = torch.cat([local[:, :, 1:], d_after[:, :, None].to(local.dtype)], 2)
     return (weights @ sources.flatten(-2)).view_as(local)
 
