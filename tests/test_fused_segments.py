@@ -17,21 +17,12 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 from conftest import count_calls, make_kernelized, qkv  # noqa: E402
-from test_fused_strategy import matches_reference  # noqa: E402
 
-from effattn import strategy  # noqa: E402
-from effattn.kernelized import core, fused, fused_kernels  # noqa: E402
+# triton_strategy: the strategy forced for every test (autouse), CPU cases only where Triton's
+# interpreter runs them.
+from test_fused_strategy import matches_reference, triton_strategy  # noqa: E402, F401
 
-
-@pytest.fixture(autouse=True)
-def _triton_strategy(request):
-    """The strategy forced; CPU cases only where Triton's interpreter runs them."""
-    params = getattr(request.node, "callspec", None)
-    on = params.params.get("device", "cpu") if params else "cpu"
-    if on == "cpu" and not fused.runs(torch.zeros(1)):
-        pytest.skip("CPU case: Triton's interpreter is off on a machine with a GPU")
-    with strategy.force(kernelized="triton"):
-        yield
+from effattn.kernelized import core, fused_kernels  # noqa: E402
 
 
 def _inputs(kind, gated, device):

@@ -48,7 +48,7 @@ def matches_reference(module, q, k, v, extra=(), **kw):
 
 
 @pytest.fixture(autouse=True)
-def _triton_strategy(request):
+def triton_strategy(request):
     """The strategy forced; CPU cases (every test without a ``device``) only where Triton's
     interpreter runs them (tests/conftest.py turns it on where no GPU is)."""
     params = getattr(request.node, "callspec", None)
