@@ -1,8 +1,8 @@
 """The triton strategy's kernels compiled ahead of time for GPUs (no driver needed), by
 benchmarks/triton_resources.py: they compile for sm_80 and sm_90 in every dtype and fit the
-architecture's shared memory; in bf16 on sm_90 they spill a few bytes a thread at most (8 in
+architecture's shared memory; in bf16 on sm_90 they spill a few bytes a thread at most (16 in
 the keys' backward with φ read, more with a map formed inside), and with fp32 on TF32 at most
-72 bytes (400 with Taylor's product map, 168 in the per-feature core's keys' backward). The
+72 bytes (424 with Taylor's product map, 112 in the per-feature core's keys' backward). The
 per-feature core's kernels (Hedgehog's exp map) compile for every dtype but half precision,
 which they read as it is and compute in fp32.
 
@@ -44,12 +44,12 @@ def test_bf16_kernels_compile_for_sm90_nearly_without_spills(tmp_path):
         for k, gated, map_ in resources.variants(fused_kernels.KERNELS)]
     assert not any(resources.applies("exponents", name) for name in resources.HALF)
     for r in rows:
-        # Measured (the keys' backward spills most): with φ read 8 bytes; with the positive map
-        # formed inside up to 64; with the relu map up to 88; with the sine map up to 72, most
-        # sine kernels 32 (sin's and cos's own stack: the local array of their range reduction
-        # of large arguments); with the elu map, which forms φ in fp32 from bf16 x, up to 256;
-        # with Taylor's product map (two factors of x̃, P = 16) up to 440, in the queries'
-        # backward.
+        # Measured (the keys' backward spills most): with φ read 16 bytes; with the positive
+        # map formed inside up to 64; with the relu map up to 104; with the sine map up to 64,
+        # most sine kernels 32 (sin's and cos's own stack: the local array of their range
+        # reduction of large arguments); with the elu map, which forms φ in fp32 from bf16 x,
+        # up to 256; with Taylor's product map (two factors of x̃, P = 16) up to 480, in the
+        # queries' backward.
         limit = {"read": 16, "exp": 64, "sine": 128, "relu": 128, "product": 512,
                  "elu": 320}[r["map"]]
         assert r["fits"] and r["spill_bytes"] <= limit, r
@@ -62,8 +62,8 @@ def test_tf32_products_compile_for_sm90_nearly_without_spills(tmp_path):
     """fp32 with torch's fp32 matmuls set to TF32 (which the kernels' products follow): tensor
     cores, a chunk of 16 (the divisor's gradient, an elementwise pass, takes 64 tokens a
     program), and at most a few bytes spilled a thread (72 when measured, against about 3.5 KiB
-    with IEEE products, which lower to FMA loops; 400 in the queries' backward with Taylor's
-    product map)."""
+    with IEEE products, which lower to FMA loops; 424 in the queries' backward with Taylor's
+    product map, 112 in the per-feature core's keys' backward)."""
     rows = _run(tmp_path, "--archs", "90", "--dtypes", "tf32")
     assert len(rows) == len(resources.variants(resources.all_kernels()))
     assert sum(r["map"] == "exponents" for r in rows) == 4
