@@ -962,7 +962,12 @@ def backward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv:
     φ = exp(u - m), with m held constant: it cancels, dφ ⊙ φ; for ``ELU``, dφ ⊙ ∂φ/∂x̃
     itself), and the last is the products
     (φ(q_i)·dφ(q_i), φ(k_j)·dφ(k_j)) (B, H, N) that the caller would otherwise form from φ
-    (None without a projection)."""
+    (None without a projection).
+
+    In ``split`` segments as :func:`forward` (None: by device): the states entering them come
+    from the forward's first launch and :func:`_entering` again, held at the forward's running
+    scales; the gradients of the states leaving them from a first launch of the keys' kernel
+    over each segment's queries, in reverse from 0, and :func:`_adjoints`."""
     b, h, n = phi_q.shape[:3]
     f, d, mapped, kind = _widths(phi_q, projection)
     dv = v.shape[-1]
