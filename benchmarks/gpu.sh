@@ -15,6 +15,10 @@
 #                                      # compiled and triton peers, not yet timed)
 #   benchmarks/gpu.sh tests fp32       # some stages: tests, fp32, bf16, causal, flex, banded,
 #                                      # peers, compiled
+#   benchmarks/gpu.sh lease            # what fits one 15-minute lease (under 9 minutes of
+#                                      # commands): bf16 peers at 16384 and 65536, the banded
+#                                      # peers at 16384, then the CUDA tests, each part cut off
+#                                      # (SIGINT, its rows so far kept) at its share of the time
 #
 # Needs torch with CUDA, numpy, matplotlib, tqdm and pytest; it runs effattn from this checkout
 # (PYTHONPATH=src), so no install is needed. A stage that fails is reported and the next one runs;
@@ -79,8 +83,26 @@ for stage in "${STAGES[@]}"; do
             python3 benchmarks/gpu_peers.py --impls compiled --dtypes bf16 --lengths 16384 \
                 --methods performer,linear --out "$OUT/peers-compiled" \
                 2>&1 | tee "$OUT/peers-compiled.txt" ;;
+        lease)
+            # The kernelized peers (bf16, B = 1, H = 8), five methods that cover the engine's
+            # paths (random features, gates, the plain map, the per-feature exp map, Taylor);
+            # favor and rfa take performer's path. Then the banded peers at one length, each
+            # pattern family once, then the tests (8 workers: Triton compiles on the host's
+            # cores). Every part writes its rows as it goes, so a cut-off part keeps them.
+            python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda',
+                torch.version.cuda, 'triton', triton.__version__)" 2>&1 | tee "$OUT/versions.txt"
+            timeout -s INT -k 20 220 python3 benchmarks/gpu_peers.py --dtypes bf16 \
+                --lengths 16384,65536 --impls effattn,fla,sdpa,triton,segments \
+                --methods performer,rfa-gated,linear,hedgehog,taylor --out "$OUT/peers" \
+                2>&1 | tee "$OUT/peers.txt"
+            timeout -s INT -k 20 130 python3 benchmarks/gpu_peers_banded.py --dtypes bfloat16 \
+                --lengths 16384 --methods local longformer bigbird softmax+window1024 \
+                linear+window128 reformer --out "$OUT/peers/banded.json" \
+                2>&1 | tee "$OUT/peers-banded.txt"
+            timeout -s INT -k 20 140 python3 -m pytest -q -m cuda -n 8 -p no:cacheprovider \
+                -rfE --tb=short tests 2>&1 | tee "$OUT/tests.txt" ;;
         *)
-            echo "gpu.sh: unknown stage '$stage' (stages: tests fp32 bf16 causal flex banded peers compiled)" >&2
+            echo "gpu.sh: unknown stage '$stage' (stages: tests fp32 bf16 causal flex banded peers compiled lease)" >&2
             exit 2 ;;
     esac
     rc=$?
