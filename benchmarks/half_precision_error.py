@@ -20,7 +20,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# On the CPU, Triton kernels (the triton strategy) run under the interpreter, chosen when a
+# kernel is defined: before effattn imports its kernels. Only when run as a program: a process
+# that imports this module (the tests) keeps its own choice, which on a GPU machine is to
+# compile every Triton kernel, inductor's too.
+if __name__ == "__main__":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 

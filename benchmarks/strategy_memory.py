@@ -68,8 +68,11 @@ import torch
 from tqdm import tqdm
 
 # On the CPU, Triton kernels (the triton strategy) run under the interpreter, chosen when a
-# kernel is defined: before effattn imports its kernels.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# kernel is defined: before effattn imports its kernels. Only when run as a program: a process
+# that imports this module (the tests) keeps its own choice, which on a GPU machine is to
+# compile every Triton kernel, inductor's too.
+if __name__ == "__main__":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import effattn
 from effattn import strategy

@@ -254,6 +254,24 @@ def test_empty_rows_give_zero_and_minus_infinity():
     torch.testing.assert_close(lse[1, 0], dense)
 
 
+@pytest.mark.parametrize(("d", "dv"), [(5, 3), (21, 7), (7, 21), (16, 16)])
+def test_narrow_heads_are_widened_exactly(d, dv):
+    """Head dims under 16 (which the compiled CUDA kernel refuses) go in widened with zero
+    columns and come out cut back: the same output and lse as the unwidened eager call (which
+    the CPU runs), the output contiguous and as wide as v."""
+    q, k, v = qkv(b=2, n=63, d=d, dv=dv)
+    mask = padding(2, 63)
+    pieces = [Band(6, 2), Globals(torch.tensor([5, 40]))]
+    with torch.no_grad(), strategy.force(banded="flex"):
+        out, lse = sparse_attention(q, k, v, pieces, scale=0.3, key_mask=mask)
+        narrow, narrow_lse = flex_strategy._attend(q, k, v, pieces, scale=0.3, key_mask=mask,
+                                                   softcap=None)
+    assert out.shape == (2, HEADS, 63, dv) and out.is_contiguous()
+    torch.testing.assert_close(out, narrow, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, narrow_lse, rtol=1e-12, atol=1e-12)
+    assert flex_strategy._widened(q).shape[-1] == max(d, flex_strategy.MIN_HEAD_DIM)
+
+
 def test_refusals_are_shared_by_the_strategies():
     q, k, v = qkv(n=32)
     for forced in ("cpu", "flex"):

@@ -5,7 +5,7 @@ exiting 2 with one line."""
 import json
 
 import pytest
-from conftest import load_script
+from conftest import interpreted, load_script
 
 pytest.importorskip("triton")
 
@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 script = load_script(ROOT / "benchmarks" / "half_precision_error.py", "half_precision_error")
 
 
+@interpreted
 def test_rows_at_a_small_size(tmp_path):
     assert script.main(["--n", "80", "--heads", "2", "--head-dim", "16",
                         "--out", str(tmp_path)]) == 0

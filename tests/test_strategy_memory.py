@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import assert_png, load_script
+from conftest import assert_png, interpreted, load_script
 
 from effattn.kernelized import gpu
 from effattn.kernelized.base import KernelizedAttention
@@ -38,6 +38,7 @@ def test_small_run_writes_rows_csv_and_plot(tmp_path):
     assert_png(tmp_path / "peaks.png")
 
 
+@interpreted
 def test_triton_rows_count_their_launches(tmp_path):
     """The fused kernels under Triton's interpreter: fewer operations than the GPU strategy,
     and their launches apart (one slice and one backward span: 1 forward, 3 backward: the
@@ -75,6 +76,7 @@ def _triton_rows(out: Path, *argv: str) -> list[dict]:
     return json.loads((out / "results.json").read_text())["rows"]
 
 
+@interpreted
 def test_dry_kernels_account_as_the_interpreted_ones(tiny, tmp_path):
     """Stand-ins that run nothing and write neutral values: the same peaks, operations and
     launches as the kernels run by the interpreter (the row core's and hedgehog's per-feature

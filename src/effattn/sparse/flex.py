@@ -45,7 +45,9 @@ not one computed in the graph: hence the tables from the operator, and the paddi
 copied by the opaque ``effattn::flex_copy``.
 
 Shapes: q, k (B, H, N, D), v (B, H, N, Dv); key_mask bool (B, N), True = ignore; returns
-out (B, H, N, Dv) in q's dtype and lse (B, H, N) (fp32 for half-precision inputs).
+out (B, H, N, Dv) in q's dtype and lse (B, H, N) (fp32 for half-precision inputs). Head dims
+under 16, which the compiled kernel refuses, are widened with zero columns (exact: they add
+nothing to q.k, and the output's are cut off).
 """
 
 from __future__ import annotations
@@ -76,6 +78,9 @@ CACHE_SIZE = 32
 # Scores the BlockMask builder evaluates per slice of query blocks (bool temporaries of this
 # many elements, a few times over).
 SLICE_ELEMENTS = 1 << 26
+# The smallest head dim (of q and k, and of v) FlexAttention's compiled kernel takes (torch
+# 2.11, CUDA: "NYI: embedding dimension of the query, key, and value must be at least 16").
+MIN_HEAD_DIM = 16
 # Dynamo's default of 8 compilations per function would be spent by a handful of
 # (shape, pattern kind) pairs, after which flex_attention silently runs unfused.
 RECOMPILE_LIMIT = 64
@@ -325,6 +330,14 @@ def _lse(aux: object) -> Tensor:
     return aux if isinstance(aux, Tensor) else aux.lse
 
 
+def _widened(x: Tensor) -> Tensor:
+    """``x`` with zero columns appended up to :data:`MIN_HEAD_DIM` (itself where it is wide
+    enough): zero columns add nothing to q.k (the scale is passed, not derived from the width),
+    and the output's extra columns, zero, are cut off."""
+    short = MIN_HEAD_DIM - x.shape[-1]
+    return x if short <= 0 else torch.nn.functional.pad(x, (0, short))
+
+
 def compiled_on(device: torch.device) -> bool:
     """Whether flex_attention runs compiled on ``device`` (CUDA), else in its eager form."""
     return device.type == "cuda"
@@ -357,7 +370,6 @@ def sparse_attention(
 ) -> tuple[Tensor, Tensor]:
     """:func:`effattn.sparse.sparse_attention` by FlexAttention (see the module docstring); the
     caller has applied the shared checks (:func:`effattn.sparse.pieces.check_pieces`)."""
-    b, h, n, _ = q.shape
     # One tensor passed twice (q as k, say) after a call with distinct ones makes dynamo's
     # recompilation report fail inside flex_attention (torch 2.13: IndexError in its tensor
     # aliasing guard's reason): distinct views of it cost nothing.
@@ -372,6 +384,17 @@ def sparse_attention(
             f"{torch.__version__} has no FlexAttention backward there; use the default "
             "strategy (EFFATTN_STRATEGY=banded=cpu) or run under torch.no_grad()"
         )
+    out, lse = _attend(_widened(q), _widened(k), _widened(v), pieces, scale=scale,
+                       key_mask=key_mask, softcap=softcap)
+    if out.shape[-1] != v.shape[-1]:
+        out = out[..., : v.shape[-1]].contiguous()
+    return out, lse
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, pieces: Sequence[Piece], *, scale: float,
+            key_mask: Tensor | None, softcap: float | None) -> tuple[Tensor, Tensor]:
+    """:func:`sparse_attention` on head dims of at least :data:`MIN_HEAD_DIM`."""
+    b, h, n, _ = q.shape
     compiling = torch.compiler.is_compiling()
     mask = (_traced_block_mask if compiling else block_mask)(pieces, h, n, q.device)
     if key_mask is not None:
