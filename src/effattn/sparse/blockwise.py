@@ -939,10 +939,15 @@ def _global_plans(tokens: Tensor, ctx: _Context, padding: Tensor | None) -> list
     return [columns, _GlobalRows(ctx.shape, tokens, bias, ctx.step(2 * b * h * tokens.numel()))]
 
 
-def _runs_flex(device: torch.device) -> bool:
-    """Whether a call on ``device`` runs the flex strategy: where it is chosen, inside an outer
-    torch.compile too (the cached BlockMask comes from an operator dynamo traces as one opaque
-    node, and flex_attention is traced into the outer graph)."""
+def _runs_flex(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a call on ``device`` in ``dtype`` runs the flex strategy: where it is chosen,
+    inside an outer torch.compile too (the cached BlockMask comes from an operator dynamo traces
+    as one opaque node, and flex_attention is traced into the outer graph). Float64 on CUDA
+    stays on the banded engine, which runs there too: FlexAttention's compiled kernel has no
+    float64 form (torch 2.11 with triton 3.6: its tl.dot of fp64 tiles fails to compile against
+    its fp32 accumulator; seen on an H200)."""
+    if dtype == torch.float64 and device.type == "cuda":
+        return False
     return strategy.choose("banded", device) == "flex"
 
 
@@ -951,7 +956,7 @@ def engine_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     ``device``: fp32 for half precision on the CPU engine (it merges its pieces in the dtype of
     its inputs), the input dtype itself for FlexAttention, which keeps the softmax statistics
     in fp32 as flash attention does (an upcast would double its memory traffic)."""
-    if _runs_flex(device):
+    if _runs_flex(device, dtype):
         return dtype
     return torch.promote_types(dtype, torch.float32)
 
@@ -984,7 +989,7 @@ def sparse_attention(
             f"sparse_attention needs aligned positions (N == M), got N={n}, M={k.shape[2]}"
         )
     check_pieces(pieces, h, n, softcap)
-    if _runs_flex(q.device):
+    if _runs_flex(q.device, q.dtype):
         # Imported here: importing effattn loads no torch module beyond torch itself, and
         # FlexAttention's only where this strategy runs.
         from effattn.sparse import flex
