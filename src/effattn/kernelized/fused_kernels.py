@@ -781,8 +781,10 @@ def _phi_dtype(phi: Tensor, kind: int) -> torch.dtype:
 # 20 small ATen operations (the states' combination, each one a launch and a host dispatch of
 # several microseconds), so it pays only where it shortens the chain by many chunk steps (a
 # step is several microseconds too). So the forward's long slices split, and the backward's
-# short spans (tens of chunks) mostly do not. Both are unmeasured guesses until a GPU times
-# them (benchmarks/gpu_peers.py, suite ``segments``).
+# short spans (tens of chunks) mostly do not. Timed on one H200 (benchmarks/gpu_peers.py, suite
+# ``segments``; docs/gpu.md): splits made forwards 1.5-5.4x faster, but performer's backward
+# spans (about 100 chunks) stayed whole and its forward+backward gained 1.1x; whether a lower
+# floor pays for the backward is not yet measured.
 SEGMENT_PROGRAMS, SEGMENT_CHUNKS = 1, 64
 
 
