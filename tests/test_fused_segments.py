@@ -205,13 +205,11 @@ def test_a_module_split_into_segments_matches_reference(name, options, monkeypat
     segments; hedgehog: its per-feature kernels) splits the forward and the backward into
     segments, and its outputs and gradients (the gate's and the map's too) equal the float64
     reference."""
-    from effattn.kernelized import fused_exponents_kernels
-
     monkeypatch.setattr(fused_kernels, "multiprocessors", lambda device: 16)
     monkeypatch.setattr(fused_kernels, "SEGMENT_CHUNKS", 2)
-    owner = fused_exponents_kernels if name == "hedgehog" else fused_kernels
-    calls = count_calls(monkeypatch, {"entering": (owner, "_entering"),
-                                      "adjoints": (owner, "_adjoints")})
+    # One combination for both cores: per row, and per feature (hedgehog's).
+    calls = count_calls(monkeypatch, {"entering": (fused_kernels, "_entering"),
+                                      "adjoints": (fused_kernels, "_adjoints")})
     module = make_kernelized(name, options)
     q, k, v = (t.requires_grad_(True) for t in qkv(n=130, d=21, dv=5, scale=0.5))
     extra, kw = (), {}

@@ -49,11 +49,13 @@ walked side by side where the (feature block, batch-head) programs alone would l
 multiprocessors idle (:func:`effattn.kernelized.fused_kernels.segments`). A first launch
 (``STATES``) walks each segment's keys from an empty state; the state entering segment p has
 row f e^{R_in,f - R_p,f} S_in,f + Σ_{q < p} e^{r_q,f - R_p,f} L_q,f, with R_p,f the largest
-of those maxima (:func:`_entering`): a max, so exactly one walk's running maxima. The shifts
-follow, segment by segment from those maxima, then the main launch. The backward takes the
-same states (at the forward's maxima) and, for the keys' kernel, the gradients of the states
-leaving the segments from a first launch over each segment's queries in reverse
-(``ADJOINT``, :func:`_adjoints`); ∂L/∂w and ∂L/∂b come per segment, summed by the caller.
+of those maxima (:func:`effattn.kernelized.fused_kernels._entering`, per feature): a max, so
+exactly one walk's running maxima. The shifts follow, segment by segment from those maxima,
+then the main launch. The backward takes the same states (at the forward's maxima) and, for
+the keys' kernel, the gradients of the states leaving the segments from a first launch over
+each segment's queries in reverse (``ADJOINT``,
+:func:`effattn.kernelized.fused_kernels._adjoints`); ∂L/∂w and ∂L/∂b come per segment, summed
+by the caller.
 
 Launch geometry, chunk, accumulator and precision are the row kernels'
 (:func:`effattn.kernelized.fused_kernels.meta` with the map formed inside). On the CPU these run
@@ -494,41 +496,6 @@ def _shifts(xq: Tensor, xk: Tensor, ls: Tensor, w: Tensor, bias: Tensor, scale: 
     return c if many else c.amax(0)
 
 
-def _entering(kv: Tensor, scale: Tensor, local: Tensor, ends: Tensor,
-              target: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """The states entering P segments (B, H, P, F, Dv + 1) and their maxima R (B, H, P, F), per
-    feature, from the state entering the first, kv (B, H, F, Dv + 1) at maxima ``scale``
-    (B, H, F), and each segment's own from empty, ``local`` at its maxima ``ends`` (B, H, P, F):
-    row f of the state entering segment p is e^{R_in - R_p} kv + Σ_{q < p} e^{r_q - R_p}
-    local_q with R_p the largest of those maxima (a walk's running max, exactly: max does not
-    round), or ``target`` (B, H, P, F) where given (the forward's, for the backward). The
-    first segment's is kv itself. (:func:`effattn.kernelized.fused_kernels._entering` with one
-    scale per feature and no gates.)"""
-    count = local.shape[2]
-    source = torch.cat([scale[:, :, None], ends[:, :, :-1]], 2)
-    x = source[:, :, None].masked_fill(fk._outside(count, False, kv.device)[..., None],
-                                       float("-inf"))
-    top = x.amax(3) if target is None else target
-    weights = torch.exp(x - top[:, :, :, None])
-    states = torch.cat([kv[:, :, None], local[:, :, :-1]], 2)
-    return torch.einsum("bhpjf,bhjfd->bhpfd", weights, states), top
-
-
-def _adjoints(d_after: Tensor, local: Tensor, starts: Tensor) -> Tensor:
-    """The gradients of the states after P segments (B, H, P, F, Dv + 1), each at the maxima of
-    the next segment's start (the last at the call's last, d_after's), from each segment's own
-    adjoint from 0, ``local``, at the maxima of its start; ``starts`` (B, H, P + 1, F) are the
-    forward's maxima at the segments' starts and the call's end. Row f of the gradient of the
-    state after segment p is Σ_{q > p} e^{R(p + 1) - R(q)} local_q + e^{R(p + 1) - R(end)}
-    d_after (:func:`effattn.kernelized.fused_kernels._adjoints` per feature, no gates)."""
-    count = local.shape[2]
-    x = starts[:, :, 1:, None] - starts[:, :, None, 1:]
-    weights = torch.exp(x.masked_fill(fk._outside(count, True, local.device)[..., None],
-                                      float("-inf")))
-    sources = torch.cat([local[:, :, 1:], d_after[:, :, None]], 2)
-    return torch.einsum("bhpjf,bhjfd->bhpfd", weights, sources)
-
-
 def forward(xq: Tensor, xk: Tensor, ls: Tensor, v: Tensor, kv: Tensor, scale: Tensor,
             w: Tensor, bias: Tensor, chunk: int, every: int | None = None,
             split: int | None = None,
@@ -545,7 +512,8 @@ def forward(xq: Tensor, xk: Tensor, ls: Tensor, v: Tensor, kv: Tensor, scale: Te
     The chunks are walked in ``split`` segments side by side (None:
     :func:`effattn.kernelized.fused_kernels.segments`' count for the device), as the row
     kernels walk theirs: a first launch walks each segment's keys from an empty state, and the
-    states and maxima entering the segments follow per feature (:func:`_entering`)."""
+    states and maxima entering the segments follow per feature
+    (:func:`effattn.kernelized.fused_kernels._entering`)."""
     b, h = xq.shape[:2]
     dv = v.shape[-1]
     config = _config(xq, chunk, w.shape[1], dv)
@@ -567,7 +535,7 @@ def forward(xq: Tensor, xk: Tensor, ls: Tensor, v: Tensor, kv: Tensor, scale: Te
         _forward_kernel[(nk, bh, count)](
             xq, xk, ls, v, kv, scale, w, bias, kv, kv, kv, local, ends, kv, n, f, d, dv, nc,
             bh, h, nc + 1, 1, per, LOG_FLOOR, **config, ATOMIC=atomic(nk), STATES=True)
-        kv, scale = _entering(kv, scale, local, ends)
+        kv, scale = fk._entering(kv, scale, local, ends)
     c = _shifts(xq, xk, ls, w, bias, scale, config, per, count)
     num = fk._partial(xq, nk, b, h, n, dv, dtype=acc)
     den = fk._partial(xq, nk, b, h, n, dtype=acc)
@@ -592,7 +560,7 @@ def backward(xq: Tensor, xk: Tensor, ls: Tensor, v: Tensor, kv: Tensor, running:
     running maxima and shifts (held constant: the output does not depend on them); in
     ``split`` segments as :func:`forward` (the states entering them at the forward's maxima,
     the gradients of the states leaving them from a first launch over each segment's queries
-    in reverse, :func:`_adjoints`)."""
+    in reverse, :func:`effattn.kernelized.fused_kernels._adjoints`)."""
     b, h = xq.shape[:2]
     dv = v.shape[-1]
     config = _config(xq, chunk, w.shape[1], dv)
@@ -619,11 +587,11 @@ def backward(xq: Tensor, xk: Tensor, ls: Tensor, v: Tensor, kv: Tensor, running:
         _forward_kernel[grid](
             xq, xk, ls, v, kv, kv, w, bias, kv, kv, kv, local, ends, kv, n, f, d, dv, nc, bh, h,
             nc + 1, 1, per, LOG_FLOOR, **config, ATOMIC=atomic(nk), STATES=True)
-        kv = _entering(kv, running[:, :, 0], local, ends, starts[:, :, :-1])[0]
+        kv = fk._entering(kv, running[:, :, 0], local, ends, target=starts[:, :, :-1])[0]
         _backward_keys_kernel[grid](
             xq, xk, ls, v, running, c, d_out, div, d_den, kv, w, bias, kv, kv, local, kv, kv, n,
             f, d, dv, nc, bh, h, *read_do, per, **config, ATOMIC=atomic(nk), ADJOINT=True)
-        d_after = _adjoints(d_after, local, starts)
+        d_after = fk._adjoints(d_after, local, starts)
     _backward_queries_kernel[grid](
         xq, xk, ls, v, kv.contiguous(), running, c, d_out, div, d_den, w, bias, d_q, d_w, d_b,
         n, f, d, dv, nc, bh, h, *read_do, per, **config, ATOMIC=atomic(nk))

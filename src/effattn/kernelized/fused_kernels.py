@@ -835,50 +835,74 @@ def _segment_gates(log_gate: Tensor | None, count: int, tokens: int, like: Tenso
     return torch.nn.functional.pad(totals.cumsum(-1), (1, 0))
 
 
-def _entering(kv: Tensor, log_scale: Tensor, local: Tensor, ends: Tensor, gates: Tensor,
-              target: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """The states entering P segments (B, H, P, F, Dv + 1) and their scales R (B, H, P) from the
-    state entering the first, kv (B, H, F, Dv + 1) at ``log_scale`` (B, H), and each segment's
-    own, from empty: ``local`` (B, H, P, F, Dv + 1) at the running scales ``ends`` (B, H, P),
-    with the exclusive cumulative log-gates G (B, H, P + 1, :func:`_segment_gates`). At the
-    true scale the state entering segment p is
+def _entering(kv: Tensor, log_scale: Tensor, local: Tensor, ends: Tensor,
+              gates: Tensor | None = None, target: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The states entering P segments (B, H, P, F, Dv + 1) and their scales R from the state
+    entering the first, kv (B, H, F, Dv + 1) at ``log_scale``, and each segment's own, from
+    empty: ``local`` (B, H, P, F, Dv + 1) at the running scales ``ends``, with the exclusive
+    cumulative log-gates G (B, H, P + 1, :func:`_segment_gates`; None: ungated). At the true
+    scale the state entering segment p is
 
         e^{G_p + R_in} kv + Σ_{q < p} e^{G_p - G_{q+1} + r_q} local_q,
 
     held at R_p = the largest of those exponents (each weight <= 1: the running max a walk
-    through every chunk keeps), or at ``target`` (B, H, P) where given (the forward's running
-    scales, which the backward's kernels read beside it). The first segment's is kv itself."""
+    through every chunk keeps; exact, since a max does not round), or at ``target`` where
+    given (the forward's running scales, which the backward's kernels read beside it). The
+    first segment's is kv itself.
+
+    The scales are one per row of the state (log_scale (B, H), ends and R (B, H, P): the row
+    core) or one per feature (log_scale (B, H, F), ends and R (B, H, P, F): the per-feature
+    core of :mod:`effattn.kernelized.fused_exponents_kernels`, row f of each state at its own
+    scale); the row core's are a feature axis of one here."""
     count = local.shape[2]
-    # Sources: kv (j = 0) and the segments' own states but the last's (j = q + 1).
-    source = torch.cat([log_scale.to(torch.float64)[..., None],
-                        ends[..., :-1].to(torch.float64) - gates[..., 1:count]], -1)
-    x = gates[..., :count, None] + source[..., None, :]
-    x = x.masked_fill(_outside(count, False, kv.device), float("-inf"))
-    scale = x.amax(-1) if target is None else target.to(torch.float64)
-    weights = torch.exp(x - scale[..., None]).to(local.dtype)
+    rows = ends.dim() == 3
+    first = (log_scale[..., None] if rows else log_scale).to(torch.float64)
+    own = (ends[..., None] if rows else ends).to(torch.float64)
+    # Sources j: kv (j = 0) and the segments' own states but the last's (j = q + 1), so that
+    # x[p, j] = G_p - G_j + (the source's scale).
+    source = torch.cat([first[:, :, None], own[:, :, :-1]], 2)
+    x = source[:, :, None].expand(-1, -1, count, -1, -1)
+    if gates is not None:
+        x = x + (gates[..., :count, None] - gates[..., None, :count])[..., None]
+    x = x.masked_fill(_outside(count, False, kv.device)[..., None], float("-inf"))
+    if target is None:
+        scale = x.amax(3)
+    else:
+        scale = (target[..., None] if rows else target).to(torch.float64)
+    weights = torch.exp(x - scale[:, :, :, None]).to(local.dtype)
     states = torch.cat([kv[:, :, None].to(local.dtype), local[:, :, :-1]], 2)
-    entering = weights @ states.flatten(-2)
-    return entering.view_as(local), scale.to(local.dtype)
+    if rows:
+        entering = (weights[..., 0] @ states.flatten(-2)).view_as(local)
+        scale = scale[..., 0]
+    else:
+        entering = torch.einsum("bhpjf,bhjfd->bhpfd", weights, states)
+    return entering, scale.to(local.dtype)
 
 
-def _adjoints(d_after: Tensor, local: Tensor, starts: Tensor, gates: Tensor) -> Tensor:
+def _adjoints(d_after: Tensor, local: Tensor, starts: Tensor,
+              gates: Tensor | None = None) -> Tensor:
     """The gradients of the states after P segments (B, H, P, F, Dv + 1), each at the running
     scale of the next segment's start (the last at the call's last, that of ``d_after``, the
     gradient of the state after the call), from each segment's own adjoint from 0, ``local``
-    (B, H, P, F, Dv + 1) at the scales of the segments' starts; ``starts`` (B, H, P + 1) are
-    the running scales at the segments' starts and the call's end, G (B, H, P + 1) the
-    exclusive cumulative log-gates. At the true scale the state after segment p is
-    held to account by every later query: Σ_{q > p} e^{G_q - G_{p+1}} local_q (at the true
-    scale) + e^{G_P - G_{p+1}} d_after, mirror of :func:`_entering`."""
+    (B, H, P, F, Dv + 1) at the scales of the segments' starts; ``starts`` are the running
+    scales at the segments' starts and the call's end ((B, H, P + 1) per row, (B, H, P + 1, F)
+    per feature, as :func:`_entering`), G (B, H, P + 1) the exclusive cumulative log-gates
+    (None: ungated). At the true scale the state after segment p is held to account by every
+    later query: Σ_{q > p} e^{G_q - G_{p+1}} local_q (at the true scale) +
+    e^{G_P - G_{p+1}} d_after, mirror of :func:`_entering`."""
     count = local.shape[2]
-    r = starts.to(torch.float64)
-    # Sources: the segments' own adjoints but the first's (j = q - 1), and d_after (j = P - 1).
-    source = gates[..., 1:] - r[..., 1:]
-    x = (r[..., 1:] - gates[..., 1:])[..., :, None] + source[..., None, :]
-    weights = torch.exp(x.masked_fill(_outside(count, True, local.device),
+    rows = starts.dim() == 3
+    r = (starts[..., None] if rows else starts).to(torch.float64)
+    # Sources j: the segments' own adjoints but the first's (j = q - 1), and d_after (j = P - 1).
+    x = r[:, :, 1:, None] - r[:, :, None, 1:]
+    if gates is not None:
+        x = x + (gates[..., None, 1:] - gates[..., 1:, None])[..., None]
+    weights = torch.exp(x.masked_fill(_outside(count, True, local.device)[..., None],
                                       float("-inf"))).to(local.dtype)
     sources = torch.cat([local[:, :, 1:], d_after[:, :, None].to(local.dtype)], 2)
-    return (weights @ sources.flatten(-2)).view_as(local)
+    if rows:
+        return (weights[..., 0] @ sources.flatten(-2)).view_as(local)
+    return torch.einsum("bhpjf,bhjfd->bhpfd", weights, sources)
 
 
 def forward(phi_q: Tensor, phi_k: Tensor, key_log_scale: Tensor, v: Tensor, kv: Tensor,
