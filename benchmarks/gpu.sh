@@ -15,10 +15,10 @@
 #                                      # compiled and triton peers, not yet timed)
 #   benchmarks/gpu.sh tests fp32       # some stages: tests, fp32, bf16, causal, flex, banded,
 #                                      # peers, compiled
-#   benchmarks/gpu.sh lease            # what fits one 15-minute lease (under 9 minutes of
+#   benchmarks/gpu.sh lease            # what fits one 15-minute lease (under 10 minutes of
 #                                      # commands): bf16 peers at 16384 and 65536, the banded
-#                                      # peers at 16384, then the CUDA tests, each part cut off
-#                                      # (SIGINT, its rows so far kept) at its share of the time
+#                                      # peers at 16384, the CUDA tests, fla at 16384, each part
+#                                      # cut off (SIGINT, its rows so far kept) at its share
 #
 # Needs torch with CUDA, numpy, matplotlib, tqdm and pytest; it runs effattn from this checkout
 # (PYTHONPATH=src), so no install is needed. A stage that fails is reported and the next one runs;
@@ -88,19 +88,25 @@ for stage in "${STAGES[@]}"; do
             # paths (random features, gates, the plain map, the per-feature exp map, Taylor);
             # favor and rfa take performer's path. Then the banded peers at one length, each
             # pattern family once, then the tests (8 workers: Triton compiles on the host's
-            # cores). Every part writes its rows as it goes, so a cut-off part keeps them.
+            # cores), then fla last: its Triton autotuning took over 3 minutes for its first
+            # rows on an H200 (2026-11-28), so it gets what is left. Every part writes its rows
+            # as it goes, so a cut-off part keeps them. On that H200 the peers without fla took
+            # about 140 s, the banded peers under 130 and the tests 126.
             python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda',
                 torch.version.cuda, 'triton', triton.__version__)" 2>&1 | tee "$OUT/versions.txt"
-            timeout -s INT -k 20 220 python3 benchmarks/gpu_peers.py --dtypes bf16 \
-                --lengths 16384,65536 --impls effattn,fla,sdpa,triton,segments \
+            timeout -s INT -k 20 170 python3 benchmarks/gpu_peers.py --dtypes bf16 \
+                --lengths 16384,65536 --impls triton,sdpa,segments,effattn \
                 --methods performer,rfa-gated,linear,hedgehog,taylor --out "$OUT/peers" \
                 2>&1 | tee "$OUT/peers.txt"
-            timeout -s INT -k 20 130 python3 benchmarks/gpu_peers_banded.py --dtypes bfloat16 \
+            timeout -s INT -k 20 150 python3 benchmarks/gpu_peers_banded.py --dtypes bfloat16 \
                 --lengths 16384 --methods local longformer bigbird softmax+window1024 \
-                linear+window128 reformer --out "$OUT/peers/banded.json" \
+                linear+window128 linear reformer --out "$OUT/peers/banded.json" \
                 2>&1 | tee "$OUT/peers-banded.txt"
-            timeout -s INT -k 20 140 python3 -m pytest -q -m cuda -n 8 -p no:cacheprovider \
-                -rfE --tb=short tests 2>&1 | tee "$OUT/tests.txt" ;;
+            timeout -s INT -k 20 150 python3 -m pytest -q -m cuda -n 8 -p no:cacheprovider \
+                -rfE --tb=short tests 2>&1 | tee "$OUT/tests.txt"
+            timeout -s INT -k 20 100 python3 benchmarks/gpu_peers.py --dtypes bf16 \
+                --lengths 16384 --impls fla,effattn --methods performer,rfa-gated,linear,taylor \
+                --out "$OUT/peers-fla" 2>&1 | tee "$OUT/peers-fla.txt" ;;
         *)
             echo "gpu.sh: unknown stage '$stage' (stages: tests fp32 bf16 causal flex banded peers compiled lease)" >&2
             exit 2 ;;
