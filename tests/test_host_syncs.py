@@ -8,7 +8,7 @@ non-causal), backward, the public ``step`` (decoding), ``prefill`` and a decoder
 
 What may remain, and why (docs/gpu.md, "Host syncs"):
 
-- ``_check_values``: the contract's NaN/inf check of q, k, v and the call inputs' bounds, one
+- ``_read_values``: the contract's NaN/inf check of q, k, v and the call inputs' bounds, one
   read for all of them (eager only);
 - ``_raise_if_lost``: the core's lost-row check, one per forward, prefill or memory read, where
   the features are non-negative;
@@ -112,9 +112,9 @@ def assert_forward_syncs(seen, *, hybrid_non_causal=False):
     which includes it), nothing else."""
     by_design = "cancels" if hybrid_non_causal else "_raise_if_lost"
     got = device_syncs(seen)
-    assert got.get("_check_values") == 1, got
+    assert got.get("_read_values") == 1, got
     assert got.get(by_design, 0) <= 1, got
-    assert set(got) <= {"_check_values", by_design}, got
+    assert set(got) <= {"_read_values", by_design}, got
     seen.clear()
 
 
@@ -159,7 +159,7 @@ def test_every_public_step_takes_one_sync(variant, grad, syncs):
             syncs.clear()
             _, state = module.step(q[:, :, at], k[:, :, at], v[:, :, at], state,
                                    **call_inputs(module, gate, at))
-            assert device_syncs(syncs) == {"_check_values": 1}, (t, dict(syncs))
+            assert device_syncs(syncs) == {"_read_values": 1}, (t, dict(syncs))
 
 
 @pytest.mark.parametrize("variant", KERNELIZED, ids=_id)
@@ -178,7 +178,7 @@ def test_prefill_then_step(variant, syncs):
         at = slice(t, t + 1)
         module.step(q[:, :, at], k[:, :, at], v[:, :, at], state,
                     **call_inputs(module, gate, at))
-        assert device_syncs(syncs) == {"_check_values": 1}
+        assert device_syncs(syncs) == {"_read_values": 1}
         syncs.clear()
 
 
@@ -190,8 +190,8 @@ def test_memory_and_its_reads(name, syncs):
     q, k, v, _ = inputs()
     syncs.clear()
     memory = module.memory(k, v)
-    assert set(device_syncs(syncs)) <= {"_check_values", "_raise_if_lost"}
-    assert device_syncs(syncs)["_check_values"] == 1
+    assert set(device_syncs(syncs)) <= {"_read_values", "_raise_if_lost"}
+    assert device_syncs(syncs)["_read_values"] == 1
     syncs.clear()
     for t in range(3):
         module.attend_memory(q[:, :, t:t + 1], memory)
@@ -272,11 +272,11 @@ def test_an_overflowing_sum_of_finite_values_is_not_an_error(syncs):
     q, k, v, _ = inputs()
     syncs.clear()
     module(q, k, torch.full_like(v, 3e38), causal=True)  # no ValueError
-    assert syncs["_check_values"] > 1
+    assert syncs["_read_values"] > 1
     syncs.clear()
     half = tuple(t.half() for t in (q, k, torch.full_like(v, 6e4)))
     module(*half, causal=True)
-    assert device_syncs(syncs).get("_check_values") == 1
+    assert device_syncs(syncs).get("_read_values") == 1
 
 
 def test_the_functional_form_checks_values_once(syncs):
@@ -285,6 +285,6 @@ def test_the_functional_form_checks_values_once(syncs):
     q, k, v, _ = inputs()
     syncs.clear()
     effattn.attention(q, k, v, method="linear", causal=True, seed=0)
-    assert device_syncs(syncs) == {"_check_values": 1, "_raise_if_lost": 1}
+    assert device_syncs(syncs) == {"_read_values": 1, "_raise_if_lost": 1}
     with pytest.raises(ValueError, match="^k contains NaN or inf"):
         effattn.attention(q, _poison(k, float("nan")), v, method="linear")

@@ -9,6 +9,9 @@ well-formed tensors.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -110,6 +113,9 @@ def _check_values(checks: list[ValueCheck]) -> None:
     One host sync for all of them: each check is reduced to a 0-d flag on the device (an
     unbounded tensor by its sum, a bounded one elementwise), and the flags are read back
     together. Only when that read fails are the tensors read one by one, to find the culprit.
+    Inside the forward call of a module whose engine reads the flag itself
+    (:attr:`AttentionMethod.engine_reads_values`), the flag is formed here and read later, by
+    :func:`read_deferred_values`.
     """
     if torch.compiler.is_compiling():
         # Reading values is a host sync, and a graph break under torch.compile: compiled
@@ -122,7 +128,18 @@ def _check_values(checks: list[ValueCheck]) -> None:
     flags = [_within(t, bounds).all() for _, t, bounds in checks if bounds is not None]
     if sums:
         flags.append(torch.isfinite(torch.stack(sums)).all())
-    if bool(flags[0] if len(flags) == 1 else torch.stack(flags).all()):
+    flag = flags[0] if len(flags) == 1 else torch.stack(flags).all()
+    pending = _deferred.get()
+    if pending is not None and not pending:
+        pending.append((flag, checks))
+        return
+    _read_values(flag, checks)
+
+
+def _read_values(flag: Tensor, checks: list[ValueCheck]) -> None:
+    """The host's read of the value check's ``flag``, then, where it fails, of ``checks`` one
+    by one to name the culprit."""
+    if bool(flag):
         return
     for name, t, bounds in checks:
         if bounds is None:
@@ -131,6 +148,49 @@ def _check_values(checks: list[ValueCheck]) -> None:
         elif not _within(t, bounds).all():
             low, high = bounds
             raise ValueError(f"{name} values must lie in [{low:g}, {high:g}]")
+
+
+# The value check of the forward call in progress whose engine reads it (one (flag, checks)
+# entry until read; an empty list while the call awaits it; None outside such a call).
+_deferred: ContextVar[list[tuple[Tensor, list[ValueCheck]]] | None] = ContextVar(
+    "effattn_deferred_values", default=None)
+
+
+def read_deferred_values() -> None:
+    """Read the value check that the forward call in progress deferred, raising its
+    ``ValueError``; nothing outside such a call, or once read.
+
+    An engine calls it after its host-side preparation and right before it launches its
+    kernels: a host sync waits for everything launched before it, so that the GPU idles for
+    whatever the host does between the read and the next launch. Read at the value check
+    (first), the sync puts the whole preparation of a call (pieces, cached masks, compiled
+    functions' guards) between the previous call's kernels and this one's; read here, that
+    preparation overlaps the previous kernels. The inputs are not touched by anything launched
+    before the read, so a call with a NaN raises exactly as before.
+    """
+    if torch.compiler.is_compiling():
+        return  # nothing is deferred in a compiled call (no value check), nor traceable here
+    pending = _deferred.get()
+    if pending:
+        _read_values(*pending.pop())
+
+
+@contextmanager
+def _values_read_by_engine() -> Iterator[None]:
+    """The scope of an eager forward call whose value check waits for the engine's
+    :func:`read_deferred_values`, and is read at the end if the engine did not (a path that
+    launches no kernel of its own). If anything fails before, the deferred check is read
+    first, so that a bad input raises its own ``ValueError`` rather than whatever it caused."""
+    token = _deferred.set([])
+    try:
+        try:
+            yield
+        except BaseException:
+            read_deferred_values()
+            raise
+        read_deferred_values()
+    finally:
+        _deferred.reset(token)
 
 
 def _within(t: Tensor, bounds: tuple[float, float]) -> Tensor:
@@ -195,6 +255,11 @@ class AttentionMethod(nn.Module):
     """
 
     spec: ClassVar[MethodSpec]
+    # Whether the engine of a forward call reads its value check itself, right before its
+    # kernels (:func:`read_deferred_values`): for methods with no per-call state, since a
+    # forward that raises must leave the module as it was, and the call's preparation then
+    # runs before the read.
+    engine_reads_values: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -349,6 +414,13 @@ class AttentionMethod(nn.Module):
 
         ``call``: the call inputs the spec declares (``spec.call_inputs``), by name.
         """
+        if self.engine_reads_values and not torch.compiler.is_compiling():
+            with _values_read_by_engine():
+                return self._forward(q, k, v, causal, key_padding_mask, call)
+        return self._forward(q, k, v, causal, key_padding_mask, call)
+
+    def _forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool,
+                 key_padding_mask: Tensor | None, call: dict[str, Tensor | int | None]) -> Tensor:
         self.validate(q, k, v, causal=causal, key_padding_mask=key_padding_mask, **call)
         self.prepare_call()
         out = self._attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask,

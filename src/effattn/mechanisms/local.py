@@ -58,6 +58,8 @@ class WindowCache:
 class LocalAttention(AttentionMethod):
     """Sliding-window attention with optional dilation; decodes with a window-sized ring buffer."""
 
+    engine_reads_values = True  # stateless: the banded engine reads it before its kernel
+
     def __init__(self, head_dim, heads, max_len=None, seed=None, scale=None, *, window, dilation):
         super().__init__(head_dim, heads, max_len=max_len, seed=seed, scale=scale)
         self.window = check_positive_int("window", window)

@@ -65,6 +65,8 @@ def longformer_attention(
 class LongformerAttention(AttentionMethod):
     """Sliding window plus global tokens; bidirectional."""
 
+    engine_reads_values = True  # stateless: the banded engine reads it before its kernel
+
     def __init__(
         self, head_dim, heads, max_len=None, seed=None, scale=None, *, window, global_tokens
     ):

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from effattn.base import AttentionMethod, compute_dtype
+from effattn.base import AttentionMethod, compute_dtype, read_deferred_values
 from effattn.parallel import SequenceGroup, SequenceStrategy
 from effattn.registry import CallInput, MethodSpec, Problem, register
 from effattn.sparse import banded_attention, engine_dtype
@@ -132,6 +132,7 @@ def softmax_attention(
     n, m = q.shape[2], k.shape[2]
     banded = window is not None and window < n
     if softcap is None and sinks is None and not banded:
+        read_deferred_values()
         if key_padding_mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
         keep = ~key_padding_mask[:, None, None, :]
@@ -150,6 +151,7 @@ def softmax_attention(
             scale=scale, key_mask=key_padding_mask, softcap=softcap,
         )
     else:
+        read_deferred_values()
         keep = (torch.ones(1, 1, 1, m, dtype=torch.bool, device=q.device)
                 if key_padding_mask is None else ~key_padding_mask[:, None, None, :])
         out, lse = rows_over_keys(q, k, v, lambda r0, r1: keep, scale=scale, softcap=softcap)
@@ -240,6 +242,8 @@ class SoftmaxAttention(AttentionMethod):
     ``softcap``: logit soft-capping (see the module docstring). Call inputs ``sliding_window=``
     (int, causal) and ``sinks=`` ((H,) logits) in forward, prefill and step.
     """
+
+    engine_reads_values = True  # stateless: read before SDPA or the banded engine's kernel
 
     def __init__(self, head_dim, heads, max_len=None, seed=None, scale=None, *, softcap=None):
         super().__init__(head_dim, heads, max_len=max_len, seed=seed, scale=scale)

@@ -79,6 +79,8 @@ def fixed_attention(
 
 
 class _SparseTransformerAttention(AttentionMethod):
+    engine_reads_values = True  # stateless: the banded engine reads it before its kernel
+
     def __init__(self, head_dim, heads, max_len=None, seed=None, scale=None, *, stride):
         super().__init__(head_dim, heads, max_len=max_len, seed=seed, scale=scale)
         self.stride = None if stride is None else check_positive_int("stride", stride)

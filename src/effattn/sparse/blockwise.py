@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from effattn import strategy
+from effattn.base import read_deferred_values
 from effattn.sparse.pieces import Band, Blocks, Columns, Globals, Piece, Summary, check_pieces
 
 # A backward slice's scores, probabilities and copied rows hold about twice this many elements
@@ -996,6 +997,7 @@ def sparse_attention(
 
         return flex.sparse_attention(q, k, v, pieces, scale=scale, key_mask=key_mask,
                                      softcap=softcap)
+    read_deferred_values()
     tokens = [piece.tokens for piece in pieces if isinstance(piece, Globals)]
     skip = key_mask
     if tokens:

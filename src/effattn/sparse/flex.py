@@ -68,6 +68,7 @@ try:
 except ImportError:  # torch < 2.9 returns the log-sum-exp by return_lse=True
     AuxRequest = None
 
+from effattn.base import read_deferred_values
 from effattn.sparse.pieces import Band, Blocks, Columns, Globals, Piece, Rule, Summary, union
 
 # FlexAttention's default BlockMask block: its kernels' tiles divide it.
@@ -419,6 +420,7 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, pieces: Sequence[Piece], *, scale: 
                                 **request)
         return out, _lse(aux)
     if not compiled_on(q.device):
+        read_deferred_values()
         with warnings.catch_warnings():
             # The eager form warns that it is unfused: here it is the point.
             warnings.simplefilter("ignore", UserWarning)
@@ -430,6 +432,9 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, pieces: Sequence[Piece], *, scale: 
            f"{'+'.join(type(p).__name__ for p in pieces)} "
            f"softcap={softcap is not None} padding={key_mask is not None} "
            f"grad={torch.is_grad_enabled() and q.requires_grad}")
+    # The value check's host sync, as late as the call allows: the preparation above (the
+    # cached BlockMask, the score_mod) then overlaps the kernels still running on the device.
+    read_deferred_values()
     if key in COMPILE_SECONDS:
         out, aux = kernel(q, k, v, score_mod=modify, block_mask=mask, scale=scale, **request)
     else:
