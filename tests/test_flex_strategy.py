@@ -458,6 +458,50 @@ def test_compiled_branch_records_the_first_calls_time(monkeypatch):
     torch.testing.assert_close(lse, ref_lse)
 
 
+def test_a_shape_without_a_kernel_in_shared_memory_compiles_with_smaller_tiles(monkeypatch):
+    """Inductor's "out of resource" on the first call of a shape (as bigbird's on an H200): a
+    warning, then the same call with SMALL_TILES, which that shape keeps. Any other failure, or
+    one with the small tiles too, is raised as it is."""
+    seen = []
+
+    def stand_in(*args, kernel_options=None, **kwargs):
+        seen.append(kernel_options)
+        if kernel_options is None:
+            try:
+                raise RuntimeError("OutOfMemoryError: out of resource: triton_tem_fused_flex_0 "
+                                   "Required: 311296 Hardware limit: 232448")
+            except RuntimeError as error:
+                raise RuntimeError("No valid triton configs.") from error
+        return flex_api.flex_attention(*args, **kwargs)
+
+    monkeypatch.setattr(flex_strategy, "compiled_on", lambda device: True)
+    monkeypatch.setattr(flex_strategy, "_kernel", lambda: stand_in)
+    monkeypatch.setattr(flex_strategy, "COMPILE_SECONDS", {})
+    monkeypatch.setattr(flex_strategy, "SMALL_TILE_SHAPES", set())
+    q, k, v = qkv(n=63)
+    with torch.no_grad(), strategy.force(banded="flex"):
+        with pytest.warns(UserWarning, match="smaller ones"):
+            out, lse = sparse_attention(q, k, v, [Band(4, 4, 1)], scale=0.5)
+        sparse_attention(q, k, v, [Band(4, 4, 1)], scale=0.5)
+    small = flex_strategy.SMALL_TILES
+    assert seen == [None, small, small]
+    assert len(flex_strategy.SMALL_TILE_SHAPES) == 1
+    ref, ref_lse = sparse_attention(q, k, v, [Band(4, 4, 1)], scale=0.5)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
+
+    def failing(*args, kernel_options=None, **kwargs):
+        raise RuntimeError("out of resource" if kernel_options else "something else")
+
+    monkeypatch.setattr(flex_strategy, "_kernel", lambda: failing)
+    with torch.no_grad(), strategy.force(banded="flex"):
+        with pytest.raises(RuntimeError, match="something else"):
+            sparse_attention(q[:, :, :50], k[:, :, :50], v[:, :, :50], [Band(4, 4, 1)],
+                             scale=0.5)
+        with pytest.raises(RuntimeError, match="out of resource"):  # the small tiles' own
+            sparse_attention(q, k, v, [Band(4, 4, 1)], scale=0.5)
+
+
 def test_a_torch_without_flex_attention_keeps_the_blockwise_engine(monkeypatch):
     find_spec = strategy.importlib.util.find_spec
     monkeypatch.setattr(strategy.importlib.util, "find_spec",

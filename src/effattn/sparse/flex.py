@@ -86,6 +86,15 @@ MIN_HEAD_DIM = 16
 # (shape, pattern kind) pairs, after which flex_attention silently runs unfused.
 RECOMPILE_LIMIT = 64
 
+# FlexAttention's tiles where its defaults need more shared memory than the GPU has (torch's
+# kernel_options; the BlockMask's 128 is a multiple of each). Seen on an H200 (2026-11-28):
+# bigbird at N = 16384 in bf16 needed 311296 bytes of its 232448; a forward with 64 x 64 tiles
+# and one stage holds about a quarter of what 128 x 128 tiles with several stages hold.
+SMALL_TILES = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1,
+               "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}
+# The shapes (COMPILE_SECONDS' keys) compiled with SMALL_TILES after the default ones failed.
+SMALL_TILE_SHAPES: set[str] = set()
+
 COMPILE_SECONDS: dict[str, float] = {}
 """Seconds of the first call of each compiled shape (compilation included), by a key naming
 the shape, dtype, pattern kinds and score_mod: what the benchmarks report as compile time."""
@@ -435,12 +444,38 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, pieces: Sequence[Piece], *, scale: 
     # The value check's host sync, as late as the call allows: the preparation above (the
     # cached BlockMask, the score_mod) then overlaps the kernels still running on the device.
     read_deferred_values()
+    if key in SMALL_TILE_SHAPES:
+        request["kernel_options"] = SMALL_TILES
     if key in COMPILE_SECONDS:
         out, aux = kernel(q, k, v, score_mod=modify, block_mask=mask, scale=scale, **request)
-    else:
-        _synchronize(q.device)
-        start = time.perf_counter()
+        return out, _lse(aux)
+    _synchronize(q.device)
+    start = time.perf_counter()
+    try:
         out, aux = kernel(q, k, v, score_mod=modify, block_mask=mask, scale=scale, **request)
-        _synchronize(q.device)
-        COMPILE_SECONDS[key] = time.perf_counter() - start
+    except Exception as error:
+        if "kernel_options" in request or not _out_of_shared_memory(error):
+            raise
+        warnings.warn(
+            f"FlexAttention found no kernel within this GPU's shared memory for {key} with its "
+            f"default tiles; compiling it with smaller ones ({SMALL_TILES})", stacklevel=2)
+        SMALL_TILE_SHAPES.add(key)
+        request["kernel_options"] = SMALL_TILES
+        out, aux = kernel(q, k, v, score_mod=modify, block_mask=mask, scale=scale, **request)
+    _synchronize(q.device)
+    COMPILE_SECONDS[key] = time.perf_counter() - start
     return out, _lse(aux)
+
+
+def _out_of_shared_memory(error: BaseException) -> bool:
+    """Whether ``error`` (or one it was raised from) is inductor's report that no kernel
+    configuration fits the GPU's shared memory ("No valid triton configs. OutOfMemoryError:
+    out of resource: ... Required: 311296 Hardware limit: 232448")."""
+    seen: BaseException | None = error
+    for _ in range(8):
+        if seen is None:
+            return False
+        if "out of resource" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
