@@ -15,10 +15,13 @@
 #                                      # compiled and triton peers, not yet timed)
 #   benchmarks/gpu.sh tests fp32       # some stages: tests, fp32, bf16, causal, flex, banded,
 #                                      # peers, compiled
+#   benchmarks/gpu.sh profile          # torch.profiler's operator table of performer and
+#                                      # local, causal, bf16, 16384, forward and fwd+bwd
 #   benchmarks/gpu.sh lease            # what fits one 15-minute lease (under 10 minutes of
-#                                      # commands): bf16 peers at 16384 and 65536, the banded
-#                                      # peers at 16384, the CUDA tests, fla at 16384, each part
-#                                      # cut off (SIGINT, its rows so far kept) at its share
+#                                      # commands): the banded peers at 16384, the profile,
+#                                      # the tf32, chunks and compiled suites at 16384, the CUDA
+#                                      # tests, fla at 65536, each part cut off (SIGINT, its
+#                                      # rows so far kept) at its share
 #
 # Needs torch with CUDA, numpy, matplotlib, tqdm and pytest; it runs effattn from this checkout
 # (PYTHONPATH=src), so no install is needed. A stage that fails is reported and the next one runs;
@@ -83,32 +86,40 @@ for stage in "${STAGES[@]}"; do
             python3 benchmarks/gpu_peers.py --impls compiled --dtypes bf16 --lengths 16384 \
                 --methods performer,linear --out "$OUT/peers-compiled" \
                 2>&1 | tee "$OUT/peers-compiled.txt" ;;
+        profile)
+            # Where the time of one call goes, by operator, with the number of launches of each
+            # (torch.profiler's CUDA table): performer causal (the kernelized GPU strategy),
+            # local causal (the FlexAttention strategy, host work included in the wall time).
+            for pass_name in fwd fwdbwd; do
+                python3 benchmarks/profile_ops.py --device cuda --dtype bfloat16 --causal \
+                    --methods performer local --length 16384 --pass "$pass_name" --rows 30
+            done 2>&1 | tee "$OUT/profile.txt" ;;
         lease)
-            # The kernelized peers (bf16, B = 1, H = 8), five methods that cover the engine's
-            # paths (random features, gates, the plain map, the per-feature exp map, Taylor);
-            # favor and rfa take performer's path. Then the banded peers at one length, each
-            # pattern family once, then the tests (8 workers: Triton compiles on the host's
-            # cores), then fla last: its Triton autotuning took over 3 minutes for its first
-            # rows on an H200 (2026-11-28), so it gets what is left. Every part writes its rows
-            # as it goes, so a cut-off part keeps them. On that H200 the peers without fla took
-            # about 140 s, the banded peers under 130 and the tests 126.
+            # What fits one 15-minute lease (under 10 minutes of commands), ordered by what the
+            # two runs of 2026-11-28 left open (benchmarks/gpu/README.md has what those ran):
+            # the banded peers at 16384 (since then the value check is read right before the
+            # kernel, and bigbird retries with smaller tiles), where the kernelized strategy's
+            # time goes (profile), whether tensor cores pay for its fp32 GEMMs (tf32), which
+            # chunk size it wants (chunks) and what inductor makes of it (compiled), the CUDA
+            # tests (mends since run 1, never rerun there), then fla at 65536 with what is
+            # left. Every part writes its rows as it goes, so a cut-off part keeps them.
             python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda',
                 torch.version.cuda, 'triton', triton.__version__)" 2>&1 | tee "$OUT/versions.txt"
-            timeout -s INT -k 20 170 python3 benchmarks/gpu_peers.py --dtypes bf16 \
-                --lengths 16384,65536 --impls triton,sdpa,segments,effattn \
-                --methods performer,rfa-gated,linear,hedgehog,taylor --out "$OUT/peers" \
-                2>&1 | tee "$OUT/peers.txt"
-            timeout -s INT -k 20 150 python3 benchmarks/gpu_peers_banded.py --dtypes bfloat16 \
+            timeout -s INT -k 20 110 python3 benchmarks/gpu_peers_banded.py --dtypes bfloat16 \
                 --lengths 16384 --methods local longformer bigbird softmax+window1024 \
-                linear+window128 linear reformer --out "$OUT/peers/banded.json" \
+                linear+window128 linear --out "$OUT/peers/banded.json" \
                 2>&1 | tee "$OUT/peers-banded.txt"
+            timeout -s INT -k 20 60 bash benchmarks/gpu.sh profile
+            timeout -s INT -k 20 150 python3 benchmarks/gpu_peers.py --dtypes bf16 \
+                --lengths 16384 --impls effattn,tf32,chunks,compiled --methods performer,linear \
+                --out "$OUT/peers-precision" 2>&1 | tee "$OUT/peers-precision.txt"
             timeout -s INT -k 20 150 python3 -m pytest -q -m cuda -n 8 -p no:cacheprovider \
                 -rfE --tb=short tests 2>&1 | tee "$OUT/tests.txt"
-            timeout -s INT -k 20 100 python3 benchmarks/gpu_peers.py --dtypes bf16 \
-                --lengths 16384 --impls fla,effattn --methods performer,rfa-gated,linear,taylor \
+            timeout -s INT -k 20 90 python3 benchmarks/gpu_peers.py --dtypes bf16 \
+                --lengths 65536 --impls fla,effattn --methods performer,linear \
                 --out "$OUT/peers-fla" 2>&1 | tee "$OUT/peers-fla.txt" ;;
         *)
-            echo "gpu.sh: unknown stage '$stage' (stages: tests fp32 bf16 causal flex banded peers compiled lease)" >&2
+            echo "gpu.sh: unknown stage '$stage' (stages: tests fp32 bf16 causal flex banded peers compiled profile lease)" >&2
             exit 2 ;;
     esac
     rc=$?

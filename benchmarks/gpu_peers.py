@@ -16,6 +16,13 @@ Peers, each on the problem it solves:
   ``performer-spans64``, ``linear-spans64``, impl ``effattn``): the default spans are half a
   slice, which holds less memory and launches more (docs/gpu.md, Memory); these rows say
   which is faster.
+- ``chunks``: effattn's performer and linear again, causal, with ``chunk_size`` 64 and 128
+  (the default is 32), with fp32 products in IEEE and again in TF32 (methods
+  ``performer-chunk64``, ``performer-chunk64-tf32``, ...). The GPU strategy writes one state
+  (F, Dv + 1) per chunk in fp32 and reads it back several times (accounted on the CPU,
+  performer at 16384 causal: 6.35 GB moved by the forward's ATen operations at C = 32, 5.52 at
+  64, 5.62 at 128; the forward+backward 23.3 and 20.2 GB at 32 and 64), and a larger C trades
+  that for C x C products, cheap on tensor cores; these rows say which C a GPU wants.
 - ``compiled``: every kernelized method again, the module under
   ``torch.compile(fullgraph=True, dynamic=False)`` (methods ``<method>-compiled``, impl
   ``effattn``). In eager mode the GPU strategy launches one kernel per ATen op (about 150 per
@@ -253,6 +260,30 @@ def spans_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
                    (q, k, v))
 
 
+# The chunk sizes of the ``chunks`` suite, beside the methods' default of 32.
+CHUNK_SIZES = (64, 128)
+
+
+def chunks_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
+    """performer and linear with larger chunks (causal), in fp32 IEEE and TF32 products."""
+    if not p.causal:
+        return
+    q, k, v = qkv(p)
+    chosen = {_label(*method) for method in methods}
+    before = torch.backends.cuda.matmul.fp32_precision
+    try:
+        for precision in ("ieee", "tf32"):
+            torch.backends.cuda.matmul.fp32_precision = precision
+            for name in [name for name in ("performer", "linear") if name in chosen]:
+                for chunk in CHUNK_SIZES:
+                    module = _module(name, {"chunk_size": chunk}, p)
+                    suffix = "" if precision == "ieee" else "-tf32"
+                    yield Case("effattn", f"{name}-chunk{chunk}{suffix}", module.feature_dim,
+                               lambda m=module: m(q, k, v, causal=True), (q, k, v))
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before
+
+
 def compiled_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
     """Every kernelized method as in ``effattn_suite``, the call under torch.compile."""
     q, k, v = qkv(p)
@@ -343,7 +374,8 @@ def tf32_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
 
 
 SUITES: dict[str, Suite] = {"effattn": effattn_suite, "fla": fla_suite, "sdpa": sdpa_suite,
-                            "spans": spans_suite, "compiled": compiled_suite,
+                            "spans": spans_suite, "chunks": chunks_suite,
+                            "compiled": compiled_suite,
                             "triton": triton_suite, "segments": segments_suite,
                             "tf32": tf32_suite}
 

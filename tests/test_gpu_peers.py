@@ -25,7 +25,8 @@ peers = _script()
 def test_smoke_on_the_cpu_writes_rows_and_plot(tmp_path):
     with strategy.force(kernelized="gpu"):
         assert peers.main(["--device", "cpu", "--smoke", "--dtypes", "fp32", "--repeats", "1",
-                           "--impls", "effattn,fla,sdpa,spans", "--out", str(tmp_path)]) == 0
+                           "--impls", "effattn,fla,sdpa,spans,chunks", "--out",
+                           str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["strategies"]["kernelized"] == "gpu"
     rows = results["rows"]
@@ -33,6 +34,9 @@ def test_smoke_on_the_cpu_writes_rows_and_plot(tmp_path):
     methods = {peers._label(name, opts) for name, opts in peers.METHODS}
     # The spans suite: the causal performer and linear with the backward in the forward's slices.
     spans = {f"performer-spans{gpu.SLICE_SCALE}", f"linear-spans{gpu.SLICE_SCALE}"}
+    # The chunks suite: both methods at each larger chunk, in IEEE and TF32 products.
+    spans |= {f"{name}-chunk{chunk}{suffix}" for name in ("performer", "linear")
+              for chunk in peers.CHUNK_SIZES for suffix in ("", "-tf32")}
     for causal in (False, True):
         for pass_name in ("fwd", "fwdbwd"):
             got = {r["method"] for r in rows if r["impl"] == "effattn" and r["causal"] == causal
@@ -40,6 +44,7 @@ def test_smoke_on_the_cpu_writes_rows_and_plot(tmp_path):
             want = methods | spans if causal else methods - {"rfa-gated"}
             assert got == want, (causal, pass_name)
     assert gpu.BACKWARD_SLICE_SCALE < gpu.SLICE_SCALE  # restored after the spans suite
+    assert torch.backends.cuda.matmul.fp32_precision != "tf32"  # and after the chunks suite
     assert {r["impl"] for r in rows} == {"effattn", "fla", "sdpa"}
     assert all(r["device"] == "cpu" and r["peak_mib"] is None for r in rows)
     fla = [r for r in rows if r["impl"] == "fla"]
