@@ -19,7 +19,8 @@
 #                                      # local, causal, bf16, 16384, forward and fwd+bwd
 #   benchmarks/gpu.sh lease            # what fits one 15-minute lease (under 10 minutes of
 #                                      # commands): the banded peers at 16384, the profile,
-#                                      # the tf32, chunks and compiled suites at 16384, the CUDA
+#                                      # six suites at 16384 (effattn, triton, tf32,
+#                                      # floor, chunks, compiled), the CUDA
 #                                      # tests, fla at 65536, each part cut off (SIGINT, its
 #                                      # rows so far kept) at its share
 #
@@ -78,7 +79,7 @@ for stage in "${STAGES[@]}"; do
             # (pip install fla_core-*.whl); without it the fla rows say "fla: not installed".
             # The eager suites (the triton strategy's among them); the compiled one is its own
             # stage, since it compiles each method afresh at every point and pass.
-            python3 benchmarks/gpu_peers.py --impls effattn,fla,sdpa,spans,triton,segments,tf32 \
+            python3 benchmarks/gpu_peers.py --impls effattn,fla,sdpa,spans,chunks,triton,segments,floor,tf32 \
                 --out "$OUT/peers" 2>&1 | tee "$OUT/peers.txt" ;;
         compiled)
             # Eight compilations (performer and linear, bf16, N = 16384, causal and not, both
@@ -99,8 +100,9 @@ for stage in "${STAGES[@]}"; do
             # two runs of 2026-11-28 left open (benchmarks/gpu/README.md has what those ran):
             # the banded peers at 16384 (since then the value check is read right before the
             # kernel, and bigbird retries with smaller tiles), where the kernelized strategy's
-            # time goes (profile), whether tensor cores pay for its fp32 GEMMs (tf32), which
-            # chunk size it wants (chunks) and what inductor makes of it (compiled), the CUDA
+            # time goes (profile), whether tensor cores pay for its fp32 GEMMs (tf32), whether
+            # the triton strategy's backward wants a lower segment floor (floor), which chunk
+            # size the gpu strategy wants (chunks), what inductor makes of it (compiled), the CUDA
             # tests (mends since run 1, never rerun there), then fla at 65536 with what is
             # left. Every part writes its rows as it goes, so a cut-off part keeps them.
             python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda',
@@ -110,12 +112,13 @@ for stage in "${STAGES[@]}"; do
                 linear+window128 linear --out "$OUT/peers/banded.json" \
                 2>&1 | tee "$OUT/peers-banded.txt"
             timeout -s INT -k 20 60 bash benchmarks/gpu.sh profile
-            timeout -s INT -k 20 150 python3 benchmarks/gpu_peers.py --dtypes bf16 \
-                --lengths 16384 --impls effattn,tf32,chunks,compiled --methods performer,linear \
+            timeout -s INT -k 20 180 python3 benchmarks/gpu_peers.py --dtypes bf16 \
+                --lengths 16384 --impls effattn,triton,tf32,floor,chunks,compiled \
+                --methods performer,linear \
                 --out "$OUT/peers-precision" 2>&1 | tee "$OUT/peers-precision.txt"
             timeout -s INT -k 20 150 python3 -m pytest -q -m cuda -n 8 -p no:cacheprovider \
                 -rfE --tb=short tests 2>&1 | tee "$OUT/tests.txt"
-            timeout -s INT -k 20 90 python3 benchmarks/gpu_peers.py --dtypes bf16 \
+            timeout -s INT -k 20 60 python3 benchmarks/gpu_peers.py --dtypes bf16 \
                 --lengths 65536 --impls fla,effattn --methods performer,linear \
                 --out "$OUT/peers-fla" 2>&1 | tee "$OUT/peers-fla.txt" ;;
         *)

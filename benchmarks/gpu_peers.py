@@ -44,6 +44,11 @@ Peers, each on the problem it solves:
   batch-head) programs alone would leave the GPU's multiprocessors idle (at B = 1, H = 8: 8 to
   32 programs against an H100's 132; ``effattn.kernelized.fused_kernels.segments``); these
   rows say what the split gains.
+- ``floor``: the triton suite's methods again with segments of at least 16 chunks rather
+  than 64 (``fused_kernels.SEGMENT_CHUNKS``; methods ``<method>-triton-floor16``): on an H200
+  (2026-11-28) performer's and gated RFA's backward spans, about 100 chunks at 16384 and
+  65536, stayed unsplit under the default floor and gained 1.1x from segments where the other
+  methods gained 1.5x to 2.7x; these rows say whether a lower floor pays.
 - ``tf32``: the ``effattn`` and ``triton`` suites again with torch's fp32 CUDA matmuls on TF32
   tensor cores (``torch.backends.cuda.matmul.fp32_precision = "tf32"``, what
   ``torch.set_float32_matmul_precision("high")`` sets; methods ``<method>-tf32`` and
@@ -359,6 +364,31 @@ def segments_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
             fused_kernels.SEGMENT_PROGRAMS = before
 
 
+# The shortest segment of the ``floor`` suite, against fused_kernels.SEGMENT_CHUNKS (64).
+FLOOR_CHUNKS = 16
+
+
+def floor_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
+    """``triton_suite`` with segments of at least FLOOR_CHUNKS chunks
+    (``fused_kernels.SEGMENT_CHUNKS``; methods ``<method>-triton-floor16``), so that launches of
+    fewer chunks than the default floor allows split too (performer's and gated RFA's backward
+    at 16384 walk about 100 chunks a span: unsplit by default). Held and restored as
+    ``segments_suite`` holds its setting."""
+    try:
+        from effattn.kernelized import fused_kernels
+    except ImportError:
+        fused_kernels = None
+    before = None if fused_kernels is None else fused_kernels.SEGMENT_CHUNKS
+    if fused_kernels is not None:
+        fused_kernels.SEGMENT_CHUNKS = FLOOR_CHUNKS
+    try:
+        for case in triton_suite(p, methods):
+            yield replace(case, method=f"{case.method}-floor{FLOOR_CHUNKS}")
+    finally:
+        if fused_kernels is not None:
+            fused_kernels.SEGMENT_CHUNKS = before
+
+
 def tf32_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
     """``effattn_suite`` and ``triton_suite`` with fp32 CUDA matmuls on TF32. The setting holds
     while the cases are measured, backward included: the driver measures each case before it
@@ -377,6 +407,7 @@ SUITES: dict[str, Suite] = {"effattn": effattn_suite, "fla": fla_suite, "sdpa": 
                             "spans": spans_suite, "chunks": chunks_suite,
                             "compiled": compiled_suite,
                             "triton": triton_suite, "segments": segments_suite,
+                            "floor": floor_suite,
                             "tf32": tf32_suite}
 
 

@@ -174,6 +174,32 @@ def test_segments_rows_run_unsplit_while_measured_and_restore_it(tmp_path, monke
     assert seen and set(seen) == {0}
 
 
+def test_floor_rows_run_with_the_lower_floor_while_measured_and_restore_it(tmp_path,
+                                                                          monkeypatch):
+    """The floor suite: the triton rows again, each measured (backward included) with segments
+    of at least FLOOR_CHUNKS chunks, the default floor restored after the suite."""
+    pytest.importorskip("triton")
+    from effattn.kernelized import fused_kernels
+
+    seen = []
+    timer = peers.timer
+
+    def spy(fn, device, repeats):
+        seen.append(fused_kernels.SEGMENT_CHUNKS)
+        return timer(fn, device, repeats)
+
+    monkeypatch.setattr(peers, "timer", spy)
+    before = fused_kernels.SEGMENT_CHUNKS
+    assert peers.main(["--device", "cpu", "--smoke", "--dtypes", "fp32", "--repeats", "1",
+                       "--impls", "floor", "--methods", "linear",
+                       "--out", str(tmp_path)]) == 0
+    assert fused_kernels.SEGMENT_CHUNKS == before > peers.FLOOR_CHUNKS
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert {r["method"] for r in rows} == {f"linear-triton-floor{peers.FLOOR_CHUNKS}"}
+    assert all("error" not in r and r["ms"] is not None for r in rows)
+    assert seen and set(seen) == {peers.FLOOR_CHUNKS}
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--impls", "effattn,nope"], "--impls"),
     (["--lengths", "4096,5"], "--lengths"),
