@@ -343,25 +343,31 @@ def triton_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
                    (q, k, v), error=error)
 
 
-def segments_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
-    """``triton_suite`` with every launch in one segment (``fused_kernels.SEGMENT_PROGRAMS =
-    0``; methods ``<method>-triton-unsplit``), beside the triton rows, which split their chunks
-    into segments where the programs alone would leave multiprocessors idle. The setting holds
-    while the cases are measured, backward included (the driver measures each case before it
-    resumes the suite), and is restored after."""
+def _triton_with(setting: str, value: int, suffix: str, p: Point,
+                 methods: Sequence[Method]) -> Iterator[Case]:
+    """``triton_suite``'s cases, renamed ``<method>-triton<suffix>``, with the fused kernels'
+    ``setting`` at ``value`` while they are measured, backward included (the driver measures
+    each case before it resumes the suite), restored after (nothing set without triton)."""
     try:
         from effattn.kernelized import fused_kernels
     except ImportError:
         fused_kernels = None
-    before = None if fused_kernels is None else fused_kernels.SEGMENT_PROGRAMS
+    before = None if fused_kernels is None else getattr(fused_kernels, setting)
     if fused_kernels is not None:
-        fused_kernels.SEGMENT_PROGRAMS = 0
+        setattr(fused_kernels, setting, value)
     try:
         for case in triton_suite(p, methods):
-            yield replace(case, method=f"{case.method}-unsplit")
+            yield replace(case, method=f"{case.method}{suffix}")
     finally:
         if fused_kernels is not None:
-            fused_kernels.SEGMENT_PROGRAMS = before
+            setattr(fused_kernels, setting, before)
+
+
+def segments_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
+    """``triton_suite`` with every launch in one segment (``fused_kernels.SEGMENT_PROGRAMS =
+    0``; methods ``<method>-triton-unsplit``), beside the triton rows, which split their chunks
+    into segments where the programs alone would leave multiprocessors idle."""
+    return _triton_with("SEGMENT_PROGRAMS", 0, "-unsplit", p, methods)
 
 
 # The shortest segment of the ``floor`` suite, against fused_kernels.SEGMENT_CHUNKS (64).
@@ -372,21 +378,8 @@ def floor_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:
     """``triton_suite`` with segments of at least FLOOR_CHUNKS chunks
     (``fused_kernels.SEGMENT_CHUNKS``; methods ``<method>-triton-floor16``), so that launches of
     fewer chunks than the default floor allows split too (performer's and gated RFA's backward
-    at 16384 walk about 100 chunks a span: unsplit by default). Held and restored as
-    ``segments_suite`` holds its setting."""
-    try:
-        from effattn.kernelized import fused_kernels
-    except ImportError:
-        fused_kernels = None
-    before = None if fused_kernels is None else fused_kernels.SEGMENT_CHUNKS
-    if fused_kernels is not None:
-        fused_kernels.SEGMENT_CHUNKS = FLOOR_CHUNKS
-    try:
-        for case in triton_suite(p, methods):
-            yield replace(case, method=f"{case.method}-floor{FLOOR_CHUNKS}")
-    finally:
-        if fused_kernels is not None:
-            fused_kernels.SEGMENT_CHUNKS = before
+    at 16384 walk about 100 chunks a span: unsplit by default)."""
+    return _triton_with("SEGMENT_CHUNKS", FLOOR_CHUNKS, f"-floor{FLOOR_CHUNKS}", p, methods)
 
 
 def tf32_suite(p: Point, methods: Sequence[Method]) -> Iterator[Case]:

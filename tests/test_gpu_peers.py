@@ -148,9 +148,16 @@ def test_tf32_rows_hold_the_setting_while_measured_and_restore_it(tmp_path, monk
     assert seen and set(seen) == {"tf32"}
 
 
-def test_segments_rows_run_unsplit_while_measured_and_restore_it(tmp_path, monkeypatch):
-    """The segments suite: the triton rows again, each measured (backward included) with
-    every launch in one segment, the setting restored after the suite."""
+@pytest.mark.parametrize(("impl", "setting", "value", "suffix"), [
+    ("segments", "SEGMENT_PROGRAMS", 0, "-unsplit"),
+    ("floor", "SEGMENT_CHUNKS", peers.FLOOR_CHUNKS, f"-floor{peers.FLOOR_CHUNKS}"),
+])
+def test_segment_rows_hold_their_setting_while_measured_and_restore_it(impl, setting, value,
+                                                                       suffix, tmp_path,
+                                                                       monkeypatch):
+    """The segments suite (every launch in one segment) and the floor suite (segments of at
+    least FLOOR_CHUNKS chunks): the triton rows again, each measured (backward included) with
+    the fused kernels' setting held, the default restored after the suite."""
     pytest.importorskip("triton")
     from effattn.kernelized import fused_kernels
 
@@ -158,46 +165,21 @@ def test_segments_rows_run_unsplit_while_measured_and_restore_it(tmp_path, monke
     timer = peers.timer
 
     def spy(fn, device, repeats):
-        seen.append(fused_kernels.SEGMENT_PROGRAMS)
+        seen.append(getattr(fused_kernels, setting))
         return timer(fn, device, repeats)
 
     monkeypatch.setattr(peers, "timer", spy)
-    before = fused_kernels.SEGMENT_PROGRAMS
+    before = getattr(fused_kernels, setting)
+    assert before != value
     assert peers.main(["--device", "cpu", "--smoke", "--dtypes", "fp32", "--repeats", "1",
-                       "--impls", "segments", "--methods", "performer,hedgehog",
+                       "--impls", impl, "--methods", "performer,hedgehog",
                        "--out", str(tmp_path)]) == 0
-    assert fused_kernels.SEGMENT_PROGRAMS == before > 0
+    assert getattr(fused_kernels, setting) == before
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
-    assert {r["method"] for r in rows} == {"performer-triton-unsplit",
-                                           "hedgehog-triton-unsplit"}
+    assert {r["method"] for r in rows} == {f"performer-triton{suffix}",
+                                           f"hedgehog-triton{suffix}"}
     assert all("error" not in r and r["ms"] is not None for r in rows)
-    assert seen and set(seen) == {0}
-
-
-def test_floor_rows_run_with_the_lower_floor_while_measured_and_restore_it(tmp_path,
-                                                                          monkeypatch):
-    """The floor suite: the triton rows again, each measured (backward included) with segments
-    of at least FLOOR_CHUNKS chunks, the default floor restored after the suite."""
-    pytest.importorskip("triton")
-    from effattn.kernelized import fused_kernels
-
-    seen = []
-    timer = peers.timer
-
-    def spy(fn, device, repeats):
-        seen.append(fused_kernels.SEGMENT_CHUNKS)
-        return timer(fn, device, repeats)
-
-    monkeypatch.setattr(peers, "timer", spy)
-    before = fused_kernels.SEGMENT_CHUNKS
-    assert peers.main(["--device", "cpu", "--smoke", "--dtypes", "fp32", "--repeats", "1",
-                       "--impls", "floor", "--methods", "linear",
-                       "--out", str(tmp_path)]) == 0
-    assert fused_kernels.SEGMENT_CHUNKS == before > peers.FLOOR_CHUNKS
-    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
-    assert {r["method"] for r in rows} == {f"linear-triton-floor{peers.FLOOR_CHUNKS}"}
-    assert all("error" not in r and r["ms"] is not None for r in rows)
-    assert seen and set(seen) == {peers.FLOOR_CHUNKS}
+    assert seen and set(seen) == {value}
 
 
 @pytest.mark.parametrize("argv, says", [
