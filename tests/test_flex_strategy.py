@@ -341,17 +341,17 @@ def test_flex_kernel_matches_the_reference_outputs_and_gradients(device, method,
 def test_float64_on_cuda_stays_on_the_banded_engine():
     """FlexAttention's compiled kernel has no float64 form: on CUDA (where flex is the default)
     float64 goes to the banded engine, every other dtype to flex; the CPU keeps its choice."""
-    from effattn.sparse.blockwise import _runs_flex
+    from effattn.sparse.blockwise import runs_flex
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     if strategy.choose("banded", cuda) != "flex":
         pytest.skip("this torch has no FlexAttention: flex is not CUDA's default")
-    assert not _runs_flex(cuda, torch.float64)
-    assert _runs_flex(cuda, torch.float32) and _runs_flex(cuda, torch.bfloat16)
+    assert not runs_flex(cuda, torch.float64)
+    assert runs_flex(cuda, torch.float32) and runs_flex(cuda, torch.bfloat16)
     assert effattn.sparse.engine_dtype(torch.float64, cuda) == torch.float64
     with strategy.force(banded="flex"):
-        assert _runs_flex(cpu, torch.float64)
-    assert not _runs_flex(cpu, torch.float32)
+        assert runs_flex(cpu, torch.float64)
+    assert not runs_flex(cpu, torch.float32)
 
 
 def test_flex_takes_half_precision_as_it_is():

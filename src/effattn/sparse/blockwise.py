@@ -940,7 +940,7 @@ def _global_plans(tokens: Tensor, ctx: _Context, padding: Tensor | None) -> list
     return [columns, _GlobalRows(ctx.shape, tokens, bias, ctx.step(2 * b * h * tokens.numel()))]
 
 
-def _runs_flex(device: torch.device, dtype: torch.dtype) -> bool:
+def runs_flex(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a call on ``device`` in ``dtype`` runs the flex strategy: where it is chosen,
     inside an outer torch.compile too (the cached BlockMask comes from an operator dynamo traces
     as one opaque node, and flex_attention is traced into the outer graph). Float64 on CUDA
@@ -957,7 +957,7 @@ def engine_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     ``device``: fp32 for half precision on the CPU engine (it merges its pieces in the dtype of
     its inputs), the input dtype itself for FlexAttention, which keeps the softmax statistics
     in fp32 as flash attention does (an upcast would double its memory traffic)."""
-    if _runs_flex(device, dtype):
+    if runs_flex(device, dtype):
         return dtype
     return torch.promote_types(dtype, torch.float32)
 
@@ -990,7 +990,7 @@ def sparse_attention(
             f"sparse_attention needs aligned positions (N == M), got N={n}, M={k.shape[2]}"
         )
     check_pieces(pieces, h, n, softcap)
-    if _runs_flex(q.device, q.dtype):
+    if runs_flex(q.device, q.dtype):
         # Imported here: importing effattn loads no torch module beyond torch itself, and
         # FlexAttention's only where this strategy runs.
         from effattn.sparse import flex

@@ -159,7 +159,18 @@ def build_block_mask(rule: Rule, heads: int, n: int, device: torch.device,
         any_parts.append(tiles.any(4).any(2))
         all_parts.append(tiles.all(4).all(2))
     touched, full = torch.cat(any_parts, 1), torch.cat(all_parts, 1)
-    partial = touched & ~full
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return rule(h, q_idx, kv_idx)
+
+    return tile_block_mask(touched & ~full, full, (n, n), mask_mod, block_size)
+
+
+def tile_block_mask(partial: Tensor, full: Tensor, seq_lengths: tuple[int, int],
+                    mask_mod: Callable[..., Tensor], block_size: int = BLOCK_SIZE) -> BlockMask:
+    """The BlockMask of tiles classed partial (the mask_mod runs there) or full (it does not),
+    bool (H', query blocks, key blocks) each, over ``seq_lengths`` (N, M) positions: the blocks
+    listed per query block (the kv side) and per key block (the q side, the backward's)."""
 
     def listing(blocks: Tensor) -> tuple[Tensor, Tensor]:
         # Listed blocks first, in order: a stable sort of "not listed".
@@ -167,13 +178,10 @@ def build_block_mask(rule: Rule, heads: int, n: int, device: torch.device,
         return (blocks.sum(-1, dtype=torch.int32)[None],
                 order.to(torch.int32, memory_format=torch.contiguous_format)[None])
 
-    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return rule(h, q_idx, kv_idx)
-
-    # The q side (the backward's) lists the transposed tiles; BlockMask.from_kv_blocks would
-    # rebuild the tiles from the lists by vmap, which fails inside the block-mask operator
-    # under aot_eager ("Cannot access storage of BatchedTensorImpl").
-    return BlockMask((n, n), *listing(partial), *listing(full),
+    # The q side lists the transposed tiles; BlockMask.from_kv_blocks would rebuild the tiles
+    # from the lists by vmap, which fails inside the block-mask operator under aot_eager
+    # ("Cannot access storage of BatchedTensorImpl").
+    return BlockMask(seq_lengths, *listing(partial), *listing(full),
                      *listing(partial.transpose(1, 2)), *listing(full.transpose(1, 2)),
                      BLOCK_SIZE=(block_size, block_size), mask_mod=mask_mod)
 
@@ -335,6 +343,11 @@ def score_mod(softcap: float | None,
     return modify
 
 
+def _lse_request() -> dict[str, object]:
+    """flex_attention's keyword asking for the log-sum-exp (torch's spelling of the day)."""
+    return {"return_lse": True} if AuxRequest is None else {"return_aux": AuxRequest(lse=True)}
+
+
 def _lse(aux: object) -> Tensor:
     """The log-sum-exp of flex_attention's second output (AuxOutput, or the tensor itself)."""
     return aux if isinstance(aux, Tensor) else aux.lse
@@ -368,6 +381,19 @@ def _kernel() -> Callable[..., tuple[Tensor, object]]:
     return _compiled
 
 
+def refuse_gradients_off_cuda(*inputs: Tensor) -> None:
+    """``NotImplementedError`` where autograd would record a call of the strategy off CUDA:
+    torch has no FlexAttention backward there."""
+    device = inputs[0].device
+    if not compiled_on(device) and torch.is_grad_enabled() and any(
+            x.requires_grad for x in inputs):
+        raise NotImplementedError(
+            f"the banded strategy 'flex' runs on {device.type} for inference only: torch "
+            f"{torch.__version__} has no FlexAttention backward there; use the default "
+            "strategy (EFFATTN_STRATEGY=banded=cpu) or run under torch.no_grad()"
+        )
+
+
 def sparse_attention(
     q: Tensor,
     k: Tensor,
@@ -387,13 +413,7 @@ def sparse_attention(
         k = k.view_as(k)
     if v is q or v is k:
         v = v.view_as(v)
-    if not compiled_on(q.device) and torch.is_grad_enabled() and any(
-            x.requires_grad for x in (q, k, v)):
-        raise NotImplementedError(
-            f"the banded strategy 'flex' runs on {q.device.type} for inference only: torch "
-            f"{torch.__version__} has no FlexAttention backward there; use the default "
-            "strategy (EFFATTN_STRATEGY=banded=cpu) or run under torch.no_grad()"
-        )
+    refuse_gradients_off_cuda(q, k, v)
     out, lse = _attend(_widened(q), _widened(k), _widened(v), pieces, scale=scale,
                        key_mask=key_mask, softcap=softcap)
     if out.shape[-1] != v.shape[-1]:
@@ -414,8 +434,8 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, pieces: Sequence[Piece], *, scale: 
             # of its own (a mask computed in the graph, keep == 0, failed to compile).
             key_mask = _copy(key_mask)
     modify = score_mod(softcap, key_mask)
-    request = {"return_lse": True} if AuxRequest is None else {"return_aux": AuxRequest(lse=True)}
     if compiling:
+        request = _lse_request()
         # Traced into the outer graph, which its backend compiles (no kernel of our own).
         if compiled_on(q.device):
             out, aux = flex_attention(q, k, v, score_mod=modify, block_mask=mask, scale=scale,
@@ -428,6 +448,22 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, pieces: Sequence[Piece], *, scale: 
         _, aux = flex_attention(q, k, v, score_mod=modify, block_mask=mask, scale=scale,
                                 **request)
         return out, _lse(aux)
+    what = (f"{'+'.join(type(p).__name__ for p in pieces)} "
+            f"softcap={softcap is not None} padding={key_mask is not None}")
+    return launch(q, k, v, mask, modify, scale=scale, what=what)
+
+
+def launch(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask,
+           modify: Callable[..., Tensor] | None, *, scale: float,
+           what: str) -> tuple[Tensor, Tensor]:
+    """FlexAttention of q, k (B, H, N, D), v (B, H, M, Dv) (head dims of at least
+    :data:`MIN_HEAD_DIM`) under ``mask`` and the score_mod ``modify``, outside an outer
+    torch.compile: out (B, H, N, Dv) and lse (B, H, N). Eager on the CPU; compiled on CUDA,
+    the first call of each shape timed into :data:`COMPILE_SECONDS` under a key of the shapes,
+    the dtype, ``what`` (the pattern's kinds) and whether autograd records, and compiled again
+    with :data:`SMALL_TILES` where its default tiles find no kernel within the GPU's shared
+    memory. The forward call's deferred value check is read right before the launch."""
+    request = _lse_request()
     if not compiled_on(q.device):
         read_deferred_values()
         with warnings.catch_warnings():
@@ -437,11 +473,9 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, pieces: Sequence[Piece], *, scale: 
                                       **request)
         return out, _lse(aux)
     kernel = _kernel()
-    key = (f"{tuple(q.shape)}x{tuple(v.shape)} {q.dtype} "
-           f"{'+'.join(type(p).__name__ for p in pieces)} "
-           f"softcap={softcap is not None} padding={key_mask is not None} "
+    key = (f"{tuple(q.shape)}x{tuple(v.shape)} {q.dtype} {what} "
            f"grad={torch.is_grad_enabled() and q.requires_grad}")
-    # The value check's host sync, as late as the call allows: the preparation above (the
+    # The value check's host sync, as late as the call allows: the preparation before it (the
     # cached BlockMask, the score_mod) then overlaps the kernels still running on the device.
     read_deferred_values()
     if key in SMALL_TILE_SHAPES:
