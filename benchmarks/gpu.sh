@@ -99,7 +99,8 @@ for stage in "${STAGES[@]}"; do
             # What fits one 15-minute lease (under 10 minutes of commands), ordered by what the
             # two runs of 2026-11-28 left open (benchmarks/gpu/README.md has what those ran):
             # the banded peers at 16384 (since then the value check is read right before the
-            # kernel, and bigbird retries with smaller tiles), where the kernelized strategy's
+            # kernel, bigbird retries with smaller tiles, and reformer's chunks run through
+            # FlexAttention), where the kernelized strategy's
             # time goes (profile), whether tensor cores pay for its fp32 GEMMs (tf32), whether
             # the triton strategy's backward wants a lower segment floor (floor), which chunk
             # size the gpu strategy wants (chunks), what inductor makes of it (compiled), the CUDA
@@ -107,18 +108,18 @@ for stage in "${STAGES[@]}"; do
             # left. Every part writes its rows as it goes, so a cut-off part keeps them.
             python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda',
                 torch.version.cuda, 'triton', triton.__version__)" 2>&1 | tee "$OUT/versions.txt"
-            timeout -s INT -k 20 110 python3 benchmarks/gpu_peers_banded.py --dtypes bfloat16 \
+            timeout -s INT -k 20 130 python3 benchmarks/gpu_peers_banded.py --dtypes bfloat16 \
                 --lengths 16384 --methods local longformer bigbird softmax+window1024 \
-                linear+window128 linear --out "$OUT/peers/banded.json" \
+                linear+window128 linear reformer --out "$OUT/peers/banded.json" \
                 2>&1 | tee "$OUT/peers-banded.txt"
-            timeout -s INT -k 20 60 bash benchmarks/gpu.sh profile
-            timeout -s INT -k 20 180 python3 benchmarks/gpu_peers.py --dtypes bf16 \
+            timeout -s INT -k 20 50 bash benchmarks/gpu.sh profile
+            timeout -s INT -k 20 170 python3 benchmarks/gpu_peers.py --dtypes bf16 \
                 --lengths 16384 --impls effattn,triton,tf32,floor,chunks,compiled \
                 --methods performer,linear \
                 --out "$OUT/peers-precision" 2>&1 | tee "$OUT/peers-precision.txt"
             timeout -s INT -k 20 150 python3 -m pytest -q -m cuda -n 8 -p no:cacheprovider \
                 -rfE --tb=short tests 2>&1 | tee "$OUT/tests.txt"
-            timeout -s INT -k 20 60 python3 benchmarks/gpu_peers.py --dtypes bf16 \
+            timeout -s INT -k 20 50 python3 benchmarks/gpu_peers.py --dtypes bf16 \
                 --lengths 65536 --impls fla,effattn --methods performer,linear \
                 --out "$OUT/peers-fla" 2>&1 | tee "$OUT/peers-fla.txt" ;;
         *)

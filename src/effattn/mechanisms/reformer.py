@@ -56,6 +56,11 @@ shared_qk=False; with shared_qk=True it is softmax of q against k/|k| with the d
 
 Cost per round: N·W scores in chunks (up to twice that causal, chunks being per bucket), never
 N x M: O(R N bucket_size D) time and memory (autograd keeps each round's chunks).
+
+Strategies: where the banded engine runs FlexAttention (CUDA by default), every round's chunks
+go through one FlexAttention call instead (:mod:`effattn.sparse.lsh_flex`: a block-diagonal
+BlockMask over the gathered slots and windows, the rounds stacked on the head axis, merged by
+their log-sum-exps), in the inputs' dtype; the hashing always runs on fp32 copies.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ from torch import Tensor
 from effattn.base import check_bool, check_positive_int, compute_dtype
 from effattn.random import RandomizedAttention, RandomSource, normal
 from effattn.registry import Budget, MethodSpec, register
+from effattn.sparse.blockwise import runs_flex
 
 # Scores per group of chunks (1 MiB in fp32): on a CPU a group's masked elementwise passes then
 # run in cache.
@@ -395,8 +401,19 @@ def reformer_attention(
         if key_padding_mask is None
         else key_padding_mask
     )
-    keys = k / k.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(k.dtype).tiny) if shared_qk else k
-    layout = _layout(q, k, rotations, pad, bucket_size, causal, shared_qk)
+    # Hashed and sorted in at least fp32 whatever the inputs: the buckets are an argmax.
+    dt = compute_dtype(q.dtype)
+    q_h, k_h = q.to(dt), k.to(dt)
+    keys = (k_h / k_h.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(dt).tiny) if shared_qk
+            else k_h)
+    layout = _layout(q_h, k_h, rotations.to(dt), pad, bucket_size, causal, shared_qk)
+    if runs_flex(q.device, q.dtype) and not torch.compiler.is_compiling():
+        # Imported here, as the banded engine imports its flex strategy: only where it runs.
+        from effattn.sparse import lsh_flex
+
+        return lsh_flex.attend(q, keys.to(q.dtype), v, layout, pad=pad, scale=scale,
+                               causal=causal, shared_qk=shared_qk)
+    q, v = q_h, v.to(dt)
     n_chunks, chunk = layout.rows.shape[-2:]
     width = layout.cols.shape[-1]
     span = layout.span
@@ -531,12 +548,11 @@ class ReformerAttention(RandomizedAttention):
                     "reformer with shared_qk=True needs k equal to q (pass q as k): the keys "
                     "are q/|q|"
                 )
-        dt = compute_dtype(q.dtype)
-        rotations = self.rotations(n, m).to(device=q.device, dtype=dt)
+        rotations = self.rotations(n, m).to(device=q.device)
         return reformer_attention(
-            q.to(dt),
-            k.to(dt),
-            v.to(dt),
+            q,
+            k,
+            v,
             rotations,
             bucket_size=self.bucket_size,
             causal=causal,
