@@ -139,20 +139,23 @@ def lsh_buckets(x: Tensor, rotations: Tensor) -> Tensor:
     rounds, half = rotations.shape[1], rotations.shape[-1]
     if half == 0:
         return torch.zeros(b, h, rounds, length, dtype=torch.long, device=x.device)
-    rotations = rotations.to(x.dtype)
-    x = x.detach()
+    rotations = rotations.to(x.dtype).flatten(0, 1)  # (H R, D, n_buckets/2)
+    # Every (head, round) pair's x, a view: pair p is head p // R.
+    x = x.detach()[:, :, None].expand(b, h, rounds, length, d).flatten(1, 2)
+    # Pairs projected together, B L n_buckets/2 values each, up to group_elements(device) values
+    # at a time: one pair at a time at long lengths on a CPU (all at once would be a fresh
+    # R·H·L·n_buckets/2 buffer, 268 MB at N = 16384, slower to touch there than to compute), a
+    # few batched launches per call on a GPU rather than H R small ones.
+    per = max(1, group_elements(x.device) // max(1, b * length * half))
     out = []
-    # One (B, L, n_buckets/2) projection per head and round: all at once would be a fresh
-    # R·H·L·n_buckets/2 buffer (268 MB at N = 16384), slower to touch than to compute.
-    for head in range(h):
-        for r in range(rounds):
-            proj = torch.matmul(x[:, head], rotations[head, r])
-            # The argmax over [p, -p] without building it: the top of p or the bottom of p,
-            # the +p half winning a tie as it comes first.
-            top, arg_top = proj.max(dim=-1)
-            low, arg_low = proj.min(dim=-1)
-            out.append(torch.where(top >= -low, arg_top, arg_low + half))
-    return torch.stack(out, dim=1).view(b, h, rounds, length)
+    for start in range(0, h * rounds, per):
+        proj = torch.matmul(x[:, start:start + per], rotations[start:start + per])
+        # The argmax over [p, -p] without building it: the top of p or the bottom of p, the +p
+        # half winning a tie as it comes first.
+        top, arg_top = proj.max(dim=-1)
+        low, arg_low = proj.min(dim=-1)
+        out.append(torch.where(top >= -low, arg_top, arg_low + half))
+    return torch.cat(out, dim=1).view(b, h, rounds, length)
 
 
 @dataclass
