@@ -269,7 +269,7 @@ def test_narrow_heads_are_widened_exactly(d, dv):
     assert out.shape == (2, HEADS, 63, dv) and out.is_contiguous()
     torch.testing.assert_close(out, narrow, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, narrow_lse, rtol=1e-12, atol=1e-12)
-    assert flex_strategy._widened(q).shape[-1] == max(d, flex_strategy.MIN_HEAD_DIM)
+    assert flex_strategy.widened(q).shape[-1] == max(d, flex_strategy.MIN_HEAD_DIM)
 
 
 def test_refusals_are_shared_by_the_strategies():

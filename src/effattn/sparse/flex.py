@@ -249,7 +249,7 @@ def _pieces(spec: str, tensors: Sequence[Tensor], ints: Sequence[int]) -> list[P
     return made
 
 
-def _mask_tensors(mask: BlockMask) -> list[Tensor]:
+def mask_tensors(mask: BlockMask) -> list[Tensor]:
     """The BlockMask's block lists, in its constructor's order."""
     return [mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
             mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices]
@@ -277,7 +277,7 @@ def _block_mask_op(spec: str, tensors: list[Tensor], ints: list[int], heads: int
     mask, tables = _cached(_pieces(spec, tensors, ints), heads, n, device)
     # Copies: a compiled graph owns an operator's outputs (inductor may reuse their memory for
     # later buffers), and these are the cache's.
-    return [x.clone() for x in [*_mask_tensors(mask), *(x for found in tables for x in found)]]
+    return [x.clone() for x in [*mask_tensors(mask), *(x for found in tables for x in found)]]
 
 
 @_block_mask_op.register_fake
@@ -353,7 +353,7 @@ def _lse(aux: object) -> Tensor:
     return aux if isinstance(aux, Tensor) else aux.lse
 
 
-def _widened(x: Tensor) -> Tensor:
+def widened(x: Tensor) -> Tensor:
     """``x`` with zero columns appended up to :data:`MIN_HEAD_DIM` (itself where it is wide
     enough): zero columns add nothing to q.k (the scale is passed, not derived from the width),
     and the output's extra columns, zero, are cut off."""
@@ -414,7 +414,7 @@ def sparse_attention(
     if v is q or v is k:
         v = v.view_as(v)
     refuse_gradients_off_cuda(q, k, v)
-    out, lse = _attend(_widened(q), _widened(k), _widened(v), pieces, scale=scale,
+    out, lse = _attend(widened(q), widened(k), widened(v), pieces, scale=scale,
                        key_mask=key_mask, softcap=softcap)
     if out.shape[-1] != v.shape[-1]:
         out = out[..., : v.shape[-1]].contiguous()

@@ -39,7 +39,7 @@ a multiple of FlexAttention's block (128).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -48,8 +48,21 @@ from torch.nn.attention.flex_attention import BlockMask, noop_mask
 
 from effattn.sparse import flex
 
-if TYPE_CHECKING:
-    from effattn.mechanisms.reformer import _Layout
+
+class Layout(Protocol):
+    """What reformer's layout of a call holds (the mechanism's own dataclass): rows
+    (B, H, R, n, C) the token in each chunk slot (-1: none), q_slot (B, H, R, N) each query's
+    slot, cols (B, H, R, n, W) and col_ok the window's keys and whether each is real, q_code
+    (B, H, R, N) and k_code (B, H, R, M): key j is a candidate of query i in round r by the hash
+    part of the rule iff 0 <= k_code - q_code < span."""
+
+    rows: Tensor
+    q_slot: Tensor
+    cols: Tensor
+    col_ok: Tensor
+    q_code: Tensor
+    k_code: Tensor
+    span: int
 
 # The block-diagonal tile lists, by (S, K, C, W, device): a few per model.
 _tiles: OrderedDict[tuple, list[Tensor]] = OrderedDict()
@@ -81,7 +94,7 @@ def block_tiles(slots: int, rows: int, chunk: int, width: int, chunks: int,
         :, None]
     made = flex.tile_block_mask(touched[None], torch.zeros_like(touched)[None], (slots, rows),
                                 noop_mask)
-    found = flex._mask_tensors(made)
+    found = flex.mask_tensors(made)
     _tiles[key] = found
     while len(_tiles) > CACHE_SIZE:
         _tiles.popitem(last=False)
@@ -97,7 +110,7 @@ def _in_rounds(x: Tensor, index: Tensor) -> Tensor:
     return source.gather(3, at)
 
 
-def attend(q: Tensor, keys: Tensor, v: Tensor, layout: _Layout, *, pad: Tensor, scale: float,
+def attend(q: Tensor, keys: Tensor, v: Tensor, layout: Layout, *, pad: Tensor, scale: float,
            causal: bool, shared_qk: bool) -> Tensor:
     """LSH attention of q (B, H, N, D) over keys (B, H, M, D) (k, or k/|k| with shared QK) and
     v (B, H, M, Dv) with the candidates of ``layout`` and the padding ``pad`` (B, M): out
@@ -149,8 +162,8 @@ def attend(q: Tensor, keys: Tensor, v: Tensor, layout: _Layout, *, pad: Tensor, 
     mask = BlockMask((slots, rows), *block_tiles(slots, rows, chunk, width, chunks, q.device),
                      BLOCK_SIZE=(flex.BLOCK_SIZE, flex.BLOCK_SIZE), mask_mod=mask_mod)
     what = f"reformer C={chunk} W={width} R={rounds} causal={causal} shared_qk={shared_qk}"
-    out, lse = flex.launch(flex._widened(heads(q_slots)), flex._widened(heads(k_rows)),
-                           flex._widened(heads(v_rows)), mask, None, scale=scale, what=what)
+    out, lse = flex.launch(flex.widened(heads(q_slots)), flex.widened(heads(k_rows)),
+                           flex.widened(heads(v_rows)), mask, None, scale=scale, what=what)
     # Back to token order (each query's slot in each round), merged in the dtype of the
     # log-sum-exps (fp32 for half-precision inputs).
     acc = lse.dtype
