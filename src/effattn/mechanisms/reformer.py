@@ -66,7 +66,6 @@ their log-sum-exps), in the inputs' dtype; the hashing always runs on fp32 copie
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -75,6 +74,7 @@ from effattn.base import check_bool, check_positive_int, compute_dtype
 from effattn.random import RandomizedAttention, RandomSource, normal
 from effattn.registry import Budget, MethodSpec, register
 from effattn.sparse.blockwise import runs_flex
+from effattn.sparse.lsh import Layout
 
 # Scores per group of chunks (1 MiB in fp32): on a CPU a group's masked elementwise passes then
 # run in cache.
@@ -158,26 +158,6 @@ def lsh_buckets(x: Tensor, rotations: Tensor) -> Tensor:
     return torch.cat(out, dim=1).view(b, h, rounds, length)
 
 
-@dataclass
-class _Layout:
-    """Every round's chunks of queries and windows of keys (n chunks per round).
-
-    rows (B, H, R, n, C): query held by each chunk slot, -1 if none; q_slot (B, H, R, N): slot
-    (chunk·C + row) of each query. cols (B, H, R, n, W): key in each window column, col_ok
-    whether that column holds a real (in range, unpadded) key. q_code (B, H, R, N) and
-    k_code (B, H, R, M), int64: key j is a candidate of query i in round r by the hash part of
-    the rule iff 0 <= k_code - q_code < span (positions and padding aside).
-    """
-
-    rows: Tensor
-    q_slot: Tensor
-    cols: Tensor
-    col_ok: Tensor
-    q_code: Tensor
-    k_code: Tensor
-    span: int
-
-
 def _ranks(perm: Tensor) -> Tensor:
     """The inverse permutation along the last dimension: rank of each item."""
     ranks = torch.arange(perm.shape[-1], device=perm.device).expand_as(perm)
@@ -202,7 +182,7 @@ def _layout(
     bucket_size: int,
     causal: bool,
     shared_qk: bool,
-) -> _Layout:
+) -> Layout:
     b, h, n, _ = q.shape
     m = k.shape[2]
     rounds = rotations.shape[1]
@@ -226,7 +206,7 @@ def _layout(
         else:
             k_code = rank
             q_code, span = (rank // chunk - 1) * chunk, width
-        return _Layout(rows.unflatten(-1, (n_chunks, chunk)), rank, cols, ok, q_code, k_code, span)
+        return Layout(rows.unflatten(-1, (n_chunks, chunk)), rank, cols, ok, q_code, k_code, span)
 
     length = max(n, m)
     q_bucket = lsh_buckets(q, rotations)
@@ -246,7 +226,7 @@ def _layout(
         start = torch.minimum((center - width // 2).clamp_min(0), (real - width).clamp_min(0))
         cols, ok = _window(start, width, k_perm, key_ok)
         q_code = start.gather(-1, q_slot // chunk)
-        return _Layout(rows.unflatten(-1, (n_chunks, chunk)), q_slot, cols, ok, q_code, k_rank,
+        return Layout(rows.unflatten(-1, (n_chunks, chunk)), q_slot, cols, ok, q_code, k_rank,
                        width)
 
     # Causal: chunks never straddle buckets, so a query's chunk (its rank among its bucket's
@@ -275,7 +255,7 @@ def _layout(
     cols, ok = _window(start, width, k_perm, key_ok)
     stride = m + width + 1  # a different bucket is always out of reach
     q_code = q_bucket * stride + start.gather(-1, q_slot // chunk)
-    return _Layout(rows, q_slot, cols, ok, q_code, k_bucket * stride + k_rank, width)
+    return Layout(rows, q_slot, cols, ok, q_code, k_bucket * stride + k_rank, width)
 
 
 def _at(table: Tensor, index: Tensor) -> Tensor:

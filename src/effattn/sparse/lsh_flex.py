@@ -1,6 +1,6 @@
 """Reformer's chunked attention by one FlexAttention call (the banded engine's ``flex`` strategy).
 
-After hashing and sorting (:func:`effattn.mechanisms.reformer._layout`), round r of R cuts the
+After hashing and sorting (the :class:`~effattn.sparse.lsh.Layout` of a call), round r of R cuts the
 queries into chunks of C slots (``rows``: the token in each slot, -1 for none) and gives chunk c
 a window of W keys (``cols``, ``col_ok``). The CPU strategy gathers each group of chunks and
 multiplies (C, W) blocks in a loop; here every round's queries are gathered into their slot
@@ -39,7 +39,6 @@ a multiple of FlexAttention's block (128).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -47,22 +46,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, noop_mask
 
 from effattn.sparse import flex
-
-
-class Layout(Protocol):
-    """What reformer's layout of a call holds (the mechanism's own dataclass): rows
-    (B, H, R, n, C) the token in each chunk slot (-1: none), q_slot (B, H, R, N) each query's
-    slot, cols (B, H, R, n, W) and col_ok the window's keys and whether each is real, q_code
-    (B, H, R, N) and k_code (B, H, R, M): key j is a candidate of query i in round r by the hash
-    part of the rule iff 0 <= k_code - q_code < span."""
-
-    rows: Tensor
-    q_slot: Tensor
-    cols: Tensor
-    col_ok: Tensor
-    q_code: Tensor
-    k_code: Tensor
-    span: int
+from effattn.sparse.lsh import Layout
 
 # The block-diagonal tile lists, by (S, K, C, W, device): a few per model.
 _tiles: OrderedDict[tuple, list[Tensor]] = OrderedDict()
