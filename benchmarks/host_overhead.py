@@ -136,6 +136,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--length must exceed the cases' window of 128, got {args.length}")
     if args.calls < 1:
         parser.error(f"--calls must be at least 1, got {args.calls}")
+    if args.out is not None:
+        # Checked before measuring: a run is not spent to fail at its last line.
+        try:
+            args.out.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            parser.error(f"--out {args.out}: cannot create the folder ({error.strerror})")
+        if not os.access(args.out, os.W_OK):
+            parser.error(f"--out {args.out}: the folder is not writable")
     return args
 
 
@@ -156,7 +164,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['method']:20s} {row['mode']:7s} {row['before_us']:8.1f} "
               f"{row['after_us']:8.1f} {row['total_us']:8.1f}")
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
         target = args.out / "results.json"
         tmp = target.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(rows, indent=1) + "\n")

@@ -39,3 +39,13 @@ def test_bad_arguments_exit_2_naming_them(argv, tmp_path, capsys):
     assert raised.value.code == 2
     assert argv[0] in capsys.readouterr().err
     assert not (tmp_path / "results.json").exists()
+
+
+def test_an_unusable_out_exits_2_before_measuring(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as raised:
+        overhead.main(["--out", str(blocker / "results")])
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "Traceback" not in err
